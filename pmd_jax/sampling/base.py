@@ -1,0 +1,121 @@
+"""The Sampler contract shared by the trainer, the memory's reflection calls and evaluation.
+
+A sampler turns token-id prompts into sampled continuations. Implementations: the in-process
+JAX sampler (embedded default) and the vLLM client (external server). Everything above this
+module talks to ``Sampler`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplerError(RuntimeError):
+    """A sampler could not serve a request (bad input, unreachable server, bad weights)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature=0`` means greedy; logprobs are then those at T=1."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if self.n < 1:
+            raise SamplerError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise SamplerError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplerError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplerError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise SamplerError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplerError(
+                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
+                )
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One sampled continuation of one prompt."""
+
+    prompt_index: int  # index into the list of prompts passed to generate()
+    sample_index: int  # 0..n-1 within that prompt
+    tokens: np.ndarray  # int32 [len], response tokens (stop token included if hit)
+    logprobs: np.ndarray  # float32 [len], log p(token) at the sampling temperature
+    finish_reason: FinishReason
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """All rollouts of one generate() call, ordered prompt-major: prompt 0 samples 0..n-1, ..."""
+
+    items: list[Rollout]
+    weights_version: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Generate ``params.n`` samples for each token-id prompt; swap weights by version."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts: ...
+
+    def set_weights(self, version: int) -> None: ...
+
+
+# A chat message list, e.g. [{"role": "system", "content": ...}, {"role": "user", ...}].
+Messages = list[dict[str, str]]
+
+
+class TextGenerator:
+    """Chat-level adapter over a Sampler: messages in, decoded texts out.
+
+    The memory's reflection calls and evaluation use this; they never see token ids.
+    ``encode_chat`` renders messages with the model's chat template (generation prompt added)
+    and returns token ids; ``decode`` turns response ids back into text.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        encode_chat: Callable[[Messages], list[int]],
+        decode: Callable[[Sequence[int]], str],
+    ) -> None:
+        self.sampler = sampler
+        self.encode_chat = encode_chat
+        self.decode = decode
+
+    def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams) -> list[
+        list[str]
+    ]:
+        """Returns, for each conversation, ``params.n`` decoded responses."""
+        if not conversations:
+            return []
+        prompts = [self.encode_chat(m) for m in conversations]
+        rollouts = self.sampler.generate(prompts, params)
+        out: list[list[str]] = [[] for _ in conversations]
+        for r in rollouts:
+            out[r.prompt_index].append(self.decode(r.tokens.tolist()))
+        return out
