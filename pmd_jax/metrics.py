@@ -1,0 +1,206 @@
+"""Run metrics: JSONL + TensorBoard event files, progress lines with rate and ETA, PNG plots.
+
+``MetricsWriter`` is the only place the trainer sends numbers to. Plots are drawn from the JSONL
+file after the run (or at any time), so a resumed run plots its whole history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pmd_jax")
+
+
+def _scalar(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    Records carry a ``kind`` ("train", "eval", "phase", ...) and a ``step``.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, use_tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with the writer
+        self._tb = None
+        if use_tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:  # pragma: no cover - tensorboardX is a core dependency
+                log.warning("tensorboardX not installed: TensorBoard events are not written")
+
+    def write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
+        rec = {"kind": kind, "step": int(step), "time": time.time()}
+        for k, v in values.items():
+            s = _scalar(v)
+            rec[k] = s if s is not None and not isinstance(v, str) else v
+        self._fh.write(json.dumps(rec, default=str) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                s = _scalar(v)
+                if s is not None and not isinstance(v, str | bool) and math.isfinite(s):
+                    self._tb.add_scalar(f"{kind}/{k}", s, int(step))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (used on resume, so a replayed step is not logged twice)."""
+        self._fh.close()
+        keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        with open(self.path, "w", encoding="utf-8") as fh:
+            for r in keep:
+                fh.write(json.dumps(r, default=str) + "\n")
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads a metrics.jsonl, skipping a torn last line (a crash mid-write)."""
+    out: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    with open(p, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class Progress:
+    """A log line per update with rate and ETA (tqdm bar when attached to a terminal)."""
+
+    def __init__(self, total: int, desc: str, start: int = 0, unit: str = "step") -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.start_count = start
+        self.count = start
+        self.t0 = time.time()
+        self._bar = None
+        if os.isatty(2):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, desc=desc, unit=unit, dynamic_ncols=True)
+
+    def update(self, n: int = 1, **postfix: Any) -> str:
+        self.count += n
+        done = self.count - self.start_count
+        el = time.time() - self.t0
+        rate = done / el if el > 0 else 0.0
+        eta = (self.total - self.count) / rate if rate > 0 else float("nan")
+        extra = " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in postfix.items()
+        )
+        line = (
+            f"{self.desc} {self.count}/{self.total} | {rate * 60:.2f} {self.unit}/min | "
+            f"elapsed {_fmt(el)} | ETA {_fmt(eta)} | {extra}"
+        )
+        if self._bar is not None:
+            self._bar.set_postfix_str(extra)
+            self._bar.update(n)
+        else:
+            log.info(line)
+        return line
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _fmt(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+# ------------------------------------------------------------------------ plots
+_PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    # (file, title, metric keys, record kind)
+    ("val_accuracy.png", "Memory-free validation accuracy", ("accuracy",), "eval"),
+    ("reward.png", "Rollout reward (train)", ("reward_mean", "success_group_fraction"), "train"),
+    ("loss.png", "Training loss", ("loss",), "train"),
+    ("kl.png", "KL divergences", ("kl_student_teacher", "kl_policy_initial"), "train"),
+    (
+        "memory_size.png",
+        "Memory size by level",
+        ("memory_experiences", "memory_insights", "memory_behaviors"),
+        "train",
+    ),
+    (
+        "phase_times.png",
+        "Per-phase time (s)",
+        (
+            "time_sample", "time_verify", "time_reflect", "time_memory", "time_train",
+            "time_publish", "time_eval",
+        ),
+        "train",
+    ),
+)
+
+
+def write_plots(run_dir: str | os.PathLike) -> list[Path]:
+    """Draws the standard PNG plots from ``run_dir/metrics.jsonl``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    plot_dir = run_dir / "plots"
+    plot_dir.mkdir(exist_ok=True)
+    written: list[Path] = []
+    for fname, title, keys, kind in _PLOTS:
+        rows = [r for r in recs if r.get("kind") == kind]
+        series = {
+            k: [(r["step"], r[k]) for r in rows if isinstance(r.get(k), int | float)] for k in keys
+        }
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        for k, pts in series.items():
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=k)
+            if kind == "eval":
+                lo = [r.get(f"{k}_ci_low") for r in rows if isinstance(r.get(k), int | float)]
+                hi = [r.get(f"{k}_ci_high") for r in rows if isinstance(r.get(k), int | float)]
+                if all(isinstance(v, int | float) for v in lo + hi):
+                    ax.fill_between(xs, lo, hi, alpha=0.2, label=f"{k} 95% CI")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = plot_dir / fname
+        fig.savefig(out)
+        plt.close(fig)
+        written.append(out)
+    return written
