@@ -29,8 +29,8 @@ def get_config():
     c.eval.n = 2
     c.eval.max_tokens = 96
     # Small model, short runs: SciKnowEval-style settings scaled down (METHOD.md Table 12).
-    c.distill.lr = 1e-5
-    c.distill.warmup_steps = 2
+    c.distill.optim.lr = 1e-5
+    c.distill.optim.warmup_steps = 2
     c.memory.behavior.every_n_steps = 4
     c.memory.behavior.min_problems = 8
     c.memory.insight.sampling.max_tokens = 160

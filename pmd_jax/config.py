@@ -128,19 +128,25 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     for ax in ("data", "fsdp", "tensor"):
         v = c.mesh[ax]
         need(v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
-    # Distillation options.
-    d = c.distill
-    alpha = d.get("alpha", 0.5)
-    need(0.0 <= alpha <= 1.0, f"distill.alpha={alpha} must be in [0, 1]")
-    if d.get("sampled_token", False):
-        need(alpha == 1.0, "distill.sampled_token=True requires distill.alpha=1.0 (reverse KL)")
+    # Distillation options (the distill package validates its own sub-config).
+    try:
+        from pmd_jax.distill.config import validate_distill_config
+
+        validate_distill_config(c.distill)
+    except ValueError as e:
+        errs.append(f"distill.{e}")
     if c.mode == "grpo":
+        need(c.distill.loss.mode == "grpo", "mode=grpo needs distill.loss.mode='grpo'")
+        need(c.rollout.n >= 2, "mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
+    elif c.mode != "pmd_frozen_policy":
         need(
-            d.get("loss_mode", "sdpo") in ("grpo",),
-            "mode=grpo needs distill.loss_mode='grpo' (set automatically by configs/ablations)",
+            c.distill.loss.mode in ("sdpo", "hybrid"),
+            f"mode={c.mode!r} needs distill.loss.mode 'sdpo' or 'hybrid'",
         )
-    if c.rollout.n == 1 and c.mode in ("grpo",):
-        errs.append("mode=grpo with rollout.n=1 has zero advantages: use rollout.n >= 2")
+    need(
+        c.distill.loss.group_size == c.rollout.n,
+        f"distill.loss.group_size={c.distill.loss.group_size} must equal rollout.n={c.rollout.n}",
+    )
     # Memory options (the memory package validates its own sub-config).
     try:
         from pmd_jax.memory.config import validate_memory_config
@@ -172,9 +178,11 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Derive the settings a mode implies (one code path: a mode is a config value)."""
     with c.unlocked():
         if c.mode == "grpo":
-            c.distill.loss_mode = "grpo"
-        elif c.distill.get("loss_mode", "sdpo") == "grpo":
-            c.distill.loss_mode = "sdpo"
+            c.distill.loss.mode = "grpo"
+        elif c.distill.loss.mode == "grpo":
+            c.distill.loss.mode = "sdpo"
+        c.distill.loss.group_size = int(c.rollout.n)
+        c.distill.loss.temperature = float(c.rollout.temperature or 1.0)
     return c
 
 
