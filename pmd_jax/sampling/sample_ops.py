@@ -1,0 +1,132 @@
+"""Pure sampling math: temperature, top-k / top-p filtering, seeded per-row sampling.
+
+Everything here is a pure, jit-able function over arrays. Per-row settings (temperature, top_k,
+top_p) are arrays broadcastable to ``[batch]`` so one compiled program serves every setting.
+
+Conventions (shared with the trainer):
+
+* ``temperature == 0`` means greedy (argmax of the raw logits); the returned log-probability
+  is then ``log_softmax(logits)`` (T = 1), as ``SamplingParams`` documents.
+* Returned log-probabilities are those of the *unfiltered* distribution at the sampling
+  temperature, ``log_softmax(logits / T)[token]`` in float32: exactly what the trainer's
+  forward computes for the same token. top-k / top-p only restrict which tokens can be drawn.
+* Randomness is per row and depends only on ``(seed, prompt index, sample index, step)``, never
+  on the batch layout, so padding, splitting a batch or sharding it gives the same draws.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def safe_temperature(temperature: jax.Array) -> jax.Array:
+    """Temperature used to scale logits: T, or 1 where T == 0 (greedy)."""
+    t = jnp.asarray(temperature, jnp.float32)
+    return jnp.where(t > 0, t, 1.0)
+
+
+def scaled_log_probs(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``log_softmax(logits / T)`` in float32 over the last axis (T = 1 where T == 0).
+
+    ``temperature`` broadcasts against ``logits.shape[:-1]``.
+    """
+    t = safe_temperature(temperature)
+    x = logits.astype(jnp.float32) / t[..., None]
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def top_k_filter(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Set to -inf every logit strictly below the row's k-th largest; ``k <= 0`` keeps all.
+
+    Ties with the k-th largest value are kept (as HF's ``TopKLogitsWarper`` does).
+    ``logits``: ``[..., V]``; ``top_k``: int broadcastable to ``logits.shape[:-1]``.
+    """
+    v = logits.shape[-1]
+    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), logits.shape[:-1])
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    idx = jnp.clip(k - 1, 0, v - 1)
+    kth = jnp.take_along_axis(sorted_desc, idx[..., None], axis=-1)
+    keep = (logits >= kth) | (k[..., None] <= 0) | (k[..., None] >= v)
+    return jnp.where(keep, logits, NEG_INF)
+
+
+def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches ``top_p``.
+
+    A token is kept iff the total probability of the tokens ranked strictly before it (in
+    descending order) is ``< top_p``; the most likely token is always kept and ties with the
+    cut-off value are kept. ``top_p >= 1`` keeps all. Probabilities are ``softmax(logits)``
+    of the logits given (apply temperature and top-k first).
+    """
+    p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:-1])
+    x = logits.astype(jnp.float32)
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < p[..., None]
+    # the cut-off is the smallest kept logit; everything >= it is kept
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    cutoff = jnp.take_along_axis(sorted_desc, (n_keep - 1)[..., None], axis=-1)
+    keep = (x >= cutoff) | (p[..., None] >= 1.0)
+    return jnp.where(keep, logits, NEG_INF)
+
+
+def filter_logits(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Temperature-scaled logits with top-k then top-p applied (vLLM / HF order)."""
+    x = logits.astype(jnp.float32) / safe_temperature(temperature)[..., None]
+    x = top_k_filter(x, top_k)
+    return top_p_filter(x, top_p)
+
+
+def row_keys(seed: jax.Array, prompt_idx: jax.Array, sample_idx: jax.Array,
+             step: jax.Array) -> jax.Array:
+    """One PRNG key per row, folded from ``(seed, prompt index, sample index, step)``."""
+
+    def one(s, p, n):
+        k = jax.random.fold_in(jax.random.PRNGKey(s), p)
+        k = jax.random.fold_in(k, n)
+        return jax.random.fold_in(k, step)
+
+    seed = jnp.broadcast_to(jnp.asarray(seed, jnp.uint32), jnp.shape(prompt_idx))
+    return jax.vmap(one)(seed, jnp.asarray(prompt_idx, jnp.uint32),
+                         jnp.asarray(sample_idx, jnp.uint32))
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    needs_filter: jax.Array | bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; return ``(tokens int32 [B], logprobs float32 [B])``.
+
+    ``logits``: ``[B, V]``; ``keys``: ``[B]`` PRNG keys (see :func:`row_keys`); settings are
+    broadcastable to ``[B]``. Rows with ``temperature == 0`` take the argmax. ``needs_filter``
+    (a traced or static bool) lets callers skip the sort when top-k and top-p are both off.
+    The logprob is ``log_softmax(logits / T)[token]`` of the unfiltered distribution.
+    """
+    b = logits.shape[0]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
+    logp = scaled_log_probs(logits, temperature)
+
+    def filtered(_):
+        return jnp.where(jnp.isneginf(filter_logits(logits, temperature, top_k, top_p)),
+                         NEG_INF, logp)
+
+    if isinstance(needs_filter, bool):
+        masked = filtered(None) if needs_filter else logp
+    else:
+        masked = jax.lax.cond(needs_filter, filtered, lambda _: logp, None)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, masked)
+    greedy = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logp

@@ -1,0 +1,140 @@
+"""Sampling math vs numpy formulas and HF transformers' logits warpers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from pmd_jax.sampling import sample_ops
+
+
+def _np_top_k(x: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= x.shape[-1]:
+        return x.copy()
+    kth = np.sort(x, axis=-1)[..., ::-1][..., k - 1 : k]
+    return np.where(x >= kth, x, -np.inf)
+
+
+def _np_top_p(x: np.ndarray, p: float) -> np.ndarray:
+    out = np.full_like(x, -np.inf)
+    for r in range(x.shape[0]):
+        order = np.argsort(-x[r], kind="stable")
+        e = np.exp(x[r] - x[r].max())
+        probs = e / e.sum()
+        mass = 0.0
+        for i in order:
+            if mass < p or p >= 1.0:
+                out[r, i] = x[r, i]
+            mass += probs[i]
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 40, 64])
+def test_top_k_matches_numpy_and_hf(k):
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=(6, 64)).astype(np.float32) * 3
+    got = np.asarray(sample_ops.top_k_filter(jnp.asarray(x), k))
+    np.testing.assert_array_equal(got, _np_top_k(x, k))
+    if k > 0:
+        hf = TopKLogitsWarper(top_k=k, filter_value=-float("inf"))(None, torch.tensor(x)).numpy()
+        np.testing.assert_array_equal(got, hf)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.7, 0.9, 0.999, 1.0])
+def test_top_p_matches_numpy_and_hf(p):
+    rng = np.random.default_rng(int(p * 1000))
+    x = rng.normal(size=(6, 80)).astype(np.float32) * 2
+    got = np.asarray(sample_ops.top_p_filter(jnp.asarray(x), p))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(_np_top_p(x, p)))
+    np.testing.assert_array_equal(got[np.isfinite(got)], x[np.isfinite(got)])
+    if p < 1.0:
+        hf = TopPLogitsWarper(top_p=p, filter_value=-float("inf"))(None, torch.tensor(x)).numpy()
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(hf))
+
+
+def test_per_row_settings_and_combined_filter():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 50)).astype(np.float32)
+    temp = np.array([0.5, 1.0, 2.0], np.float32)
+    ks = np.array([0, 10, 3])
+    ps = np.array([0.8, 1.0, 0.5], np.float32)
+    got = np.asarray(sample_ops.filter_logits(jnp.asarray(x), temp, ks, ps))
+    for r in range(3):
+        ref = _np_top_p(_np_top_k(x[r : r + 1] / temp[r], int(ks[r])), float(ps[r]))
+        np.testing.assert_array_equal(np.isfinite(got[r]), np.isfinite(ref[0]))
+        np.testing.assert_allclose(got[r][np.isfinite(got[r])], ref[0][np.isfinite(ref[0])],
+                                   rtol=1e-6)
+
+
+def test_scaled_log_probs_formula():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 30)).astype(np.float32) * 4
+    t = np.array([0.0, 0.7, 1.0, 1.5], np.float32)
+    got = np.asarray(sample_ops.scaled_log_probs(jnp.asarray(x), t))
+    ref = torch.log_softmax(torch.tensor(x) / torch.tensor([1.0, 0.7, 1.0, 1.5])[:, None], -1)
+    np.testing.assert_allclose(got, ref.numpy(), atol=1e-6)
+
+
+def test_greedy_and_logprobs():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(5, 100)).astype(np.float32)
+    keys = sample_ops.row_keys(0, jnp.arange(5), jnp.zeros(5, jnp.int32), 0)
+    tok, lp = sample_ops.sample_tokens(jnp.asarray(x), keys, 0.0, 0, 1.0)
+    np.testing.assert_array_equal(np.asarray(tok), x.argmax(-1))
+    ref = torch.log_softmax(torch.tensor(x), -1).numpy()[np.arange(5), x.argmax(-1)]
+    np.testing.assert_allclose(np.asarray(lp), ref, atol=1e-6)
+
+
+def test_sampled_logprob_is_unfiltered_at_temperature():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 40)).astype(np.float32)
+    keys = sample_ops.row_keys(7, jnp.arange(8), jnp.arange(8), 3)
+    tok, lp = sample_ops.sample_tokens(jnp.asarray(x), keys, 0.8, 5, 0.9)
+    tok = np.asarray(tok)
+    ref = torch.log_softmax(torch.tensor(x) / 0.8, -1).numpy()[np.arange(8), tok]
+    np.testing.assert_allclose(np.asarray(lp), ref, atol=1e-6)
+    allowed = np.isfinite(_np_top_p(_np_top_k(x / 0.8, 5), 0.9))
+    assert allowed[np.arange(8), tok].all()
+
+
+def test_empirical_distribution_matches_filtered_softmax():
+    # one row repeated with many different keys: frequencies ~ renormalised filtered probs
+    rng = np.random.default_rng(4)
+    row = rng.normal(size=(12,)).astype(np.float32)
+    n = 20000
+    x = jnp.broadcast_to(jnp.asarray(row), (n, 12))
+    keys = sample_ops.row_keys(1, jnp.zeros(n, jnp.int32), jnp.arange(n), 0)
+    tok, _ = jax.jit(lambda a, k: sample_ops.sample_tokens(a, k, 1.3, 6, 0.85))(x, keys)
+    freq = np.bincount(np.asarray(tok), minlength=12) / n
+    f = _np_top_p(_np_top_k(row[None] / 1.3, 6), 0.85)[0]
+    probs = np.where(np.isfinite(f), np.exp(f - f[np.isfinite(f)].max()), 0.0)
+    probs /= probs.sum()
+    assert (freq[probs == 0] == 0).all()
+    np.testing.assert_allclose(freq, probs, atol=0.015)
+
+
+def test_row_keys_depend_on_each_coordinate_only():
+    base = sample_ops.row_keys(3, jnp.array([0, 1]), jnp.array([2, 2]), 5)
+    again = sample_ops.row_keys(3, jnp.array([1]), jnp.array([2]), 5)
+    np.testing.assert_array_equal(np.asarray(base[1]), np.asarray(again[0]))
+    for other in (
+        sample_ops.row_keys(4, jnp.array([0]), jnp.array([2]), 5),
+        sample_ops.row_keys(3, jnp.array([0]), jnp.array([1]), 5),
+        sample_ops.row_keys(3, jnp.array([0]), jnp.array([2]), 6),
+    ):
+        assert not np.array_equal(np.asarray(base[0]), np.asarray(other[0]))
+
+
+def test_traced_needs_filter_skips_sort():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(4, 20)).astype(np.float32))
+    keys = sample_ops.row_keys(0, jnp.arange(4), jnp.zeros(4, jnp.int32), 0)
+    f = jax.jit(lambda a, k, nf: sample_ops.sample_tokens(a, k, 1.0, 0, 1.0, needs_filter=nf))
+    t1, l1 = f(x, keys, jnp.array(True))
+    t2, l2 = f(x, keys, jnp.array(False))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2))
