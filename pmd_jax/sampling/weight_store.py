@@ -1,0 +1,771 @@
+"""Versioned weight exchange over tensorstore: the trainer publishes, samplers read.
+
+Layout under a root (a local path, ``file://`` URL or ``gs://bucket/prefix``)::
+
+    data/v000000000042/<hf name>/zarr.json, c/...   one zarr3 array per HF tensor
+    data/v000000000042/_crc/p00000.json             per-process chunk checksums (multi-host)
+    manifests/v000000000042.json                    the commit marker, written LAST
+
+Arrays are named exactly as in the HF checkpoint ("model.layers.0.self_attn.q_proj.weight")
+with HF shapes ([out, in] for linear layers), so vLLM's ``load_weights`` takes them as they
+are. A version is *committed* once its manifest exists; readers only list manifests, so they
+never see a version that is still being written. The manifest is written atomically
+(temp file + ``os.replace`` locally; a single object write on GCS, which is atomic).
+
+Sharded ``jax.Array`` inputs: the zarr chunk grid equals the array's shard shape, and every
+process writes only its addressable shards with ``replica_id == 0`` (so each unique slice is
+written exactly once across all processes). Plain numpy arrays are chunked along axis 0 into
+chunks of at most ``max_chunk_bytes``.
+
+Checksums: every chunk goes through the zarr3 ``crc32c`` codec, i.e. tensorstore appends the
+CRC32C (Castagnoli) of the chunk's encoded bytes (little endian, full chunk, edge chunks
+padded with zeros) and verifies it on every read. After writing, each process reads back the
+4-byte digests of the chunks it wrote (tiny reads) and the manifest records, per array, the
+list of chunk digests in C order of the chunk grid: the checksum is computed per shard and
+combined by concatenation. On read, the digests stored in the chunk files must equal the
+manifest's (this catches stale or swapped chunk files), and tensorstore checks every chunk's
+data against its digest (this catches corrupted bytes). Either failure raises
+``WeightStoreError`` naming the array.
+
+Garbage collection keeps the newest ``keep`` committed versions and deletes older ones
+(manifest first, then data). A reader that loses the race (its version was deleted while it
+read) notices it because the manifest is gone after the data read, and retries with the then
+newest version; a read whose manifest still exists after the data read finished cannot have
+been affected by deletion, because deletion starts by removing the manifest.
+
+Every remote operation runs under a deadline (``timeout_s``): an unreachable store raises
+``WeightStoreError`` saying what timed out, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+MANIFEST_FORMAT = "pmd_jax.weights/1"
+_VERSION_DIGITS = 12
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+_MANIFEST_RE = re.compile(rf"^v(\d{{{_VERSION_DIGITS}}})\.json$")
+
+
+class WeightStoreError(RuntimeError):
+    """The store could not publish or serve a version (unreachable, corrupt, missing, bad input)."""
+
+
+class VersionVanishedError(WeightStoreError):
+    """The version being read was garbage-collected while it was read (readers retry)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferMetrics:
+    """Timings and volume of one publish or read."""
+
+    op: str  # "publish" or "read"
+    version: int
+    num_arrays: int
+    bytes: int
+    seconds: float
+    write_or_read_seconds: float  # the data transfer part
+    checksum_seconds: float  # reading / verifying chunk digests
+    manifest_seconds: float
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    version: int
+    step: int
+    created: float
+    arrays: dict[str, dict[str, Any]]  # name -> {shape, dtype, chunk_shape, crc32c}
+    extra: dict[str, Any]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.arrays)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            math.prod(a["shape"]) * np.dtype(_np_dtype(a["dtype"])).itemsize
+            for a in self.arrays.values()
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "version": self.version,
+                "step": self.step,
+                "created": self.created,
+                "names": self.names,
+                "arrays": self.arrays,
+                "extra": self.extra,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: bytes | str, where: str) -> Manifest:
+        try:
+            d = json.loads(text)
+            if d.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"format {d.get('format')!r} != {MANIFEST_FORMAT!r}")
+            arrays = d["arrays"]
+            for name, a in arrays.items():
+                for key in ("shape", "dtype", "chunk_shape", "crc32c"):
+                    if key not in a:
+                        raise ValueError(f"array {name!r} lacks {key!r}")
+            return cls(
+                version=int(d["version"]),
+                step=int(d["step"]),
+                created=float(d["created"]),
+                arrays=arrays,
+                extra=dict(d.get("extra", {})),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightStoreError(f"malformed manifest {where}: {e}") from e
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+    name = np.dtype(dtype).name
+    allowed = {
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64",
+    }  # fmt: skip
+    if name not in allowed:
+        raise WeightStoreError(f"unsupported dtype {name!r} (supported: {sorted(allowed)})")
+    return name
+
+
+def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-s // c) if c else 0 for s, c in zip(shape, chunk_shape, strict=True))
+
+
+def _chunk_key(idx: tuple[int, ...]) -> str:
+    return "c/" + "/".join(str(i) for i in idx) if idx else "c"
+
+
+def _version_dir(version: int) -> str:
+    return f"v{version:0{_VERSION_DIGITS}d}"
+
+
+def parse_store_url(url: str | os.PathLike) -> dict[str, Any]:
+    """A local path, ``file:///abs/path`` or ``gs://bucket/prefix`` -> tensorstore kvstore spec."""
+    url = os.fspath(url)
+    if url.startswith("gs://"):
+        bucket, _, path = url[len("gs://") :].partition("/")
+        if not bucket:
+            raise WeightStoreError(f"store URL {url!r} has no bucket")
+        path = path.strip("/")
+        return {"driver": "gcs", "bucket": bucket, "path": path + "/" if path else ""}
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    elif "://" in url:
+        raise WeightStoreError(f"unsupported store URL {url!r} (use a local path or gs://)")
+    return {"driver": "file", "path": os.path.abspath(url) + "/"}
+
+
+def _is_jax_array(x: Any) -> bool:
+    return hasattr(x, "addressable_shards") and hasattr(x, "sharding")
+
+
+class WeightStore:
+    """Publish and read versions of named arrays under one root.
+
+    ``timeout_s`` bounds every blocking tensorstore call; ``keep`` is how many committed
+    versions garbage collection keeps (``publish`` collects after committing when
+    ``gc_on_publish``). ``file_io_sync`` makes local writes durable (fsync) before the
+    manifest is committed; without it a crash can leave a committed version whose chunks
+    were lost, which the checksums then report.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        timeout_s: float = 60.0,
+        keep: int = 2,
+        gc_on_publish: bool = True,
+        max_chunk_bytes: int = 64 << 20,
+        file_io_sync: bool = True,
+        concurrency: int = 8,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> None:
+        if keep < 1:
+            raise WeightStoreError(f"keep must be >= 1, got {keep}")
+        if timeout_s <= 0:
+            raise WeightStoreError(f"timeout_s must be > 0, got {timeout_s}")
+        self.url = os.fspath(url)
+        self.kvspec = parse_store_url(url)
+        self.is_local = self.kvspec["driver"] == "file"
+        self.timeout_s = float(timeout_s)
+        self.keep = keep
+        self.gc_on_publish = gc_on_publish
+        self.max_chunk_bytes = max_chunk_bytes
+        self._process_index = process_index
+        self._process_count = process_count
+        self.context = ts.Context(
+            {
+                "file_io_sync": file_io_sync,
+                "file_io_concurrency": {"limit": concurrency},
+                "data_copy_concurrency": {"limit": concurrency},
+                "cache_pool": {"total_bytes_limit": 0},
+            }
+        )
+        self._kv: ts.KvStore | None = None
+        self.history: list[TransferMetrics] = []
+
+    # ----------------------------------------------------------------------------- helpers
+    def _wait(self, fut: Any, what: str, deadline: float | None = None) -> Any:
+        remaining = self.timeout_s if deadline is None else deadline - time.monotonic()
+        try:
+            return fut.result(timeout=max(remaining, 0.0))
+        except TimeoutError as e:
+            fut.cancel()
+            raise WeightStoreError(
+                f"timed out after {self.timeout_s:.1f}s {what} (store {self.url!r}); "
+                "is the store reachable?"
+            ) from e
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _kvstore(self) -> ts.KvStore:
+        if self._kv is None:
+            self._kv = self._wait(
+                ts.KvStore.open(self.kvspec, context=self.context), "opening the kvstore"
+            )
+        return self._kv
+
+    def _array_spec(self, version: int, name: str) -> dict[str, Any]:
+        kv = dict(self.kvspec)
+        kv["path"] = kv["path"] + f"data/{_version_dir(version)}/{name}/"
+        return {"driver": "zarr3", "kvstore": kv}
+
+    def _data_prefix(self, version: int) -> str:
+        return f"data/{_version_dir(version)}/"
+
+    def _manifest_key(self, version: int) -> str:
+        return f"manifests/{_version_dir(version)}.json"
+
+    def _proc(self) -> tuple[int, int]:
+        if self._process_index is not None:
+            return self._process_index, self._process_count or 1
+        return 0, self._process_count or 1
+
+    # ----------------------------------------------------------------------------- listing
+    def list_versions(self) -> list[int]:
+        """Committed versions (manifest present), ascending."""
+        if self.is_local:
+            mdir = os.path.join(self.kvspec["path"], "manifests")
+            try:
+                entries = os.listdir(mdir)
+            except FileNotFoundError:
+                return []
+            except OSError as e:
+                raise WeightStoreError(f"cannot list {mdir!r}: {e}") from e
+        else:
+            keys = self._wait(
+                self._kvstore().list(ts.KvStore.KeyRange("manifests/", "manifests0")),
+                "listing manifests",
+            )
+            entries = [k.decode().rsplit("/", 1)[-1] for k in keys]
+        out = []
+        for e in entries:
+            m = _MANIFEST_RE.match(e)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_version(self) -> int | None:
+        versions = self.list_versions()
+        return versions[-1] if versions else None
+
+    def read_manifest(self, version: int) -> Manifest:
+        where = f"{self.url}/{self._manifest_key(version)}"
+        res = self._wait(
+            self._kvstore().read(self._manifest_key(version)), f"reading manifest {where}"
+        )
+        if res.state != "value":
+            raise VersionVanishedError(f"version {version} is not committed (no manifest {where})")
+        return Manifest.from_json(res.value, where)
+
+    def _manifest_exists(self, version: int) -> bool:
+        res = self._wait(
+            self._kvstore().read(self._manifest_key(version)), f"checking manifest v{version}"
+        )
+        return res.state == "value"
+
+    # ----------------------------------------------------------------------------- publish
+    def publish(
+        self,
+        arrays: Mapping[str, Any],
+        version: int,
+        step: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TransferMetrics:
+        """Write ``arrays`` (name -> numpy or jax.Array) as ``version`` and commit its manifest.
+
+        On multi-process jax runs every process calls this with the same global arrays;
+        each writes its own shards and process 0 commits the manifest once all processes
+        have reported their chunk digests.
+        """
+        t0 = time.perf_counter()
+        if not arrays:
+            raise WeightStoreError("publish: no arrays given")
+        if version < 0 or version >= 10**_VERSION_DIGITS:
+            raise WeightStoreError(f"publish: version must be in [0, 1e12), got {version}")
+        for name in arrays:
+            if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name.split("/"):
+                raise WeightStoreError(f"publish: invalid array name {name!r}")
+            if name == "_crc" or name.startswith("_crc/"):
+                raise WeightStoreError(f"publish: array name {name!r} is reserved")
+        pidx, pcount = self._proc()
+        if any(_is_jax_array(a) for a in arrays.values()) and self._process_index is None:
+            import jax
+
+            pidx, pcount = jax.process_index(), jax.process_count()
+        if pidx == 0 and version in self.list_versions():
+            raise WeightStoreError(f"publish: version {version} is already committed")
+
+        deadline = self._deadline()
+        # 1. create every array (process 0 writes metadata; others open it) and write slices.
+        plans: dict[str, dict[str, Any]] = {}
+        for name, arr in arrays.items():
+            shape = tuple(int(s) for s in arr.shape)
+            dtype = _zarr_dtype(arr.dtype)
+            itemsize = np.dtype(_np_dtype(dtype)).itemsize
+            if _is_jax_array(arr):
+                pieces = []
+                shard_shape = None
+                for shard in arr.addressable_shards:
+                    idx = tuple(
+                        slice(*sl.indices(d)[:2]) for sl, d in zip(shard.index, shape, strict=True)
+                    )
+                    this = tuple(s.stop - s.start for s in idx)
+                    if shard_shape is None:
+                        shard_shape = this
+                    if shard.replica_id == 0:
+                        pieces.append((idx, shard.data))
+                chunk_shape = tuple(max(c, 1) for c in (shard_shape or shape))
+                for idx, _ in pieces:
+                    for s, c in zip(idx, chunk_shape, strict=True):
+                        if s.start % c:
+                            raise WeightStoreError(
+                                f"publish: shards of {name!r} are not aligned to a regular grid "
+                                f"(shard start {s.start} not a multiple of {c})"
+                            )
+            else:
+                a = np.asarray(arr)
+                rows = max(1, self.max_chunk_bytes // max(1, itemsize * math.prod(shape[1:])))
+                chunk_shape = (min(shape[0], rows), *shape[1:]) if shape else ()
+                chunk_shape = tuple(max(c, 1) for c in chunk_shape)
+                pieces = [(tuple(slice(0, d) for d in shape), a)] if pidx == 0 else []
+            plans[name] = {
+                "shape": shape,
+                "dtype": dtype,
+                "chunk_shape": chunk_shape,
+                "pieces": pieces,
+                "itemsize": itemsize,
+            }
+
+        t_write = time.perf_counter()
+        open_futs = {}
+        for name, p in plans.items():
+            spec = self._array_spec(version, name)
+            spec["metadata"] = {
+                "shape": list(p["shape"]),
+                "data_type": p["dtype"],
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": list(p["chunk_shape"])},
+                },
+                "codecs": [
+                    {"name": "bytes", "configuration": {"endian": "little"}},
+                    {"name": "crc32c"},
+                ],
+                "fill_value": 0,
+            }
+            if pidx == 0:
+                spec.update(create=True, delete_existing=True)
+            else:
+                spec.update(open=True)
+            open_futs[name] = ts.open(spec, context=self.context)
+        write_futs = []
+        nbytes = 0
+        for name, p in plans.items():
+            store = self._wait(open_futs[name], f"creating array {name!r}", deadline)
+            p["store"] = store
+            for idx, data in p["pieces"]:
+                host = np.asarray(data)
+                nbytes += host.nbytes
+                write_futs.append((name, store[idx].write(host)))
+        for name, fut in write_futs:
+            try:
+                self._wait(fut.commit, f"writing array {name!r}", deadline)
+            except WeightStoreError:
+                raise
+            except Exception as e:
+                raise WeightStoreError(f"publish: writing array {name!r} failed: {e}") from e
+        t_write = time.perf_counter() - t_write
+
+        # 2. read back the digests of the chunks this process wrote.
+        t_crc = time.perf_counter()
+        local_crcs = self._chunk_digests(
+            version, {n: p for n, p in plans.items() if p["pieces"]}, deadline, own_pieces=True
+        )
+        t_crc = time.perf_counter() - t_crc
+
+        # 3. commit (process 0, after gathering every process's digests).
+        t_man = time.perf_counter()
+        kv = self._kvstore()
+        prefix = self._data_prefix(version)
+        if pcount > 1:
+            self._wait(
+                kv.write(f"{prefix}_crc/p{pidx:05d}.json", json.dumps(local_crcs).encode()),
+                "writing chunk digests",
+                deadline,
+            )
+        if pidx == 0:
+            all_crcs: dict[str, dict[str, int]] = {n: {} for n in plans}
+            if pcount > 1:
+                for q in range(pcount):
+                    key = f"{prefix}_crc/p{q:05d}.json"
+                    while True:
+                        res = self._wait(kv.read(key), f"waiting for {key}", deadline)
+                        if res.state == "value":
+                            break
+                        if time.monotonic() > deadline:
+                            raise WeightStoreError(
+                                f"publish: process {q} did not report its chunk digests for "
+                                f"version {version} within {self.timeout_s:.0f}s"
+                            )
+                        time.sleep(0.05)
+                    for n, d in json.loads(res.value).items():
+                        all_crcs.setdefault(n, {}).update(d)
+            else:
+                for n, d in local_crcs.items():
+                    all_crcs[n].update(d)
+            marrays: dict[str, dict[str, Any]] = {}
+            for name, p in plans.items():
+                grid = _chunk_grid(p["shape"], p["chunk_shape"])
+                keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
+                missing = [k for k in keys if k not in all_crcs[name]]
+                if missing:
+                    raise WeightStoreError(
+                        f"publish: array {name!r} chunks {missing[:4]} were written by no process"
+                    )
+                marrays[name] = {
+                    "shape": list(p["shape"]),
+                    "dtype": p["dtype"],
+                    "chunk_shape": list(p["chunk_shape"]),
+                    "crc32c": [all_crcs[name][k] for k in keys],
+                }
+            manifest = Manifest(
+                version=version,
+                step=version if step is None else int(step),
+                created=time.time(),
+                arrays=marrays,
+                extra=dict(extra or {}, host=socket.gethostname(), processes=pcount),
+            )
+            self._commit_manifest(version, manifest.to_json().encode(), deadline)
+        t_man = time.perf_counter() - t_man
+
+        metrics = TransferMetrics(
+            op="publish",
+            version=version,
+            num_arrays=len(plans),
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            write_or_read_seconds=t_write,
+            checksum_seconds=t_crc,
+            manifest_seconds=t_man,
+        )
+        self.history.append(metrics)
+        if pidx == 0 and self.gc_on_publish:
+            self.gc()
+        return metrics
+
+    def _chunk_digests(
+        self,
+        version: int,
+        plans: Mapping[str, Mapping[str, Any]],
+        deadline: float,
+        own_pieces: bool,
+    ) -> dict[str, dict[str, int]]:
+        """Read the 4-byte CRC32C trailer of chunks: those this process wrote, or all."""
+        kv = self._kvstore()
+        futs = []
+        for name, p in plans.items():
+            shape, chunk_shape = tuple(p["shape"]), tuple(p["chunk_shape"])
+            grid = _chunk_grid(shape, chunk_shape)
+            size = math.prod(chunk_shape) * p["itemsize"]
+            if own_pieces:
+                idxs: set[tuple[int, ...]] = set()
+                for idx, _ in p["pieces"]:
+                    ranges = [
+                        range(s.start // c, -(-s.stop // c))
+                        for s, c in zip(idx, chunk_shape, strict=True)
+                    ]
+                    idxs.update(_product(ranges))
+            else:
+                idxs = set(np.ndindex(*grid)) if grid else {()}
+            for i in sorted(idxs):
+                key = f"{self._data_prefix(version)}{name}/{_chunk_key(i)}"
+                futs.append((name, _chunk_key(i), key, kv.read(key, byte_range=slice(size, None))))
+        out: dict[str, dict[str, int]] = {}
+        for name, ck, key, fut in futs:
+            res = self._wait(fut, f"reading the digest of {key}", deadline)
+            if res.state != "value":
+                raise WeightStoreError(f"array {name!r} of version {version}: chunk {key} missing")
+            if len(res.value) != 4:
+                raise WeightStoreError(
+                    f"array {name!r} of version {version}: chunk {key} has a truncated digest"
+                )
+            out.setdefault(name, {})[ck] = int.from_bytes(res.value, "little")
+        return out
+
+    def _commit_manifest(self, version: int, payload: bytes, deadline: float) -> None:
+        key = self._manifest_key(version)
+        if self.is_local:
+            mdir = os.path.join(self.kvspec["path"], "manifests")
+            os.makedirs(mdir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=mdir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(payload)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(self.kvspec["path"], key))
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        else:
+            self._wait(self._kvstore().write(key, payload), f"writing manifest {key}", deadline)
+
+    # ----------------------------------------------------------------------------- read
+    def read(
+        self,
+        version: int | None = None,
+        names: Iterable[str] | None = None,
+        *,
+        verify: bool = True,
+        retries: int = 3,
+    ) -> tuple[dict[str, np.ndarray], Manifest]:
+        """Read a committed version (the newest when ``version`` is None) as numpy arrays.
+
+        When reading the newest version and it is garbage-collected mid-read, retries with
+        the then newest version (up to ``retries`` times). A named version that vanished
+        raises ``VersionVanishedError``.
+        """
+        for attempt in range(retries + 1):
+            v = version
+            if v is None:
+                v = self.latest_version()
+                if v is None:
+                    where = self.kvspec["path"] if self.is_local else self.url
+                    exists = "" if not self.is_local or os.path.isdir(where) else " (no such path)"
+                    raise WeightStoreError(
+                        f"no committed weight version under {self.url!r}{exists}"
+                    )
+            try:
+                return self._read_version(v, names, verify)
+            except VersionVanishedError:
+                if version is not None or attempt == retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_version(
+        self, version: int, names: Iterable[str] | None, verify: bool
+    ) -> tuple[dict[str, np.ndarray], Manifest]:
+        t0 = time.perf_counter()
+        deadline = self._deadline()
+        manifest = self.read_manifest(version)
+        wanted = list(manifest.arrays) if names is None else list(names)
+        unknown = [n for n in wanted if n not in manifest.arrays]
+        if unknown:
+            raise WeightStoreError(f"version {version} has no arrays named {unknown[:5]}")
+        t_read = time.perf_counter()
+        open_futs = {}
+        for name in wanted:
+            spec = self._array_spec(version, name)
+            spec.update(open=True, fill_missing_data_reads=False)
+            open_futs[name] = ts.open(spec, context=self.context)
+        read_futs = {}
+        errors: dict[str, str] = {}
+        for name in wanted:
+            try:
+                store = self._wait(open_futs[name], f"opening array {name!r}", deadline)
+            except WeightStoreError:
+                raise
+            except Exception as e:  # missing metadata
+                errors[name] = f"cannot open: {e}"
+                continue
+            meta = manifest.arrays[name]
+            if list(store.shape) != list(meta["shape"]) or store.dtype.name != meta["dtype"]:
+                errors[name] = (
+                    f"stored shape/dtype {list(store.shape)}/{store.dtype.name} != manifest "
+                    f"{meta['shape']}/{meta['dtype']}"
+                )
+                continue
+            read_futs[name] = store.read()
+        out: dict[str, np.ndarray] = {}
+        for name, fut in read_futs.items():
+            try:
+                out[name] = self._wait(fut, f"reading array {name!r}", deadline)
+            except WeightStoreError:
+                raise
+            except Exception as e:
+                errors[name] = str(e)
+        t_read = time.perf_counter() - t_read
+        t_crc = time.perf_counter()
+        if verify and not errors:
+            plans = {
+                n: dict(
+                    manifest.arrays[n],
+                    itemsize=np.dtype(_np_dtype(manifest.arrays[n]["dtype"])).itemsize,
+                )
+                for n in wanted
+            }
+            try:
+                digests = self._chunk_digests(version, plans, deadline, own_pieces=False)
+            except WeightStoreError as e:
+                errors["(digests)"] = str(e)
+                digests = {}
+            for n in wanted if digests else []:
+                meta = manifest.arrays[n]
+                grid = _chunk_grid(tuple(meta["shape"]), tuple(meta["chunk_shape"]))
+                keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
+                got = [digests[n][k] for k in keys]
+                if got != list(meta["crc32c"]):
+                    bad = [k for k, a, b in zip(keys, got, meta["crc32c"], strict=True) if a != b]
+                    errors[n] = f"checksum mismatch against the manifest in chunks {bad[:4]}"
+        t_crc = time.perf_counter() - t_crc
+        # Deletion removes the manifest first: if it is still there, nothing we read was deleted.
+        t_man = time.perf_counter()
+        if not self._manifest_exists(version):
+            raise VersionVanishedError(f"version {version} was garbage-collected while reading")
+        t_man = time.perf_counter() - t_man
+        if errors:
+            lines = "; ".join(f"{n}: {msg}" for n, msg in list(errors.items())[:5])
+            raise WeightStoreError(
+                f"version {version} under {self.url!r} is damaged: "
+                f"{len(errors)} array(s) failed ({', '.join(list(errors)[:5])}): {lines}"
+            )
+        metrics = TransferMetrics(
+            op="read",
+            version=version,
+            num_arrays=len(out),
+            bytes=sum(a.nbytes for a in out.values()),
+            seconds=time.perf_counter() - t0,
+            write_or_read_seconds=t_read,
+            checksum_seconds=t_crc,
+            manifest_seconds=t_man,
+        )
+        self.history.append(metrics)
+        return out, manifest
+
+    # ----------------------------------------------------------------------------- gc
+    def gc(self, keep: int | None = None) -> list[int]:
+        """Delete all but the newest ``keep`` committed versions (manifest first, then data).
+
+        Also removes data of uncommitted versions older than the oldest kept one (left by
+        a crashed publish). Returns the deleted versions.
+        """
+        keep = self.keep if keep is None else keep
+        if keep < 1:
+            raise WeightStoreError(f"gc: keep must be >= 1, got {keep}")
+        versions = self.list_versions()
+        doomed = versions[:-keep] if len(versions) > keep else []
+        kv = self._kvstore()
+        for v in doomed:
+            self._delete_key(self._manifest_key(v))
+        for v in doomed:
+            self._wait(
+                kv.delete_range(
+                    ts.KvStore.KeyRange(self._data_prefix(v), self._data_prefix(v)[:-1] + "0")
+                ),
+                f"deleting version {v}",
+            )
+        if versions and len(versions) > keep:
+            oldest_kept = versions[-keep]
+            for v in self._data_versions():
+                if v < oldest_kept and v not in doomed:
+                    self._wait(
+                        kv.delete_range(
+                            ts.KvStore.KeyRange(
+                                self._data_prefix(v), self._data_prefix(v)[:-1] + "0"
+                            )
+                        ),
+                        f"deleting orphan data of version {v}",
+                    )
+        if self.is_local:
+            for v in doomed:
+                d = os.path.join(self.kvspec["path"], "data", _version_dir(v))
+                _remove_empty_dirs(d)
+        return doomed
+
+    def _delete_key(self, key: str) -> None:
+        if self.is_local:
+            try:
+                os.unlink(os.path.join(self.kvspec["path"], key))
+            except FileNotFoundError:
+                pass
+        else:
+            self._wait(self._kvstore().delete_range(ts.KvStore.KeyRange(key, key + "\0")), key)
+
+    def _data_versions(self) -> list[int]:
+        if not self.is_local:
+            return []  # listing every chunk key on GCS is costly; orphans there are left
+        try:
+            entries = os.listdir(os.path.join(self.kvspec["path"], "data"))
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            m = re.match(rf"^v(\d{{{_VERSION_DIGITS}}})$", e)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+
+def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)
+
+
+def _remove_empty_dirs(path: str) -> None:
+    for root, _dirs, files in os.walk(path, topdown=False):
+        if not files and not os.listdir(root):
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass
