@@ -156,8 +156,11 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         errs.append(str(e))
     # Files and sources.
     src = c.model.source
-    if src not in ("smollm2",) and not c.model.preset:
-        need(os.path.isdir(src), f"model.source={src!r} is neither 'smollm2' nor a folder")
+    if src != "smollm2":
+        need(
+            os.path.isdir(src),
+            f"model.source={src!r} is neither 'smollm2' nor an existing HF checkpoint folder",
+        )
     if c.task.name in ("sciknoweval", "livecodebench"):
         need(bool(c.task.path), f"task.name={c.task.name!r} needs task.path (a JSONL file)")
         need(not c.task.path or os.path.exists(c.task.path), f"task.path={c.task.path!r} missing")

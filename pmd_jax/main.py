@@ -63,6 +63,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         logging.getLogger("pmd_jax").error("%s", e)
         return 2
+    from pmd_jax.distributed import maybe_initialize
+
+    maybe_initialize()
     from pmd_jax.trainer import Trainer
 
     Trainer(cfg).run()

@@ -1,0 +1,31 @@
+"""SmolLM2-135M-Instruct on MBPP (sandboxed code execution) on CPU, rich feedback on."""
+
+from pmd_jax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.name = "smollm2_mbpp"
+    c.mode = "pmd"
+    c.run_dir = "runs/smollm2_mbpp"
+    c.model.source = "smollm2"
+    c.task.name = "mbpp"
+    c.task.max_eval_problems = 64
+    c.rollout.problems_per_step = 4
+    c.rollout.n = 4
+    c.rollout.max_prompt_tokens = 512
+    c.rollout.max_tokens = 192
+    c.teacher_prompt.include_feedback = True
+    c.teacher_prompt.max_tokens = 1536
+    c.train.steps = 20
+    c.train.eval_every = 10
+    c.train.checkpoint_every = 5
+    c.eval.n = 2
+    c.eval.max_tokens = 192
+    c.distill.loss.alpha = 1.0
+    c.distill.loss.topk = 20
+    c.distill.teacher.rate = 0.01
+    c.distill.optim.warmup_steps = 2
+    c.memory.behavior.every_n_steps = 5
+    c.memory.context.max_tokens = 900
+    return c
