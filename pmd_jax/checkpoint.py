@@ -1,0 +1,454 @@
+"""Checkpoints with orbax: train state, named owner slots, atomic commits, corruption fallback.
+
+One checkpoint (one step directory, ``<root>/<step>/``) holds:
+
+* ``state``: a pytree of arrays (orbax ``StandardSave``): params, optimizer state, teacher
+  params, step and the RNG key data (see :class:`pmd_jax.distill.step.TrainState`). With the
+  trust-region teacher the frozen initial params are the teacher tree, so they are saved here
+  too (no need to re-derive them from the initial checkpoint, which may be gone or changed).
+* named slots, one per owner (``"memory"``, ``"data_cursor"``, ...), each holding a JSON value,
+  raw bytes, or a copy of a directory (for large ``state_dict`` blobs such as a memory with an
+  index). Slots are written by :class:`BlobCheckpointHandler`.
+* ``pmd_commit.json``: our commit marker, written after orbax has finalised the step. It lists
+  every file of the step with its size and CRC32 (``checksum=True``) or size only.
+
+Atomicity: orbax writes into ``<step>.orbax-checkpoint-tmp*`` and renames it to ``<step>`` on
+finalisation; a process killed mid-save leaves only the tmp directory, which orbax never lists
+as a step (and cleans up). A finalised step without our commit marker (killed between rename
+and marker), with a file missing, truncated or changed, or that orbax fails to restore, is
+*corrupt*: :meth:`Checkpointer.restore` logs its path and the reason, moves it aside to
+``<root>/corrupt/<step>-<time>`` (so the step number can be saved again) and falls back to the
+previous step. If no step is usable, :class:`CheckpointError` lists every failure.
+
+Saving is asynchronous by default: :meth:`Checkpointer.save` returns once the arrays are
+copied off the devices; the write, finalisation and commit marker happen in the background.
+:meth:`Checkpointer.wait` blocks until they are done. Old steps beyond ``max_to_keep`` are
+deleted by orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_args
+from orbax.checkpoint._src.handlers import async_checkpoint_handler
+
+log = logging.getLogger(__name__)
+
+COMMIT_FILE = "pmd_commit.json"
+STATE_ITEM = "state"
+DEFAULT_SLOTS = ("memory", "data_cursor")
+_KIND_FILE = "kind"
+_BLOB_FILE = "blob.bin"
+_JSON_FILE = "value.json"
+_DIR_NAME = "dir"
+# Files orbax rewrites at or after the commit (timestamps), not covered by our marker.
+_UNLISTED = frozenset({COMMIT_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"})
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or a bad save/restore request; the message names the path."""
+
+
+# --------------------------------------------------------------------------------------------
+# slot handler: JSON, bytes or a directory copy
+# --------------------------------------------------------------------------------------------
+
+
+def _write_bytes_sync(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+    """Saves one slot value: a JSON-able object, ``bytes``, or a directory (copied).
+
+    A directory is copied synchronously into a staging directory when ``save`` is called (so
+    its owner may change it right after), then moved into the checkpoint in the background.
+    Restore gives the JSON value / the bytes / the ``Path`` of the directory inside the
+    checkpoint (or a copy at ``BlobRestore(target_dir=...)``; copy it if you need it beyond
+    the checkpoint's lifetime under ``max_to_keep``).
+    """
+
+    def __init__(self, staging_root: str | os.PathLike | None = None):
+        self._staging_root = Path(staging_root) if staging_root else None
+
+    def _prepare(self, value: Any) -> tuple[str, Any]:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return "bytes", bytes(value)
+        if isinstance(value, os.PathLike):
+            src = Path(value)
+            if not src.is_dir():
+                raise CheckpointError(f"slot directory {src} does not exist or is not a directory")
+            root = self._staging_root or src.parent
+            stage = root / f".pmd-stage-{uuid.uuid4().hex}"
+            stage.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(src, stage)
+            return "dir", stage
+        try:
+            return "json", json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"slot value of type {type(value).__name__} is neither bytes, a directory path, "
+                f"nor JSON-serialisable: {e}"
+            ) from None
+
+    async def async_save(self, directory: epath.Path, args: BlobSave) -> list[Any] | None:
+        kind, payload = self._prepare(args.value)
+
+        def write() -> None:
+            if not jax.process_index() == 0:
+                if kind == "dir":
+                    shutil.rmtree(payload, ignore_errors=True)
+                return
+            d = Path(os.fspath(directory))
+            d.mkdir(parents=True, exist_ok=True)
+            if kind == "bytes":
+                _write_bytes_sync(d / _BLOB_FILE, payload)
+            elif kind == "json":
+                _write_bytes_sync(d / _JSON_FILE, payload.encode())
+            else:
+                shutil.move(os.fspath(payload), os.fspath(d / _DIR_NAME))
+            _write_bytes_sync(d / _KIND_FILE, kind.encode())
+
+        from orbax.checkpoint._src.futures import future
+
+        return [future.CommitFutureAwaitingContractedSignals(_as_coro(write), name="pmd_blob")]
+
+    def save(self, directory: epath.Path, args: BlobSave) -> None:
+        from orbax.checkpoint._src import asyncio_utils
+
+        async def run() -> None:
+            futs = await self.async_save(directory, args)
+            for f in futs or []:
+                f.result()
+
+        asyncio_utils.run_sync(run())
+
+    def restore(self, directory: epath.Path, args: BlobRestore | None = None) -> Any:
+        d = Path(os.fspath(directory))
+        kind_path = d / _KIND_FILE
+        if not kind_path.exists():
+            raise CheckpointError(f"slot {d} has no '{_KIND_FILE}' file (incomplete slot)")
+        kind = kind_path.read_text()
+        if kind == "bytes":
+            return (d / _BLOB_FILE).read_bytes()
+        if kind == "json":
+            try:
+                return json.loads((d / _JSON_FILE).read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"slot {d / _JSON_FILE} is not valid JSON: {e}") from None
+        if kind == "dir":
+            src = d / _DIR_NAME
+            if args is not None and args.target_dir is not None:
+                dst = Path(args.target_dir)
+                if dst.exists():
+                    shutil.rmtree(dst)
+                shutil.copytree(src, dst)
+                return dst
+            return src
+        raise CheckpointError(f"slot {d} has unknown kind {kind!r}")
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+
+async def _as_coro(fn: Any) -> None:
+    import asyncio
+
+    await asyncio.to_thread(fn)
+
+
+@checkpoint_args.register_with_handler(BlobCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class BlobSave(checkpoint_args.CheckpointArgs):
+    value: Any
+
+
+@checkpoint_args.register_with_handler(BlobCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class BlobRestore(checkpoint_args.CheckpointArgs):
+    target_dir: str | os.PathLike | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# commit marker
+# --------------------------------------------------------------------------------------------
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_table(step_dir: Path, checksum: bool) -> dict[str, list[int]]:
+    table: dict[str, list[int]] = {}
+    for p in sorted(step_dir.rglob("*")):
+        if p.is_file() and p.name not in _UNLISTED:
+            rel = p.relative_to(step_dir).as_posix()
+            entry = [p.stat().st_size]
+            if checksum:
+                entry.append(_crc32(p))
+            table[rel] = entry
+    return table
+
+
+def write_commit_marker(step_dir: Path, step: int, checksum: bool = True) -> None:
+    """Write ``pmd_commit.json`` (file sizes and CRC32s) atomically into a finalised step."""
+    marker = {
+        "step": int(step),
+        "time": time.time(),
+        "checksum": bool(checksum),
+        "files": _file_table(step_dir, checksum),
+    }
+    tmp = step_dir / f".{COMMIT_FILE}.tmp"
+    _write_bytes_sync(tmp, json.dumps(marker).encode())
+    os.replace(tmp, step_dir / COMMIT_FILE)
+
+
+def verify_step_dir(step_dir: Path, step: int) -> None:
+    """Raise :class:`CheckpointError` naming the step directory and the problem."""
+    marker_path = step_dir / COMMIT_FILE
+    if not marker_path.exists():
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no commit marker {COMMIT_FILE} (partial save)"
+        )
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+        checksum = bool(marker["checksum"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable commit marker: {e}") from None
+    if int(marker.get("step", -1)) != int(step):
+        raise CheckpointError(
+            f"checkpoint {step_dir}: commit marker is for step {marker.get('step')}, not {step}"
+        )
+    for rel, entry in files.items():
+        p = step_dir / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {step_dir}: file {rel} is missing")
+        size = p.stat().st_size
+        if size != entry[0]:
+            raise CheckpointError(
+                f"checkpoint {step_dir}: file {rel} has {size} bytes, expected {entry[0]} "
+                "(truncated or changed)"
+            )
+        if checksum and _crc32(p) != entry[1]:
+            raise CheckpointError(f"checkpoint {step_dir}: file {rel} fails its CRC32 check")
+
+
+# --------------------------------------------------------------------------------------------
+# the checkpointer
+# --------------------------------------------------------------------------------------------
+
+
+def abstract_state(state: Any, shardings: Any | None = None) -> Any:
+    """``ShapeDtypeStruct`` tree (with target shardings) to restore ``state``-shaped trees."""
+    if shardings is None:
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            state,
+        )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any
+    slots: dict[str, Any]
+    skipped: list[tuple[int, str]]  # (step, reason) of corrupt checkpoints passed over
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` over ``state`` + named slots, with commit markers.
+
+    ``slots``: the slot names this run uses (each optional per save). ``max_to_keep``: how
+    many committed steps to keep. ``async_save``: write in the background. ``checksum``:
+    record and verify CRC32 of every file (else sizes only; for very large checkpoints).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        slots: tuple[str, ...] = DEFAULT_SLOTS,
+        checksum: bool = True,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise CheckpointError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        bad = [s for s in slots if s == STATE_ITEM or not s.isidentifier()]
+        if bad:
+            raise CheckpointError(f"bad slot names {bad} (identifiers, not {STATE_ITEM!r})")
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.slots = tuple(slots)
+        self.checksum = checksum
+        self._async = async_save
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._max_to_keep = max_to_keep
+        self._mgr = self._make_manager()
+
+    def _make_manager(self) -> ocp.CheckpointManager:
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add(STATE_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add(STATE_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+        for s in self.slots:
+            h = BlobCheckpointHandler(staging_root=self.directory)
+            registry.add(s, BlobSave, h)
+            registry.add(s, BlobRestore, h)
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=self._max_to_keep,
+            enable_async_checkpointing=self._async,
+            async_options=ocp.options.AsyncOptions(
+                post_finalization_callback=self._on_finalized
+            ),
+            cleanup_tmp_directories=True,
+        )
+        return ocp.CheckpointManager(self.directory, options=opts, handler_registry=registry)
+
+    # ---------------------------------------------------------------- saving
+    def _on_finalized(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if jax.process_index() != 0:
+            return
+        for step in pending:
+            d = self._unfinalized_dir(step)
+            if d is not None:
+                write_commit_marker(d, step, self.checksum)
+
+    def _unfinalized_dir(self, step: int) -> Path | None:
+        """Where step ``step`` is being written when orbax calls back before its commit.
+
+        Orbax calls ``post_finalization_callback`` after the items are finalised and *before*
+        the atomic rename of ``<step>.orbax-checkpoint-tmp*`` to ``<step>`` (on filesystems
+        without atomic rename it writes in place), so the marker lands inside the rename.
+        """
+        tmps = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"),
+                      key=lambda p: p.stat().st_mtime)
+        if tmps:
+            return tmps[-1]
+        d = self.directory / str(step)
+        return d if d.is_dir() else None
+
+    def save(
+        self, step: int, state: Any, *, slots: Mapping[str, Any] | None = None,
+        force: bool = True,
+    ) -> bool:
+        """Save ``state`` (and slot values: JSON / bytes / ``Path`` of a directory) at ``step``."""
+        slots = dict(slots or {})
+        unknown = set(slots) - set(self.slots)
+        if unknown:
+            raise CheckpointError(
+                f"unknown checkpoint slots {sorted(unknown)}; this Checkpointer has {self.slots}"
+            )
+        items: dict[str, Any] = {STATE_ITEM: ocp.args.StandardSave(state)}
+        for name, value in slots.items():
+            if value is not None:
+                items[name] = BlobSave(value)
+        self._mgr.wait_until_finished()  # one save in flight: the marker callback knows its step
+        with self._lock:
+            self._pending.append(int(step))
+        saved = self._mgr.save(int(step), args=ocp.args.Composite(**items), force=force)
+        if not saved:
+            with self._lock:
+                self._pending.remove(int(step))
+        elif not self._async:
+            self._on_finalized()
+        return bool(saved)
+
+    def wait(self) -> None:
+        """Block until the in-flight save is written, finalised and committed."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    # ---------------------------------------------------------------- restoring
+    def all_steps(self) -> list[int]:
+        self._mgr.reload()
+        return sorted(int(s) for s in self._mgr.all_steps())
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose commit marker exists (not verified)."""
+        return [s for s in self.all_steps() if (self.directory / str(s) / COMMIT_FILE).exists()]
+
+    def latest_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        src = self.directory / str(step)
+        log.warning("checkpoint %s is corrupt, falling back to the previous one: %s", src, reason)
+        if jax.process_index() != 0 or not src.exists():
+            return
+        dst_root = self.directory / "corrupt"
+        dst_root.mkdir(exist_ok=True)
+        shutil.move(os.fspath(src), os.fspath(dst_root / f"{step}-{int(time.time() * 1e3)}"))
+
+    def restore(
+        self, target: Any, *, step: int | None = None, slot_dirs: Mapping[str, Any] | None = None,
+    ) -> Restored:
+        """Restore the newest usable step (or ``step``) onto ``target``'s shapes/shardings.
+
+        ``target``: a tree of arrays or ``ShapeDtypeStruct`` (with ``sharding`` for placement
+        on the mesh; see :func:`abstract_state`). Corrupt steps are logged, moved aside and
+        skipped (``Restored.skipped``); with an explicit ``step`` a corrupt one raises.
+        """
+        self._mgr.wait_until_finished()
+        target = abstract_state(target)
+        candidates = [step] if step is not None else list(reversed(self.all_steps()))
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        skipped: list[tuple[int, str]] = []
+        slot_dirs = dict(slot_dirs or {})
+        for s in candidates:
+            d = self.directory / str(s)
+            try:
+                verify_step_dir(d, s)
+                present = [n for n in self.slots if (d / n).is_dir()]
+                items: dict[str, Any] = {STATE_ITEM: ocp.args.StandardRestore(target)}
+                for n in present:
+                    items[n] = BlobRestore(slot_dirs.get(n))
+                out = self._mgr.restore(s, args=ocp.args.Composite(**items))
+                state = out[STATE_ITEM]
+                slots = {n: out[n] for n in present}
+            except Exception as e:  # noqa: BLE001 - any failure marks the step corrupt
+                reason = f"{type(e).__name__}: {e}"
+                if step is not None:
+                    raise CheckpointError(f"checkpoint {d} is unusable: {reason}") from e
+                skipped.append((s, reason))
+                self._quarantine(s, reason)
+                continue
+            if skipped:
+                self._mgr.reload()
+            return Restored(step=s, state=state, slots=slots, skipped=skipped)
+        self._mgr.reload()
+        detail = "; ".join(f"step {s}: {r}" for s, r in skipped)
+        raise CheckpointError(f"no usable checkpoint in {self.directory} ({detail})")
