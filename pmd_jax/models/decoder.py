@@ -1,0 +1,395 @@
+"""One pure-functional decoder for Llama (SmolLM2), Qwen3 and OLMo-3.
+
+Params are an explicit pytree (``param_shapes`` / ``param_axes`` give its shapes and logical
+axis names); the layers are stacked on a leading ``layers`` axis and the forward runs
+``jax.lax.scan`` over them, so compile time does not grow with depth. Everything that differs
+between layers (sliding window or not, which RoPE table) is a per-layer array scanned with the
+weights, never a Python branch over layers.
+
+Param layout (HF name in brackets)::
+
+    embed       [V, D]        ("vocab", "embed")            [model.embed_tokens.weight]
+    layers/q    [L, D, H, hd] ("layers","embed","heads","head_dim")     [q_proj.weight.T]
+    layers/k    [L, D, KV, hd]("layers","embed","kv_heads","head_dim")  [k_proj.weight.T]
+    layers/v    [L, D, KV, hd]("layers","embed","kv_heads","head_dim")  [v_proj.weight.T]
+    layers/o    [L, H, hd, D] ("layers","heads","head_dim","embed")     [o_proj.weight.T]
+    layers/{q,k,v}_bias [L, H|KV, hd], layers/o_bias [L, D]   only if attention_bias
+    layers/q_norm [L, hd] ("layers","head_dim")   qk_norm="per_head" (Qwen3)
+                  [L, H*hd] ("layers","q_proj")   qk_norm="full" (OLMo-3)
+    layers/k_norm [L, hd] or [L, KV*hd] ("layers","kv_proj")
+    layers/gate, up [L, D, F] ("layers","embed","mlp"); down [L, F, D] ("layers","mlp","embed")
+    layers/attn_norm [L, D] ("layers","norm")
+        pre-norm (Llama, Qwen3): input_layernorm;  post-norm (OLMo-3): post_attention_layernorm
+    layers/mlp_norm  [L, D] ("layers","norm")
+        pre-norm: post_attention_layernorm;        post-norm: post_feedforward_layernorm
+    final_norm  [D] ("norm",)                                   [model.norm.weight]
+    lm_head     [D, V] ("embed", "vocab"), absent when tie_embeddings   [lm_head.weight.T]
+
+Attention masks: ``attn_mask`` [B, T] marks real tokens (1) and padding (0); padding keys are
+never attended. Causality and sliding windows are over token slots (HF semantics: a key at slot
+j is visible from slot i iff j <= i and, on sliding layers, i - j < window). ``positions`` are
+given by the caller (for left padding: cumsum of the mask - 1). ``segment_ids`` (packing)
+restricts attention to equal ids. With a KV cache, slots are cache slots: ``cache_index`` (or
+the cache's own ``index``) is where the T new tokens are written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pmd_jax.models import rope as rope_lib
+from pmd_jax.models.config import ConfigError, ModelConfig
+
+Params = dict[str, Any]
+_BIG_WINDOW = 2**30
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+INIT_STD = 0.02  # HF initializer_range default for all three families
+
+
+class ParamError(ValueError):
+    """A param pytree does not match the config; the message names the tensor."""
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+# --------------------------------------------------------------------------- layout
+def param_axes(cfg: ModelConfig) -> Params:
+    layers: dict[str, tuple[str, ...]] = {
+        "q": ("layers", "embed", "heads", "head_dim"),
+        "k": ("layers", "embed", "kv_heads", "head_dim"),
+        "v": ("layers", "embed", "kv_heads", "head_dim"),
+        "o": ("layers", "heads", "head_dim", "embed"),
+        "gate": ("layers", "embed", "mlp"),
+        "up": ("layers", "embed", "mlp"),
+        "down": ("layers", "mlp", "embed"),
+        "attn_norm": ("layers", "norm"),
+        "mlp_norm": ("layers", "norm"),
+    }
+    if cfg.attention_bias:
+        layers["q_bias"] = ("layers", "heads", "head_dim")
+        layers["k_bias"] = ("layers", "kv_heads", "head_dim")
+        layers["v_bias"] = ("layers", "kv_heads", "head_dim")
+        layers["o_bias"] = ("layers", "norm")
+    if cfg.qk_norm == "per_head":
+        layers["q_norm"] = ("layers", "head_dim")
+        layers["k_norm"] = ("layers", "head_dim")
+    elif cfg.qk_norm == "full":
+        layers["q_norm"] = ("layers", "q_proj")
+        layers["k_norm"] = ("layers", "kv_proj")
+    out: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = ("embed", "vocab")
+    return out
+
+
+def _raw_shapes(cfg: ModelConfig) -> Params:
+    L, D, H, KV, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    F, V = cfg.intermediate_size, cfg.vocab_size
+    layers: dict[str, tuple[int, ...]] = {
+        "q": (L, D, H, hd), "k": (L, D, KV, hd), "v": (L, D, KV, hd), "o": (L, H, hd, D),
+        "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+        "attn_norm": (L, D), "mlp_norm": (L, D),
+    }
+    if cfg.attention_bias:
+        layers.update(q_bias=(L, H, hd), k_bias=(L, KV, hd), v_bias=(L, KV, hd), o_bias=(L, D))
+    if cfg.qk_norm == "per_head":
+        layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    elif cfg.qk_norm == "full":
+        layers.update(q_norm=(L, H * hd), k_norm=(L, KV * hd))
+    out: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (D, V)
+    return out
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    dt = _dtype(cfg.param_dtype)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt), _raw_shapes(cfg), is_leaf=_is_shape)
+
+
+def check_params(params: Params, cfg: ModelConfig) -> None:
+    """Raise ParamError naming the first tensor that is missing, extra or mis-shaped."""
+    want = _raw_shapes(cfg)
+
+    def walk(p: Any, w: Any, path: str) -> None:
+        if isinstance(w, dict):
+            if not isinstance(p, dict):
+                raise ParamError(f"params{path} should be a dict, got {type(p).__name__}")
+            missing = sorted(set(w) - set(p))
+            extra = sorted(set(p) - set(w))
+            if missing:
+                raise ParamError(f"params{path} is missing tensor(s) {missing} for this config")
+            if extra:
+                raise ParamError(f"params{path} has unexpected tensor(s) {extra} for this config")
+            for k in w:
+                walk(p[k], w[k], f"{path}/{k}")
+            return
+        shape = tuple(getattr(p, "shape", ()))
+        if shape != w:
+            raise ParamError(f"params{path} has shape {shape}, expected {w}")
+
+    walk(params, want, "")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random params with HF's init: normal(0, 0.02) weights, zero biases, unit norms."""
+    shapes = _raw_shapes(cfg)
+    dt = _dtype(cfg.param_dtype)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dt))
+        elif "bias" in name:
+            leaves.append(jnp.zeros(shape, dt))
+        else:
+            leaves.append((INIT_STD * jax.random.normal(k, shape, jnp.float32)).astype(dt))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def unembed_matrix(params: Params, cfg: ModelConfig) -> jnp.ndarray:
+    return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def logits_from_hidden(hidden: jnp.ndarray, params: Params, cfg: ModelConfig) -> jnp.ndarray:
+    """hidden [..., D] (after the final norm) -> float32 logits [..., V]."""
+    w = unembed_matrix(params, cfg).astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------- KV cache
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None
+) -> dict[str, jnp.ndarray]:
+    """Empty KV cache: k/v [L, B, S, KV, hd], key mask [B, S], write index (scalar)."""
+    dt = _dtype(cfg.dtype) if dtype is None else jnp.dtype(dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, dt),
+        "v": jnp.zeros(shape, dt),
+        "mask": jnp.zeros((batch, max_len), jnp.bool_),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+def cache_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    return {"k": kv, "v": kv, "mask": ("batch", "cache_seq"), "index": ()}
+
+
+# --------------------------------------------------------------------------- pieces
+def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """HF RMSNorm: float32 statistics, weight applied in float32, cast back to x.dtype."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    return (w.astype(jnp.float32) * (xf * jax.lax.rsqrt(var + eps))).astype(x.dtype)
+
+
+def _rms_norm_heads(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """RMSNorm over the whole projection (heads x head_dim) of x [B, T, H, hd]; w [H*hd]."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=(-2, -1), keepdims=True)
+    w = w.astype(jnp.float32).reshape(x.shape[-2:])
+    return (w * (xf * jax.lax.rsqrt(var + eps))).astype(x.dtype)
+
+
+def attention(
+    q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray
+) -> jnp.ndarray:
+    """Softmax attention with GQA grouping. q [B,T,H,hd], k/v [B,S,KV,hd], mask [B,T,S] bool.
+
+    Scores and softmax in float32; rows with no visible key give a uniform average (they are
+    padding queries and are never used).
+    """
+    B, T, H, hd = q.shape
+    KV = k.shape[2]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (hd ** -0.5)
+    s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
+    return o.reshape(B, T, H, hd)
+
+
+def _remat(fn: Callable, policy: str) -> Callable:
+    if policy == "none":
+        return fn
+    pols = {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    if policy not in pols:
+        raise ConfigError(f"remat policy {policy!r} is not one of {REMAT_POLICIES}")
+    return jax.checkpoint(fn, policy=pols[policy], prevent_cse=False)
+
+
+ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.sharding.ShardingRules)
+
+
+def _constrain(x: jnp.ndarray, axes: tuple[str | None, ...], ctx: ShardCtx | None):
+    if ctx is None:
+        return x
+    from jax.sharding import NamedSharding
+
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(axes)))
+
+
+# --------------------------------------------------------------------------- forward
+def forward(
+    params: Params,
+    tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    cfg: ModelConfig,
+    *,
+    attn_mask: jnp.ndarray | None = None,
+    segment_ids: jnp.ndarray | None = None,
+    cache: dict[str, jnp.ndarray] | None = None,
+    cache_index: jnp.ndarray | int | None = None,
+    return_hidden: bool = False,
+    remat: str = "none",
+    shard_ctx: ShardCtx | None = None,
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
+    """Run the decoder.
+
+    Returns ``(logits [B,T,V] float32, new_cache)``, or the hidden states after the final norm
+    ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
+    ``remat`` wraps the layer body in ``jax.checkpoint`` ("none", "full", "dots",
+    "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints.
+    """
+    check_params(params, cfg)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if positions.shape != tokens.shape:
+        raise ValueError(f"positions shape {positions.shape} != tokens shape {tokens.shape}")
+    if attn_mask is not None and attn_mask.shape != tokens.shape:
+        raise ValueError(f"attn_mask shape {attn_mask.shape} != tokens shape {tokens.shape}")
+    if segment_ids is not None and segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
+    B, T = tokens.shape
+    dt = _dtype(cfg.dtype)
+    eps = cfg.rms_norm_eps
+    kmask_new = jnp.ones((B, T), jnp.bool_) if attn_mask is None else attn_mask.astype(jnp.bool_)
+
+    # ---- masks over slots
+    if cache is None:
+        q_idx = jnp.arange(T, dtype=jnp.int32)
+        k_idx = q_idx
+        base = (k_idx[None, :] <= q_idx[:, None])[None] & kmask_new[:, None, :]
+        if segment_ids is not None:
+            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        idx = None
+        new_mask = None
+    else:
+        S = cache["k"].shape[2]
+        if cache["k"].shape != (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"cache['k'] shape {cache['k'].shape} does not match config/batch "
+                f"{(cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)}"
+            )
+        if isinstance(cache_index, int) and cache_index + T > S:
+            raise ValueError(f"cache_index {cache_index} + {T} tokens exceeds cache length {S}")
+        idx = jnp.asarray(cache["index"] if cache_index is None else cache_index, jnp.int32)
+        q_idx = idx + jnp.arange(T, dtype=jnp.int32)
+        k_idx = jnp.arange(S, dtype=jnp.int32)
+        new_mask = jax.lax.dynamic_update_slice(cache["mask"], kmask_new, (0, idx))
+        base = (k_idx[None, :] <= q_idx[:, None])[None] & new_mask[:, None, :]
+    rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
+
+    # ---- per-layer scanned arrays
+    inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
+    cos_all, sin_all = rope_lib.cos_sin(positions, jnp.asarray(inv_freq), jnp.asarray(scaling))
+    windows = np.array(
+        [cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else _BIG_WINDOW
+         for i in range(cfg.num_layers)], np.int32,
+    )
+    xs: dict[str, Any] = {
+        "p": params["layers"],
+        "window": jnp.asarray(windows),
+        "rope": jnp.asarray(rope_idx),
+    }
+    if cache is not None:
+        xs["ck"], xs["cv"] = cache["k"], cache["v"]
+
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+    x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def body(x: jnp.ndarray, xs: dict[str, Any]):
+        p = jax.tree.map(lambda a: a.astype(dt), xs["p"])
+        cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
+        sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
+        mask = base & (rel < xs["window"])[None]
+
+        # attention
+        h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
+        q = jnp.einsum("btd,dhk->bthk", h, p["q"])
+        k = jnp.einsum("btd,dhk->bthk", h, p["k"])
+        v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+        if cfg.attention_bias:
+            q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+        if cfg.qk_norm == "per_head":
+            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        elif cfg.qk_norm == "full":
+            q, k = _rms_norm_heads(q, p["q_norm"], eps), _rms_norm_heads(k, p["k_norm"], eps)
+        q = _constrain(q, ("batch", "seq", "heads", "head_dim"), shard_ctx)
+        q = rope_lib.apply_rope(q, cos, sin)
+        k = rope_lib.apply_rope(k, cos, sin)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice(xs["ck"], k.astype(xs["ck"].dtype), (0, idx, 0, 0))
+            v = jax.lax.dynamic_update_slice(xs["cv"], v.astype(xs["cv"].dtype), (0, idx, 0, 0))
+            new_kv = (k, v)
+            k, v = k.astype(dt), v.astype(dt)
+        else:
+            new_kv = None
+        a = attention(q, k, v, mask)
+        a = jnp.einsum("bthk,hkd->btd", a, p["o"])
+        if cfg.attention_bias:
+            a = a + p["o_bias"]
+        if cfg.norm_placement == "post":
+            a = rms_norm(a, p["attn_norm"], eps)
+        x = _constrain(x + a, ("batch", "seq", "embed"), shard_ctx)
+
+        # MLP (SwiGLU)
+        h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
+        g = jnp.einsum("btd,df->btf", h, p["gate"])
+        u = jnp.einsum("btd,df->btf", h, p["up"])
+        m = _constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
+        m = jnp.einsum("btf,fd->btd", m, p["down"])
+        if cfg.norm_placement == "post":
+            m = rms_norm(m, p["mlp_norm"], eps)
+        x = _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
+        return x, new_kv
+
+    x, new_kv = jax.lax.scan(_remat(body, remat), x, xs)
+    x = rms_norm(x, params["final_norm"], eps)
+
+    new_cache = None
+    if cache is not None:
+        new_cache = {"k": new_kv[0], "v": new_kv[1], "mask": new_mask, "index": idx + T}
+    if return_hidden:
+        return x, new_cache
+    return logits_from_hidden(x, params, cfg), new_cache
+
+
+def positions_from_mask(attn_mask: jnp.ndarray) -> jnp.ndarray:
+    """Position ids for a left-padded batch: cumsum(mask) - 1, clipped at 0 on padding."""
+    m = attn_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)

