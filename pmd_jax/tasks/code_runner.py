@@ -1,0 +1,341 @@
+"""Test harness that runs INSIDE the sandbox (stdlib only; executed as a script, not imported).
+
+Reads ``/code/payload.json`` (next to this file): the candidate program, the test inputs (never
+the expected outputs: the comparison happens in the host), the test kind, a function name, a
+per-test timeout and a nonce. Each test runs in a forked child with its own process group,
+CPU limit and wall deadline; stdin comes from a file, stdout and stderr go to files. The child
+reports through a pipe; the harness prints one line ``<nonce><json>`` with all records.
+
+Kinds:
+- ``stdin``: the program runs as ``__main__`` with the input on stdin; stdout is returned.
+- ``call``: the program is executed, then ``fn_name`` (module level, or a method of
+  ``class Solution``) is called with the JSON values of the input lines (or a dict as keyword
+  arguments); the JSON of the return value is returned.
+- ``code``: the program is executed as ``__main__``, then the test code (asserts). A test that
+  is a single ``assert left == right`` is evaluated side by side so the actual value can be
+  shown.
+"""
+
+import ast
+import ctypes
+import json
+import linecache
+import os
+import resource
+import select
+import signal
+import sys
+import time
+import traceback
+
+ERR_LIMIT = 2000
+
+
+def _no_dump():
+    # other processes of our uid (the candidate) must not read our memory or fds via /proc
+    try:
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except Exception:
+        pass
+
+
+def _short_trace(exc, filename="<solution>", limit=3):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    lines = [f"{type(exc).__name__}: {exc}"[:ERR_LIMIT]]
+    for f in frames[-limit:]:
+        if f.line:
+            lines.append(f"  {f.line}")
+        lines.append(f"Line {f.lineno} in {f.name} (solution)")
+    return "\n".join(lines)
+
+
+def _jsonable(v, depth=0):
+    if depth > 100:
+        raise TypeError("value nested too deeply")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x, depth + 1) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x, depth + 1) for k, x in v.items()}
+    raise TypeError(f"return value of type {type(v).__name__} is not JSON-like")
+
+
+def _find_callable(ns, fn_name):
+    if fn_name and callable(ns.get(fn_name)):
+        return ns[fn_name]
+    sol = ns.get("Solution")
+    if isinstance(sol, type) and fn_name and hasattr(sol, fn_name):
+        return getattr(sol(), fn_name)
+    if fn_name:
+        raise NameError(f"function {fn_name!r} is not defined by the program")
+    funcs = [v for k, v in ns.items() if callable(v) and getattr(v, "__module__", "") == "sol"]
+    if not funcs:
+        raise NameError("the program defines no function to call")
+    return funcs[0]
+
+
+def _child(payload, test, w_fd):
+    program = payload["program"]
+    kind = payload["kind"]
+    linecache.cache["<solution>"] = (len(program), None, program.splitlines(True), "<solution>")
+    msg = {"status": "ok"}
+    try:
+        if kind == "stdin":
+            code = compile(program, "<solution>", "exec")
+            ns = {"__name__": "__main__", "__builtins__": __builtins__}
+            try:
+                exec(code, ns)
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    msg = {"status": "error", "error": f"SystemExit: {e.code}"}
+        elif kind == "call":
+            code = compile(program, "<solution>", "exec")
+            ns = {"__name__": "sol", "__builtins__": __builtins__}
+            exec(code, ns)
+            fn = _find_callable(ns, payload.get("fn_name") or "")
+            inp = test
+            if isinstance(inp, dict):
+                result = fn(**inp)
+            else:
+                args = [json.loads(line) for line in str(inp).split("\n") if line.strip()]
+                result = fn(*args)
+            try:
+                msg = {"status": "ok", "value": json.dumps(_jsonable(result))}
+            except (TypeError, ValueError) as e:
+                msg = {"status": "ok", "value": None, "repr": repr(result)[:ERR_LIMIT],
+                       "note": str(e)}
+        elif kind == "code":
+            code = compile(program, "<solution>", "exec")
+            ns = {"__name__": "__main__", "__builtins__": __builtins__}
+            try:
+                exec(code, ns)
+            except SystemExit as e:
+                raise RuntimeError(
+                    f"the program exited (SystemExit: {e.code}) before the tests ran"
+                ) from None
+            msg = _run_code_test(str(test), ns)
+        else:
+            msg = {"status": "error", "error": f"unknown test kind {kind!r}"}
+    except BaseException as e:  # noqa: BLE001
+        msg = {"status": "error", "error": _short_trace(e)}
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:  # noqa: BLE001
+        pass
+    data = json.dumps(msg).encode()
+    os.write(w_fd, data)
+    os.close(w_fd)
+
+
+def _run_code_test(test, ns):
+    tree = ast.parse(test, "<test>")
+    body = tree.body
+    if (len(body) == 1 and isinstance(body[0], ast.Assert)
+            and isinstance(body[0].test, ast.Compare) and len(body[0].test.ops) == 1
+            and isinstance(body[0].test.ops[0], ast.Eq)):
+        left = ast.Expression(body[0].test.left)
+        right = ast.Expression(body[0].test.comparators[0])
+        try:
+            got = eval(compile(left, "<test>", "eval"), ns)
+        except BaseException as e:  # noqa: BLE001
+            return {"status": "error", "error": _short_trace(e)}
+        want = eval(compile(right, "<test>", "eval"), ns)
+        if got == want:
+            return {"status": "ok"}
+        return {"status": "fail", "actual": repr(got)[:ERR_LIMIT],
+                "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
+                "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT]}
+    try:
+        exec(compile(tree, "<test>", "exec"), ns)
+    except AssertionError as e:
+        return _explain_assert(e, test)
+    except BaseException as e:  # noqa: BLE001
+        out = {"status": "error", "error": _short_trace(e)}
+        line = _test_line(e, test)
+        if line:
+            out["call"] = line
+        return out
+    return {"status": "ok"}
+
+
+def _test_line(exc, test):
+    tb = exc.__traceback__
+    lineno = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<test>":
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    lines = test.splitlines()
+    if lineno and 0 < lineno <= len(lines):
+        return lines[lineno - 1].strip()[:ERR_LIMIT]
+    return ""
+
+
+def _explain_assert(exc, test):
+    """The failing assert line, and for ``assert a == b`` the actual value of ``a``."""
+    out = {"status": "fail", "actual": f"AssertionError: {exc}"[:ERR_LIMIT]}
+    tb = exc.__traceback__
+    frame = lineno = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<test>":
+            frame, lineno = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+    if frame is None:
+        return out
+    lines = test.splitlines()
+    line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+    out["call"] = line[:ERR_LIMIT]
+    try:
+        node = ast.parse(line).body[0]
+        if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+            env = dict(frame.f_globals)
+            env.update(frame.f_locals)
+            got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), env)
+            out["call"] = ast.unparse(node.test.left)[:ERR_LIMIT]
+            out["expected"] = ast.unparse(node.test.comparators[0])[:ERR_LIMIT]
+            out["actual"] = repr(got)[:ERR_LIMIT]
+    except BaseException:  # noqa: BLE001
+        pass
+    return out
+
+
+def _run_one(payload, i, test):
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    in_path = os.path.join(tmp, f"in{i}")
+    out_path = os.path.join(tmp, f"out{i}")
+    err_path = os.path.join(tmp, f"err{i}")
+    with open(in_path, "w", encoding="utf-8") as f:
+        f.write(test if (payload["kind"] == "stdin" and isinstance(test, str)) else "")
+    r_fd, w_fd = os.pipe()
+    timeout = float(payload["timeout"])
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(r_fd)
+            os.close(int(payload["_out_fd"]))  # the host channel stays with the harness
+            os.setpgid(0, 0)
+            cpu = max(1, int(timeout + 0.999))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+            fd0 = os.open(in_path, os.O_RDONLY)
+            fd1 = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd2 = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd0, 0)
+            os.dup2(fd1, 1)
+            os.dup2(fd2, 2)
+            for fd in (fd0, fd1, fd2):
+                os.close(fd)
+            sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace",
+                              closefd=False)
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace",
+                              closefd=False)
+            _child(payload, test, w_fd)
+        finally:
+            os._exit(0)
+    os.close(w_fd)
+    data = b""
+    deadline = t0 + timeout
+    timed_out = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        rl, _, _ = select.select([r_fd], [], [], left)
+        if not rl:
+            continue
+        chunk = os.read(r_fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > 1 << 20:
+            break
+    os.close(r_fd)
+    if timed_out:
+        for target in (-pid, pid):
+            try:
+                os.kill(target, signal.SIGKILL)
+            except OSError:
+                pass
+    _, status = os.waitpid(pid, 0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # leftovers of the child's group
+    except OSError:
+        pass
+    elapsed = time.monotonic() - t0
+    rec = {"elapsed": round(elapsed, 4)}
+    if timed_out:
+        rec.update(status="timeout")
+    else:
+        try:
+            rec.update(json.loads(data.decode()) if data else {})
+        except (ValueError, UnicodeDecodeError):
+            rec.update(status="error", error="the program corrupted the harness channel")
+        if not data:
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+            if sig == signal.SIGXCPU or sig == signal.SIGKILL and elapsed >= timeout * 0.9:
+                rec.update(status="timeout")
+            elif sig == signal.SIGXFSZ:
+                rec.update(status="error", error="output limit exceeded (file size limit)")
+            elif sig:
+                rec.update(status="error", error=f"killed by {signal.Signals(sig).name}")
+            elif payload["kind"] == "stdin" and code == 0:
+                rec.update(status="ok")  # os._exit(0) after printing is fine for stdin tests
+            else:
+                rec.update(status="error",
+                           error=f"the program exited (status {code}) before reporting")
+    cap = int(payload.get("max_output", 1 << 20))
+    for key, path in (("stdout", out_path), ("stderr", err_path)):
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(cap + 1)
+            rec[key] = raw[:cap].decode("utf-8", "replace")
+            if len(raw) > cap:
+                rec[key + "_truncated"] = True
+            os.unlink(path)
+        except OSError:
+            rec[key] = ""
+    try:
+        os.unlink(in_path)
+    except OSError:
+        pass
+    return rec
+
+
+def main():
+    _no_dump()
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "payload.json"), encoding="utf-8") as f:
+        payload = json.load(f)
+    for p in payload.get("sys_path", []):
+        if p not in sys.path:
+            sys.path.append(p)
+    nonce = payload["nonce"]
+    out_fd = os.dup(1)
+    payload["_out_fd"] = out_fd
+    out = os.fdopen(out_fd, "w", encoding="utf-8")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(devnull, fd)
+    records = []
+    timeouts = 0
+    for i, test in enumerate(payload["tests"]):
+        rec = _run_one(payload, i, test)
+        records.append(rec)
+        if rec.get("status") == "timeout":
+            timeouts += 1
+            if timeouts >= int(payload.get("max_timeouts", 1)):
+                break
+        if payload.get("stop_on_error") and rec.get("status") == "error":
+            break
+    out.write(nonce + json.dumps(records) + "\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()

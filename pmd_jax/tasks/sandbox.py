@@ -1,0 +1,636 @@
+"""Run untrusted Python programs in an isolated child process.
+
+Candidate programs never run in the trainer's process. Each run is one child process tree with:
+
+- limits: CPU time (RLIMIT_CPU), wall time (host-side deadline, then SIGKILL of the whole
+  tree), memory (RLIMIT_AS per process, plus a cgroup memory limit for the whole tree when
+  cgroups are writable), process count (RLIMIT_NPROC for a dedicated unprivileged uid, plus a
+  cgroup pids limit when available), open files (RLIMIT_NOFILE), file size (RLIMIT_FSIZE),
+  output size (the host stops reading and kills the tree past ``output_bytes``), no core
+  dumps;
+- an empty temporary working directory, a clean environment, no network, killed as a unit.
+
+Backends, best first (``detect_backend()`` probes what actually works on this machine; the
+environment variable ``PMD_SANDBOX_BACKEND`` forces one):
+
+``bwrap``
+    bubblewrap (Debian package ``bubblewrap``). New mount, pid, net, ipc and uts namespaces; a
+    minimal read-only filesystem (``/usr`` and the Python installation only), tmpfs ``/sandbox``
+    (cwd) and ``/tmp`` with a size cap, program files read-only under ``/code``. When the host
+    runs as root, the program itself runs as a dedicated unprivileged uid (``setpriv``), so
+    RLIMIT_NPROC applies (it never applies to root) and it cannot signal host processes. When
+    the host is not root, bwrap makes an unprivileged user namespace instead.
+``unshare``
+    util-linux ``unshare`` (root only): new net, pid, ipc, uts and mount namespaces, uid drop via
+    ``setpriv``. The filesystem is the host's, protected only by permissions: the program can
+    read world-readable files and write only world-writable directories.
+``rlimits``
+    No namespaces: rlimits, a new session, the uid drop when root, and a cleanup that kills
+    every process of that uid. No network isolation. Used only when nothing else works.
+
+Processes are confined to a pid namespace in the first two backends, so daemons (double
+fork, setsid) die with the namespace when the run ends. In every backend, when root, every
+leftover process of the run's uid is killed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("bwrap", "unshare", "rlimits")
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: float = 10.0
+    wall_s: float = 20.0
+    memory_bytes: int = 1 << 30  # RLIMIT_AS per process
+    tree_memory_bytes: int = 2 << 30  # cgroup limit for the whole tree (when available)
+    nproc: int = 16
+    nofile: int = 64
+    fsize_bytes: int = 16 << 20
+    output_bytes: int = 4 << 20  # stdout and stderr, each
+    tmpfs_bytes: int = 64 << 20
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one sandboxed run.
+
+    status: "ok" (exit 0), "exit_nonzero", "timeout" (wall), "cpu_limit", "memory_limit",
+    "output_limit", "file_size_limit", "signal", "sandbox_error".
+    """
+
+    status: str
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    reason: str
+    wall_s: float
+    backend: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+_SETPRIV = shutil.which("setpriv")
+_BWRAP = shutil.which("bwrap")
+_UNSHARE = shutil.which("unshare")
+_PRLIMIT = shutil.which("prlimit")
+
+# Dedicated uids for sandboxed programs (root host only). One per concurrent run, chosen from
+# the host pid so that two host processes rarely share one.
+_UID_BASE = 200_000 + (os.getpid() % 40_000) * 32
+_uid_lock = threading.Lock()
+_uid_free: list[int] = list(range(_UID_BASE, _UID_BASE + 32))
+
+
+@contextlib.contextmanager
+def _lease_uid():
+    with _uid_lock:
+        if not _uid_free:
+            raise SandboxError("more than 32 concurrent sandbox runs in one process")
+        uid = _uid_free.pop()
+    try:
+        yield uid
+    finally:
+        _kill_uid(uid)
+        with _uid_lock:
+            _uid_free.append(uid)
+
+
+def _kill_uid(uid: int) -> int:
+    """SIGKILL every process whose real uid is ``uid`` (root only). Returns how many."""
+    if os.geteuid() != 0:
+        return 0
+    n = 0
+    for _ in range(3):
+        found = False
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/status") as f:
+                    for line in f:
+                        if line.startswith("Uid:"):
+                            if int(line.split()[1]) == uid:
+                                os.kill(int(d), signal.SIGKILL)
+                                found = True
+                                n += 1
+                            break
+            except (OSError, ValueError):
+                continue
+        if not found:
+            break
+        time.sleep(0.01)
+    return n
+
+
+# ----------------------------------------------------------------------------- cgroups
+
+
+class _Cgroup:
+    """A per-run cgroup (v1 memory+pids hierarchies, or v2 unified) when writable."""
+
+    _counter = itertools.count()
+
+    def __init__(self, dirs: dict[str, Path]):
+        self.dirs = dirs
+
+    @classmethod
+    def create(cls, limits: Limits) -> _Cgroup | None:
+        base = _cgroup_bases()
+        if not base:
+            return None
+        name = f"pmd-sbx-{os.getpid()}-{next(cls._counter)}"
+        dirs: dict[str, Path] = {}
+        try:
+            if "unified" in base:
+                d = base["unified"] / name
+                d.mkdir()
+                dirs["unified"] = d
+                (d / "memory.max").write_text(str(limits.tree_memory_bytes))
+                with contextlib.suppress(OSError):
+                    (d / "memory.swap.max").write_text("0")
+                (d / "pids.max").write_text(str(limits.nproc + 8))
+            else:
+                if "memory" in base:
+                    d = base["memory"] / name
+                    d.mkdir()
+                    dirs["memory"] = d
+                    (d / "memory.limit_in_bytes").write_text(str(limits.tree_memory_bytes))
+                if "pids" in base:
+                    d = base["pids"] / name
+                    d.mkdir()
+                    dirs["pids"] = d
+                    (d / "pids.max").write_text(str(limits.nproc + 8))
+        except OSError as e:
+            log.debug("cgroup setup failed: %s", e)
+            cg = cls(dirs)
+            cg.destroy()
+            return None
+        return cls(dirs)
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    def oom_killed(self) -> bool:
+        try:
+            if "unified" in self.dirs:
+                ev = (self.dirs["unified"] / "memory.events").read_text()
+                return any(
+                    ln.split()[0] in ("oom_kill", "oom") and int(ln.split()[1]) > 0
+                    for ln in ev.splitlines()
+                )
+            if "memory" in self.dirs:
+                return int((self.dirs["memory"] / "memory.failcnt").read_text()) > 0
+        except (OSError, ValueError, IndexError):
+            pass
+        return False
+
+    def pids_limited(self) -> bool:
+        try:
+            d = self.dirs.get("pids") or self.dirs.get("unified")
+            if d is None:
+                return False
+            for ln in (d / "pids.events").read_text().splitlines():
+                if ln.startswith("max") and int(ln.split()[1]) > 0:
+                    return True
+        except (OSError, ValueError, IndexError):
+            pass
+        return False
+
+    def destroy(self) -> None:
+        for d in self.dirs.values():
+            for _ in range(50):
+                try:
+                    pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
+                except OSError:
+                    pids = []
+                for p in pids:
+                    with contextlib.suppress(OSError):
+                        os.kill(p, signal.SIGKILL)
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+@functools.cache
+def _cgroup_bases() -> dict[str, Path]:
+    """Writable cgroup directories of this process, by controller; {} if none."""
+    if os.geteuid() != 0 or os.environ.get("PMD_SANDBOX_NO_CGROUP"):
+        return {}
+    out: dict[str, Path] = {}
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    root = Path("/sys/fs/cgroup")
+    for ln in lines:
+        parts = ln.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrls, path = parts
+        rel = path.lstrip("/")
+        if ctrls == "" and (root / "cgroup.controllers").exists():
+            d = root / rel
+            ctl = (d / "cgroup.subtree_control")
+            try:
+                if {"memory", "pids"} <= set(ctl.read_text().split()):
+                    out["unified"] = d
+            except OSError:
+                pass
+        for c in ("memory", "pids"):
+            if c in ctrls.split(","):
+                d = root / c / rel
+                if d.is_dir() and os.access(d, os.W_OK):
+                    out[c] = d
+    if "unified" in out and len(out) > 1:
+        return {"unified": out["unified"]}
+    # v1: verify that we can really create a child group
+    for c, d in list(out.items()):
+        probe = d / f"pmd-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError:
+            del out[c]
+    return out
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _python_roots() -> list[str]:
+    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    exe_dir = os.path.dirname(os.path.realpath(sys.executable))
+    if not any(exe_dir.startswith(r + os.sep) for r in roots):
+        roots.add(exe_dir)
+    return sorted(roots)
+
+
+def python_executable() -> str:
+    """The real interpreter (not a shim such as pyenv's, which would need $HOME etc.)."""
+    return os.path.realpath(sys.executable)
+
+
+def _bwrap_fs_args() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    for r in _python_roots():
+        if not r.startswith("/usr/"):
+            args += ["--ro-bind", r, r]
+    return args
+
+
+_SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def _setpriv_args(uid: int) -> list[str]:
+    return [
+        _SETPRIV or "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+    ]
+
+
+def _build_command(
+    backend: str, argv: list[str], code_dir: str, work_dir: str, uid: int | None,
+    limits: Limits,
+) -> tuple[list[str], str | None, dict[str, str]]:
+    """(command, cwd for Popen, env for Popen) for a backend. ``argv`` uses sandbox paths."""
+    root = os.geteuid() == 0
+    if backend == "bwrap":
+        cmd = [_BWRAP or "bwrap", *_bwrap_fs_args(),
+               "--ro-bind", code_dir, "/code",
+               "--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", "/sandbox",
+               "--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", "/tmp",
+               "--proc", "/proc", "--dev", "/dev",
+               "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup-try",
+               "--die-with-parent", "--new-session", "--clearenv",
+               "--chdir", "/sandbox"]
+        env_args: list[str] = []
+        for k, v in {**_SANDBOX_ENV, "HOME": "/sandbox", "TMPDIR": "/tmp"}.items():
+            env_args += ["--setenv", k, v]
+        cmd += env_args
+        if root:
+            cmd += ["--", *_setpriv_args(uid), *argv]  # type: ignore[arg-type]
+        else:
+            cmd += ["--unshare-user", "--disable-userns", "--", *argv]
+        return cmd, None, {}
+    env = {**_SANDBOX_ENV, "HOME": work_dir, "TMPDIR": work_dir}
+    if backend == "unshare":
+        cmd = [_UNSHARE or "unshare", "--net", "--pid", "--fork", "--kill-child", "--ipc",
+               "--uts", "--mount", "--mount-proc", "--", *_setpriv_args(uid), *argv]  # type: ignore[arg-type]
+        return cmd, work_dir, env
+    if backend == "rlimits":
+        cmd = ([*_setpriv_args(uid)] if root and _SETPRIV else []) + argv  # type: ignore[arg-type]
+        return cmd, work_dir, env
+    raise SandboxError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _prlimit_args(limits: Limits) -> list[str]:
+    cpu = max(1, int(limits.cpu_s + 0.999))
+    return [
+        _PRLIMIT or "prlimit",
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={limits.memory_bytes}",
+        f"--nofile={limits.nofile}",
+        f"--fsize={limits.fsize_bytes}",
+        f"--nproc={limits.nproc}",
+        "--core=0",
+        "--",
+    ]
+
+
+@functools.cache
+def detect_backend() -> str:
+    """The best backend that really runs a program here (probed once per process)."""
+    forced = os.environ.get("PMD_SANDBOX_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise SandboxError(
+                f"PMD_SANDBOX_BACKEND={forced!r} is not one of {BACKENDS}"
+            )
+        return forced
+    for b in available_backends():
+        return b
+    return "rlimits"
+
+
+@functools.cache
+def available_backends() -> tuple[str, ...]:
+    """Backends whose probe (a tiny program that checks its own isolation) succeeds."""
+    out = []
+    for b in BACKENDS:
+        if b == "bwrap" and not _BWRAP:
+            continue
+        if b in ("bwrap", "unshare") and os.geteuid() == 0 and not _SETPRIV:
+            continue
+        if b == "unshare" and (not _UNSHARE or os.geteuid() != 0):
+            continue
+        if not _PRLIMIT:
+            continue
+        probe = (
+            "import os,socket\n"
+            "s=socket.socket()\n"
+            "try:\n s.connect(('127.0.0.1',1)); r='net'\n"
+            "except OSError as e: r='refused' if e.errno==111 else 'nonet'\n"
+            "print(os.getuid(), r)\n"
+        )
+        try:
+            res = run_python(probe, backend=b, limits=Limits(wall_s=10.0))
+        except Exception as e:  # noqa: BLE001 - a failing probe only disables a backend
+            log.info("sandbox backend %s unavailable: %s", b, e)
+            continue
+        if not res.ok:
+            log.info("sandbox backend %s unavailable: %s %s", b, res.reason, res.stderr[-300:])
+            continue
+        uid_s, net = res.stdout.decode().split()
+        if os.geteuid() == 0 and int(uid_s) == 0:
+            continue
+        if b != "rlimits" and net not in ("nonet", "refused"):
+            continue
+        out.append(b)
+    return tuple(out)
+
+
+def backend_info() -> dict:
+    """Which backend is active and what it isolates (for logs and run reports)."""
+    b = detect_backend()
+    return {
+        "backend": b,
+        "available": list(available_backends()),
+        "root_host": os.geteuid() == 0,
+        "uid_drop": os.geteuid() == 0 and bool(_SETPRIV),
+        "network_isolated": b in ("bwrap", "unshare"),
+        "filesystem_isolated": b == "bwrap",
+        "pid_namespace": b in ("bwrap", "unshare"),
+        "cgroup": sorted(_cgroup_bases()),
+    }
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_python(
+    script: str,
+    *,
+    files: dict[str, str | bytes] | None = None,
+    stdin: bytes = b"",
+    args: list[str] | None = None,
+    limits: Limits = Limits(),
+    backend: str | None = None,
+    python_flags: tuple[str, ...] = ("-I", "-S"),
+) -> ExecResult:
+    """Run ``script`` (Python source) in a sandbox; never raises for program behaviour.
+
+    ``files`` are written read-only next to the script (``/code`` in bwrap). The script's
+    cwd is an empty writable temporary directory. ``-I -S`` by default: isolated mode, no
+    site-packages (a runner may add them to sys.path itself).
+    """
+    backend = backend or detect_backend()
+    tmp = tempfile.mkdtemp(prefix="pmd-sbx-")
+    code_dir = os.path.join(tmp, "code")
+    work_dir = os.path.join(tmp, "work")
+    os.mkdir(code_dir)
+    os.mkdir(work_dir)
+    cg: _Cgroup | None = None
+    try:
+        all_files = {"main.py": script, **(files or {})}
+        for name, content in all_files.items():
+            if "/" in name or name.startswith("."):
+                raise SandboxError(f"bad sandbox file name {name!r}")
+            data = content.encode("utf-8") if isinstance(content, str) else content
+            with open(os.path.join(code_dir, name), "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(code_dir, name), 0o444)
+        os.chmod(code_dir, 0o555)
+        os.chmod(tmp, 0o755)
+        os.chmod(work_dir, 0o1777)
+        in_code = "/code" if backend == "bwrap" else code_dir
+        argv = [python_executable(), *python_flags, f"{in_code}/main.py", *(args or [])]
+        if backend == "rlimits" and os.geteuid() != 0:
+            uid_ctx: contextlib.AbstractContextManager = contextlib.nullcontext(None)
+        else:
+            uid_ctx = _lease_uid()
+        with uid_ctx as uid:
+            cmd, cwd, env = _build_command(backend, argv, code_dir, work_dir, uid, limits)
+            cmd = _prlimit_args(limits) + cmd
+            cg = _Cgroup.create(limits)
+            if cg is not None:
+                # join the cgroup before exec, so nothing escapes it
+                joins = " && ".join(f'echo $$ > "{p}"' for p in cg.procs_files())
+                cmd = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *cmd]
+            return _communicate(cmd, cwd, env, stdin, limits, backend, cg)
+    finally:
+        if cg is not None:
+            cg.destroy()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _communicate(
+    cmd: list[str], cwd: str | None, env: dict[str, str], stdin: bytes, limits: Limits,
+    backend: str, cg: _Cgroup | None,
+) -> ExecResult:
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=cwd, env=env, start_new_session=True, close_fds=True,
+        )
+    except OSError as e:
+        return ExecResult("sandbox_error", None, b"", b"", f"sandbox failed to start: {e}",
+                          0.0, backend)
+    out = bytearray()
+    err = bytearray()
+    over = None
+    timed_out = False
+    sel = selectors.DefaultSelector()
+    assert proc.stdin and proc.stdout and proc.stderr
+    os.set_blocking(proc.stdin.fileno(), False)
+    pending = memoryview(stdin)
+    if pending:
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    deadline = t0 + limits.wall_s
+    open_reads = 2
+    try:
+        while open_reads:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                if key.fileobj is proc.stdin:
+                    try:
+                        n = os.write(proc.stdin.fileno(), pending[:65536])
+                        pending = pending[n:]
+                    except (BrokenPipeError, OSError):
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        with contextlib.suppress(OSError):
+                            proc.stdin.close()
+                    continue
+                chunk = os.read(key.fileobj.fileno(), 65536)  # type: ignore[union-attr]
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_reads -= 1
+                    continue
+                buf: bytearray = key.data
+                buf += chunk
+                if len(buf) > limits.output_bytes:
+                    del buf[limits.output_bytes:]
+                    over = "stdout" if buf is out else "stderr"
+                    break
+            if over:
+                break
+        if over or timed_out:
+            _kill_tree(proc)
+        try:
+            rc = proc.wait(timeout=max(0.5, deadline - time.monotonic() + 1.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_tree(proc)
+            rc = proc.wait()
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+        _kill_tree(proc)
+    wall = time.monotonic() - t0
+    status, reason = _classify(rc, bytes(err), timed_out, over, limits, cg, wall)
+    return ExecResult(status, rc, bytes(out), bytes(err), reason, wall, backend)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        proc.kill()
+
+
+def _classify(
+    rc: int | None, err: bytes, timed_out: bool, over: str | None, limits: Limits,
+    cg: _Cgroup | None, wall: float,
+) -> tuple[str, str]:
+    if over:
+        return "output_limit", f"output limit exceeded: {over} passed {limits.output_bytes} bytes"
+    if timed_out:
+        return "timeout", f"wall-clock limit of {limits.wall_s:g}s exceeded"
+    if cg is not None and cg.oom_killed():
+        return "memory_limit", (
+            f"memory limit exceeded (tree limit {limits.tree_memory_bytes >> 20} MiB)"
+        )
+    last = _last_line(err)
+    if rc == 0:
+        return "ok", "exited normally"
+    sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else 0)
+    if "MemoryError" in last:
+        return "memory_limit", (
+            f"memory limit exceeded (MemoryError; limit {limits.memory_bytes >> 20} MiB)"
+        )
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "CPU" in last):
+        return "cpu_limit", f"CPU time limit of {limits.cpu_s:g}s exceeded"
+    if sig == signal.SIGXFSZ:
+        return "file_size_limit", f"file size limit of {limits.fsize_bytes} bytes exceeded"
+    if sig == signal.SIGKILL:
+        return "signal", "killed by SIGKILL"
+    if sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return "signal", f"killed by {name}"
+    return "exit_nonzero", f"exit status {rc}" + (f": {last}" if last else "")
+
+
+def _last_line(err: bytes) -> str:
+    lines = [ln for ln in err.decode("utf-8", "replace").strip().splitlines() if ln.strip()]
+    return lines[-1].strip()[:300] if lines else ""
