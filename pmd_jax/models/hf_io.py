@@ -1,0 +1,599 @@
+"""HF safetensors checkpoints <-> our param pytree.
+
+Loading goes straight into sharded device arrays: for every leaf of our pytree we build its
+``NamedSharding`` and call ``jax.make_array_from_callback``; the callback of each device maps
+that device's index (slices of *our* layout) to the slice of the HF tensor(s) it needs and
+reads only that slice from the safetensors file(s) (``safe_open(...).get_slice``). Nothing
+reads a whole tensor for a device that holds a part of it.
+
+The mapping of one of our leaves to its HF tensor is a reshape + transpose of the per-layer HF
+tensor (``TensorMap``): e.g. ``q_proj.weight [H*hd, D]`` -> split ``[H, hd, D]`` -> transpose
+to ours ``[D, H, hd]``; layer-stacked leaves gather ``model.layers.{i}...`` over ``i``.
+
+Saving writes ``config.json`` (a HF config for LlamaForCausalLM / Qwen3ForCausalLM /
+Olmo3ForCausalLM), ``generation_config.json``, safetensors (sharded with
+``model.safetensors.index.json`` above ``max_shard_bytes``) and the tokenizer if given.
+``iter_hf_tensors`` streams (HF name, numpy array in HF layout) for weight publishing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config
+from pmd_jax.models.decoder import check_params, param_axes
+from pmd_jax.sharding import ShardingRules, check_divisible
+
+Params = dict[str, Any]
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "olmo3": ("Olmo3ForCausalLM", "olmo3"),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match what the config expects; the message names the tensor."""
+
+
+# ------------------------------------------------------------------------------ mapping
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one of our leaves is made from HF tensor(s).
+
+    ``ours_layer = hf.reshape(flat_split).transpose(perm)`` where ``flat_split`` concatenates
+    ``split`` (the sizes each HF dim splits into). ``stacked`` leaves have a leading layer axis
+    and read ``hf_name.format(i=layer)`` for each layer.
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    split: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    stacked: bool
+    num_layers: int = 0
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.split)
+
+    @property
+    def flat_split(self) -> tuple[int, ...]:
+        return tuple(d for s in self.split for d in s)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        fs = self.flat_split
+        return tuple(fs[p] for p in self.perm)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ((self.num_layers,) if self.stacked else ()) + self.layer_shape
+
+    def hf_names(self) -> list[str]:
+        if self.stacked:
+            return [self.hf_name.format(i=i) for i in range(self.num_layers)]
+        return [self.hf_name]
+
+    # ours (per layer) -> HF layout
+    def to_hf(self, ours_layer: np.ndarray) -> np.ndarray:
+        inv = tuple(int(i) for i in np.argsort(self.perm))
+        return np.ascontiguousarray(ours_layer.transpose(inv)).reshape(self.hf_shape)
+
+    # HF (full per-layer tensor) -> ours
+    def from_hf(self, hf: np.ndarray) -> np.ndarray:
+        return hf.reshape(self.flat_split).transpose(self.perm)
+
+    def hf_index(self, ours_index: Sequence[slice]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """Map a per-layer index of ours to (the HF slice to read, the index into it after split).
+
+        For each HF dim grouping flat dims (g0, g1, ...), we read the rows of g0's slice times the
+        product of the inner sizes: exact when the inner dims are not sliced (the usual case).
+        """
+        fs = self.flat_split
+        flat_slices: list[slice] = [slice(0, n) for n in fs]
+        for k, p in enumerate(self.perm):
+            flat_slices[p] = _norm_slice(ours_index[k], fs[p])
+        hf_sl: list[slice] = []
+        post: list[slice] = []
+        j = 0
+        for group in self.split:
+            inner = math.prod(group[1:])
+            outer = flat_slices[j]
+            hf_sl.append(slice(outer.start * inner, outer.stop * inner))
+            post.append(slice(0, outer.stop - outer.start))
+            post.extend(flat_slices[j + 1 : j + len(group)])
+            j += len(group)
+        return tuple(hf_sl), tuple(post)
+
+    def from_hf_slice(self, hf_part: np.ndarray, post: tuple[slice, ...]) -> np.ndarray:
+        """Ours (per layer) from a slice read with ``hf_index``."""
+        shape: list[int] = []
+        for gi, group in enumerate(self.split):
+            shape.append(hf_part.shape[gi] // math.prod(group[1:]))
+            shape.extend(group[1:])
+        return hf_part.reshape(shape)[post].transpose(self.perm)
+
+
+def _norm_slice(s: slice, n: int) -> slice:
+    start, stop, step = s.indices(n)
+    if step != 1:
+        raise ValueError(f"strided index {s} is not supported")
+    return slice(start, stop)
+
+
+def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
+    """The HF tensor behind every leaf of our pytree, for this config's family."""
+    if cfg.family not in HF_ARCHITECTURES:
+        raise ConfigError(f"unknown model family {cfg.family!r}; known {sorted(HF_ARCHITECTURES)}")
+    L, D, H, KV, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    F, V = cfg.intermediate_size, cfg.vocab_size
+    pre = "model.layers.{i}."
+
+    def lay(name: str, hf: str, split: tuple[tuple[int, ...], ...], perm: tuple[int, ...]):
+        return TensorMap(("layers", name), pre + hf, split, perm, True, L)
+
+    maps = [TensorMap(("embed",), "model.embed_tokens.weight", ((V,), (D,)), (0, 1), False)]
+    maps += [
+        lay("q", "self_attn.q_proj.weight", ((H, hd), (D,)), (2, 0, 1)),
+        lay("k", "self_attn.k_proj.weight", ((KV, hd), (D,)), (2, 0, 1)),
+        lay("v", "self_attn.v_proj.weight", ((KV, hd), (D,)), (2, 0, 1)),
+        lay("o", "self_attn.o_proj.weight", ((D,), (H, hd)), (1, 2, 0)),
+        lay("gate", "mlp.gate_proj.weight", ((F,), (D,)), (1, 0)),
+        lay("up", "mlp.up_proj.weight", ((F,), (D,)), (1, 0)),
+        lay("down", "mlp.down_proj.weight", ((D,), (F,)), (1, 0)),
+    ]
+    if cfg.attention_bias:
+        maps += [
+            lay("q_bias", "self_attn.q_proj.bias", ((H, hd),), (0, 1)),
+            lay("k_bias", "self_attn.k_proj.bias", ((KV, hd),), (0, 1)),
+            lay("v_bias", "self_attn.v_proj.bias", ((KV, hd),), (0, 1)),
+            lay("o_bias", "self_attn.o_proj.bias", ((D,),), (0,)),
+        ]
+    if cfg.qk_norm == "per_head":
+        maps += [
+            lay("q_norm", "self_attn.q_norm.weight", ((hd,),), (0,)),
+            lay("k_norm", "self_attn.k_norm.weight", ((hd,),), (0,)),
+        ]
+    elif cfg.qk_norm == "full":
+        maps += [
+            lay("q_norm", "self_attn.q_norm.weight", ((H * hd,),), (0,)),
+            lay("k_norm", "self_attn.k_norm.weight", ((KV * hd,),), (0,)),
+        ]
+    if cfg.norm_placement == "pre":
+        maps += [
+            lay("attn_norm", "input_layernorm.weight", ((D,),), (0,)),
+            lay("mlp_norm", "post_attention_layernorm.weight", ((D,),), (0,)),
+        ]
+    else:
+        maps += [
+            lay("attn_norm", "post_attention_layernorm.weight", ((D,),), (0,)),
+            lay("mlp_norm", "post_feedforward_layernorm.weight", ((D,),), (0,)),
+        ]
+    maps.append(TensorMap(("final_norm",), "model.norm.weight", ((D,),), (0,), False))
+    if not cfg.tie_embeddings:
+        maps.append(TensorMap(("lm_head",), "lm_head.weight", ((V,), (D,)), (1, 0), False))
+    return maps
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+# ------------------------------------------------------------------------------ sources
+class TensorSource:
+    """Something that reads slices of named HF tensors (safetensors files or host arrays)."""
+
+    def shape(self, name: str) -> tuple[int, ...] | None:  # None: absent
+        raise NotImplementedError
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsSource(TensorSource):
+    """A HF checkpoint folder: ``model.safetensors`` or shards listed in the index json."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        idx = self.path / SAFE_INDEX
+        if idx.exists():
+            weight_map = json.loads(idx.read_text())["weight_map"]
+        elif (self.path / SAFE_SINGLE).exists():
+            weight_map = None
+        else:
+            raise CheckpointError(
+                f"{self.path}: no {SAFE_SINGLE} and no {SAFE_INDEX} (not a HF safetensors folder)"
+            )
+        self._handles: dict[str, Any] = {}
+        files = sorted(set(weight_map.values())) if weight_map else [SAFE_SINGLE]
+        for f in files:
+            fp = self.path / f
+            if not fp.exists():
+                raise CheckpointError(f"{self.path}: shard file {f} listed in the index is missing")
+            try:
+                self._handles[f] = safe_open(str(fp), framework="numpy")
+            except Exception as e:  # noqa: BLE001 - corrupt header etc.
+                raise CheckpointError(f"{fp}: cannot open as safetensors: {e}") from e
+        if weight_map is None:
+            weight_map = {n: SAFE_SINGLE for n in self._handles[SAFE_SINGLE].keys()}
+        self.weight_map: dict[str, str] = dict(weight_map)
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _slice(self, name: str) -> Any:
+        return self._handles[self.weight_map[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if name not in self.weight_map:
+            return None
+        try:
+            return tuple(self._slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(
+                f"tensor {name!r} listed in {self.path} cannot be read: {e}"
+            ) from e
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._slice(name)[index])
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            close = getattr(h, "__exit__", None)
+            if close is not None:
+                close(None, None, None)
+        self._handles.clear()
+
+
+class ArraySource(TensorSource):
+    """HF-named host arrays (e.g. dequantized GGUF tensors)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]):
+        self.tensors = dict(tensors)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self.tensors[name][index])
+
+
+def read_slice(src: TensorSource, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The one place that reads tensor data (tests patch it to audit what each device read)."""
+    return src.read(name, index)
+
+
+# ------------------------------------------------------------------------------ loading
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path) / "config.json"
+    if not p.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p}: invalid JSON: {e}") from e
+
+
+def check_source(src: TensorSource, cfg: ModelConfig) -> None:
+    """Every HF tensor the config needs is present with the expected shape."""
+    for m in tensor_maps(cfg):
+        for name in m.hf_names():
+            found = src.shape(name)
+            if found is None:
+                raise CheckpointError(
+                    f"checkpoint is missing tensor {name!r} (expected shape {m.hf_shape}) needed "
+                    f"for params/{'/'.join(m.path)} of this {cfg.family} config"
+                )
+            if tuple(found) != m.hf_shape:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(found)}, expected {m.hf_shape} "
+                    f"for params/{'/'.join(m.path)} of this {cfg.family} config"
+                )
+
+
+def _read_leaf(
+    src: TensorSource, m: TensorMap, index: Sequence[slice], dtype: np.dtype
+) -> np.ndarray:
+    """Our leaf's ``index`` (slices over our full leaf shape), reading only that part."""
+    index = tuple(index) + (slice(None),) * (len(m.shape) - len(index))
+    if m.stacked:
+        layers = _norm_slice(index[0], m.num_layers)
+        hf_idx, post = m.hf_index(index[1:])
+        parts = []
+        for i in range(layers.start, layers.stop):
+            raw = read_slice(src, m.hf_name.format(i=i), hf_idx)
+            parts.append(np.asarray(m.from_hf_slice(raw, post), dtype=dtype))
+        if not parts:
+            return np.zeros((0,) + m.layer_shape, dtype)
+        return np.stack(parts)
+    hf_idx, post = m.hf_index(index)
+    raw = read_slice(src, m.hf_name, hf_idx)
+    return np.ascontiguousarray(np.asarray(m.from_hf_slice(raw, post), dtype=dtype))
+
+
+def load_params_from_source(
+    src: TensorSource,
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+    dtype: Any = None,
+) -> Params:
+    """Our param pytree from HF-named tensors; sharded per ``rules`` on ``mesh`` if given."""
+    check_source(src, cfg)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+    axes = param_axes(cfg)
+    params: Params = {}
+    maps = tensor_maps(cfg)
+    if mesh is not None:
+        rules = rules or ShardingRules.from_mapping(None)
+        shapes: Params = {}
+        for m in maps:
+            _set(shapes, m.path, jax.ShapeDtypeStruct(m.shape, np_dtype))
+        check_divisible(mesh, rules, shapes, axes)
+    for m in maps:
+        if mesh is None:
+            arr = jax.numpy.asarray(_read_leaf(src, m, (), np_dtype))
+        else:
+            sharding = NamedSharding(mesh, rules.spec(_get(axes, m.path)))  # type: ignore[union-attr]
+
+            def cb(index: tuple[slice, ...], m: TensorMap = m) -> np.ndarray:
+                return _read_leaf(src, m, index, np_dtype)
+
+            arr = jax.make_array_from_callback(m.shape, sharding, cb)
+        _set(params, m.path, arr)
+    check_params(params, cfg)
+    return params
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+    dtype: Any = None,
+) -> tuple[ModelConfig, Params]:
+    """Load a HF checkpoint folder (config.json + safetensors) into our pytree.
+
+    With ``mesh``, every leaf is a sharded ``jax.Array`` laid out per ``rules`` and each device
+    reads only its own slice from disk. ``dtype`` defaults to ``cfg.param_dtype``.
+    """
+    if cfg is None:
+        cfg = from_hf_config(read_hf_config(path))
+    src = SafetensorsSource(path)
+    try:
+        params = load_params_from_source(src, cfg, mesh, rules, dtype)
+        jax.block_until_ready(params)
+    finally:
+        src.close()
+    return cfg, params
+
+
+# ------------------------------------------------------------------------------ saving
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def iter_hf_tensors(
+    params: Params, cfg: ModelConfig, dtype: Any = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Stream (HF name, host array in HF layout), one layer of one leaf at a time.
+
+    Arrays must be fully addressable from this process (single host); ``dtype`` casts.
+    """
+    check_params(params, cfg)
+    np_dtype = None if dtype is None else np.dtype(jax.numpy.dtype(dtype))
+    for m in tensor_maps(cfg):
+        leaf = _get(params, m.path)
+        layers = range(m.num_layers) if m.stacked else [None]
+        for i in layers:
+            part = _host(leaf[i] if i is not None else leaf)
+            hf = m.to_hf(part)
+            if np_dtype is not None:
+                hf = hf.astype(np_dtype)
+            yield (m.hf_name.format(i=i) if i is not None else m.hf_name), hf
+
+
+def _rope_to_hf(r: RopeConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type in ("linear", "dynamic", "llama3", "yarn"):
+        d["factor"] = r.factor
+    if r.rope_type in ("llama3", "yarn", "dynamic") and r.original_max_position_embeddings:
+        d["original_max_position_embeddings"] = r.original_max_position_embeddings
+    if r.rope_type == "llama3":
+        d["low_freq_factor"] = r.low_freq_factor
+        d["high_freq_factor"] = r.high_freq_factor
+    if r.rope_type == "yarn":
+        d["beta_fast"] = r.beta_fast
+        d["beta_slow"] = r.beta_slow
+        if r.attention_factor is not None:
+            d["attention_factor"] = r.attention_factor
+        if not r.truncate:
+            d["truncate"] = False
+    return d
+
+
+def to_hf_config(
+    cfg: ModelConfig,
+    dtype: str = "bfloat16",
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> dict[str, Any]:
+    """A HF ``config.json`` dict for this config (transformers 5 keys plus 4.x fallbacks)."""
+    arch, model_type = HF_ARCHITECTURES[cfg.family]
+    full = cfg.rope_for("full_attention")
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "rope_theta": full.theta,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+    }
+    if cfg.family == "llama":
+        out["mlp_bias"] = False
+        out["pretraining_tp"] = 1
+    if cfg.family == "olmo3":
+        rope_types = dict(cfg.rope)
+        out["rope_parameters"] = {
+            lt: _rope_to_hf(rope_types.get(lt, full))
+            for lt in ("full_attention", "sliding_attention")
+        }
+        layer_types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
+        out["layer_types"] = layer_types
+        out["sliding_window"] = cfg.sliding_window or cfg.max_position_embeddings
+        if full.rope_type != "default":
+            out["rope_scaling"] = _rope_to_hf(full)
+    else:
+        out["rope_parameters"] = _rope_to_hf(full)
+        if full.rope_type != "default":
+            out["rope_scaling"] = _rope_to_hf(full)
+    if cfg.family == "qwen3":
+        if cfg.layer_types and "sliding_attention" in cfg.layer_types:
+            out["use_sliding_window"] = True
+            out["sliding_window"] = cfg.sliding_window
+            out["layer_types"] = list(cfg.layer_types)
+            out["max_window_layers"] = cfg.layer_types.index("sliding_attention")
+        else:
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+            out["max_window_layers"] = cfg.num_layers
+            out["layer_types"] = ["full_attention"] * cfg.num_layers
+    return out
+
+
+def _token_ids(tokenizer: Any) -> tuple[int | None, int | list[int] | None, int | None]:
+    if tokenizer is None:
+        return None, None, None
+    bos = getattr(tokenizer, "bos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    pad = getattr(tokenizer, "pad_id", None)
+    return bos, eos, pad
+
+
+def save_hf_checkpoint(
+    params: Params,
+    cfg: ModelConfig,
+    path: str | os.PathLike,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer: Any = None,
+    generation_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a HF checkpoint folder that ``transformers`` (and vLLM) load as is.
+
+    ``tokenizer``: a ``pmd_jax.models.tokenizer.Tokenizer`` (its files and chat template are
+    saved, and its bos/eos/pad ids go into the configs).
+    """
+    from safetensors.numpy import save_file
+
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"save dtype {dtype!r} is not one of bfloat16, float32, float16")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    maps = tensor_maps(cfg)
+    check_params(params, cfg)
+    # Plan shards from shapes (no data touched), then stream one shard at a time.
+    sizes: list[tuple[str, int]] = []
+    for m in maps:
+        nbytes = math.prod(m.hf_shape) * np_dtype.itemsize
+        sizes += [(n, nbytes) for n in m.hf_names()]
+    total = sum(s for _, s in sizes)
+    shards: list[list[str]] = [[]]
+    acc = 0
+    for name, nb in sizes:
+        if shards[-1] and acc + nb > max_shard_bytes:
+            shards.append([])
+            acc = 0
+        shards[-1].append(name)
+        acc += nb
+    n = len(shards)
+    file_of: dict[str, str] = {}
+    for k, names in enumerate(shards):
+        fname = SAFE_SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        for name in names:
+            file_of[name] = fname
+    for stale in list(out.glob("model*.safetensors")) + [out / SAFE_INDEX]:
+        if stale.exists():
+            stale.unlink()
+    buf: dict[str, np.ndarray] = {}
+    current = None
+    for name, arr in iter_hf_tensors(params, cfg, dtype=np_dtype):
+        f = file_of[name]
+        if current is not None and f != current:
+            save_file(buf, str(out / current), metadata={"format": "pt"})
+            buf = {}
+        current = f
+        buf[name] = np.ascontiguousarray(arr)
+    if current is not None:
+        save_file(buf, str(out / current), metadata={"format": "pt"})
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": file_of}
+        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+    bos, eos, pad = _token_ids(tokenizer)
+    hf_cfg = to_hf_config(cfg, dtype, bos, eos, pad)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+    if tokenizer is not None:
+        stops = list(getattr(tokenizer, "stop_ids", []) or [])
+        if stops:
+            gen["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    gen.update(dict(generation_config or {}))
+    gen = {k: v for k, v in gen.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(out)
+    return out
