@@ -1,0 +1,30 @@
+"""Procedural memory for PMD: experience, insight and behavior levels; ScaNN retrieval."""
+
+from pmd_jax.memory.config import default_memory_config, validate_memory_config
+from pmd_jax.memory.context import TeacherContext
+from pmd_jax.memory.embedder import SentenceEmbedder
+from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.memory import ProceduralMemory
+from pmd_jax.memory.types import (
+    Behavior,
+    ExperienceItem,
+    InsightItem,
+    MemoryUpdateStats,
+    Provenance,
+    RolloutRecord,
+)
+
+__all__ = [
+    "Behavior",
+    "ExperienceItem",
+    "InsightItem",
+    "MemoryUpdateStats",
+    "ProceduralMemory",
+    "Provenance",
+    "RolloutRecord",
+    "ScannIndex",
+    "SentenceEmbedder",
+    "TeacherContext",
+    "default_memory_config",
+    "validate_memory_config",
+]

@@ -1,0 +1,315 @@
+"""Level 3, behaviors: a bank of reusable name/instruction pairs over semantic clusters.
+
+A round (every ``every_n_steps`` steps, once ``min_problems`` problems are known):
+
+1. cluster all known problem embeddings with scikit-learn (KMeans or MiniBatchKMeans);
+2. summarise each cluster (extractive: size, success rate and the problems nearest the
+   centroid; or "policy": the policy writes one or two sentences);
+3. gather evidence per cluster: the problems nearest the centroid with their strategies and
+   lessons;
+4. while the bank is empty: the extraction prompt, 3-8 behaviors per cluster; afterwards the
+   evolution prompt per cluster (retrieve-then-decide): the existing behaviors nearest the
+   cluster (ScaNN) are shown with all cluster summaries, and new/update/remove actions apply.
+
+Behaviors are indexed in ScaNN by their cluster centroid (default; teacher retrieval ranks
+behaviors by similarity of the problem to the centroid they were extracted for) or by their
+own text embedding. When the bank exceeds ``max_bank_size`` the least recently updated
+behavior is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.memory import prompts
+from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors
+from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.types import Behavior, Provenance
+from pmd_jax.sampling.base import SamplingParams, TextGenerator
+
+
+def cluster_problems(vecs: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(labels [n], unit-norm centroids [c, d]) from scikit-learn k-means."""
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+
+    n = len(vecs)
+    k = max(1, min(int(cfg.num_clusters), n // max(1, int(cfg.min_cluster_size)), n))
+    if cfg.cluster_algo == "minibatch_kmeans":
+        km = MiniBatchKMeans(n_clusters=k, random_state=cfg.cluster_seed, n_init=3,
+                             batch_size=1024)
+    else:
+        km = KMeans(n_clusters=k, random_state=cfg.cluster_seed, n_init=3)
+    labels = km.fit_predict(vecs.astype(np.float64))
+    cent = km.cluster_centers_.astype(np.float32)
+    cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
+    return labels.astype(np.int64), cent
+
+
+class BehaviorBank:
+    def __init__(self, cfg: Any, dim: int, index_cfg: Any, extra_tokens: Sequence[str] = ()):
+        self.cfg = cfg
+        self.dim = dim
+        self.extra_tokens = tuple(extra_tokens)
+        self.behaviors: dict[str, Behavior] = {}
+        self.by_name: dict[str, str] = {}
+        self.anchors: dict[str, np.ndarray] = {}  # centroid a behavior was last written for
+        self.index = ScannIndex(dim, index_cfg)
+        self.centroids = np.zeros((0, dim), np.float32)
+        self.summaries: list[str] = []
+        self.members: dict[int, list[str]] = {}
+        self.rounds = 0
+        self.last_round_step = -1
+        self.next_id = 0
+
+    def due(self, step: int, num_problems: int) -> bool:
+        if num_problems < self.cfg.min_problems:
+            return False
+        return self.last_round_step < 0 or step - self.last_round_step >= self.cfg.every_n_steps
+
+    # ------------------------------------------------------------------- retrieval --
+    def retrieve(self, query: np.ndarray, k: int) -> list[Behavior]:
+        if k <= 0 or not self.behaviors:
+            return []
+        ids, _ = self.index.search(query[None], k)
+        return [self.behaviors[d] for d in ids[0] if d in self.behaviors]
+
+    # ----------------------------------------------------------------------- round --
+    def run_round(
+        self,
+        step: int,
+        pids: Sequence[str],
+        vecs: np.ndarray,
+        problem_text: dict[str, str],
+        evidence: Callable[[str], tuple[list[str], list[str]]],
+        success_rate: Callable[[str], float],
+        leak_strings: dict[str, list[str]],
+        generator: TextGenerator,
+        embed: Callable[[list[str]], np.ndarray],
+    ) -> Counter:
+        cfg = self.cfg
+        counts: Counter = Counter()
+        labels, cent = cluster_problems(vecs, cfg)
+        members: dict[int, list[str]] = {}
+        for c in range(len(cent)):
+            idx = np.flatnonzero(labels == c)
+            order = idx[np.argsort(-(vecs[idx] @ cent[c]), kind="stable")]
+            members[c] = [pids[i] for i in order]
+        self.centroids, self.members = cent, members
+        counts["clusters"] = len(cent)
+        sp = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                            top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens,
+                            seed=cfg.sampling.seed + step)
+        self.summaries = self._summaries(members, problem_text, success_rate, generator, sp,
+                                         counts)
+        evid = {c: self._evidence(m, problem_text, evidence) for c, m in members.items()}
+        cluster_leaks = {c: [s for p in m for s in leak_strings.get(p, [])]
+                         for c, m in members.items()}
+        clusters = sorted(members)
+        if not self.behaviors:
+            convs = [self._extraction_conv(self.summaries[c], evid[c]) for c in clusters]
+            replies = generator.generate_texts(convs, sp) if convs else []
+            for c, reply in zip(clusters, _first_texts(replies, len(clusters), counts)):
+                items = parse_behaviors(reply, counts, max_name_chars=cfg.max_name_chars,
+                                        max_instruction_chars=cfg.max_instruction_chars,
+                                        max_items=cfg.max_behaviors,
+                                        extra_tokens=self.extra_tokens)
+                if len(items) < cfg.min_behaviors:
+                    counts["too_few_behaviors"] += 1
+                for name, instr in items:
+                    self._apply(step, c, "new", name, instr, members[c], "extraction",
+                                cluster_leaks[c], counts)
+        else:
+            convs = []
+            for c in clusters:
+                existing = self.retrieve(cent[c], cfg.retrieve_for_evolution)
+                convs.append(self._evolution_conv(c, evid[c], existing))
+            replies = generator.generate_texts(convs, sp) if convs else []
+            for c, reply in zip(clusters, _first_texts(replies, len(clusters), counts)):
+                for a in parse_actions(reply, counts, max_name_chars=cfg.max_name_chars,
+                                       max_instruction_chars=cfg.max_instruction_chars,
+                                       max_items=2 * cfg.max_behaviors,
+                                       extra_tokens=self.extra_tokens):
+                    self._apply(step, c, a.action, a.name, a.instruction, members[c],
+                                "evolution", cluster_leaks[c], counts)
+        self._evict(counts)
+        self._reindex(embed)
+        self.rounds += 1
+        self.last_round_step = int(step)
+        return counts
+
+    def _summaries(self, members, problem_text, success_rate, generator, sp, counts):
+        cfg = self.cfg
+        out = []
+        for c in sorted(members):
+            m = members[c]
+            ex = "; ".join(sanitize_text(problem_text.get(p, ""), 120, self.extra_tokens)
+                           for p in m[:3])
+            rate = float(np.mean([success_rate(p) for p in m])) if m else 0.0
+            out.append(sanitize_text(prompts.SUMMARY_EXTRACTIVE.format(
+                n=len(m), rate=rate, examples=ex), cfg.max_summary_chars, self.extra_tokens))
+        if cfg.summary_mode == "policy" and members:
+            convs = []
+            for c in sorted(members):
+                probs = "\n".join("- " + sanitize_text(problem_text.get(p, ""),
+                                                       cfg.max_evidence_chars, self.extra_tokens)
+                                  for p in members[c][:cfg.max_problems_per_cluster_prompt])
+                convs.append([{"role": "system", "content": prompts.SUMMARY_SYSTEM},
+                              {"role": "user", "content": prompts.SUMMARY_USER.format(
+                                  problems=probs)}])
+            replies = generator.generate_texts(convs, sp)
+            for i, reply in enumerate(_first_texts(replies, len(convs), counts)):
+                s = sanitize_text(reply, cfg.max_summary_chars, self.extra_tokens)
+                s = " ".join(s.split())
+                if s:
+                    out[i] = s  # extractive summary stays as the fallback
+                else:
+                    counts["empty_summary"] += 1
+        return out
+
+    def _evidence(self, m, problem_text, evidence) -> str:
+        cfg = self.cfg
+        lines = []
+        for p in m[: cfg.max_problems_per_cluster_prompt]:
+            strat, less = evidence(p)
+            cap = cfg.max_evidence_chars
+
+            def join(xs: list[str]) -> str:
+                return sanitize_text("; ".join(xs), cap, self.extra_tokens)
+
+            lines.append(prompts.EVIDENCE_PROBLEM.format(
+                problem=sanitize_text(problem_text.get(p, ""), cap, self.extra_tokens),
+                strategies=prompts.EVIDENCE_STRATEGIES.format(items=join(strat)) if strat else "",
+                lessons=prompts.EVIDENCE_LESSONS.format(items=join(less)) if less else "",
+            ))
+        return "\n".join(lines)
+
+    def _extraction_conv(self, summary: str, evidence: str) -> list[dict[str, str]]:
+        user = prompts.EXTRACTION_USER.format(
+            summary=summary, evidence=evidence, min_behaviors=self.cfg.min_behaviors,
+            max_behaviors=self.cfg.max_behaviors)
+        return [{"role": "system", "content": prompts.EXTRACTION_SYSTEM},
+                {"role": "user", "content": user}]
+
+    def _evolution_conv(self, c: int, evidence: str, existing: list[Behavior]):
+        # This cluster's summary first, then the others.
+        order = [c] + [i for i in range(len(self.summaries)) if i != c]
+        summaries = "\n".join(f"- {self.summaries[i]}" for i in order)
+        ex = "\n".join(prompts.EXISTING_BEHAVIOR.format(name=b.name, instruction=b.instruction)
+                       for b in existing) or prompts.NO_EXISTING
+        user = prompts.EVOLUTION_USER.format(summaries=summaries, evidence=evidence, existing=ex)
+        return [{"role": "system", "content": prompts.EVOLUTION_SYSTEM},
+                {"role": "user", "content": user}]
+
+    def _apply(self, step, c, action, name, instr, members, source, leaks, counts) -> None:
+        key = normalize_name(name)
+        if action != "remove" and leaks_gold(f"{name} {instr}", leaks):
+            counts["gold_leak"] += 1
+            return
+        prov = Provenance(source, int(step), tuple(members))
+        docid = self.by_name.get(key)
+        if action == "remove":
+            if docid is None:
+                counts["remove_unknown"] += 1
+                return
+            del self.behaviors[docid]
+            del self.by_name[key]
+            self.anchors.pop(docid, None)
+            counts["behaviors_removed"] += 1
+            return
+        if docid is not None:  # "update", or "new" reusing an existing name
+            b = self.behaviors[docid]
+            if action == "new":
+                counts["new_existing_name"] += 1
+            b.instruction, b.cluster_id, b.provenance = instr, int(c), prov
+            b.updated_step, b.version = int(step), b.version + 1
+            self.anchors[docid] = self.centroids[c].copy()
+            counts["behaviors_updated"] += 1
+            return
+        if action == "update":
+            counts["update_unknown"] += 1  # treated as new
+        docid = f"beh/{self.next_id}"
+        self.next_id += 1
+        self.behaviors[docid] = Behavior(docid, name, instr, int(c), prov, int(step), int(step))
+        self.by_name[key] = docid
+        self.anchors[docid] = self.centroids[c].copy()
+        counts["behaviors_new"] += 1
+
+    def _evict(self, counts: Counter) -> None:
+        while len(self.behaviors) > self.cfg.max_bank_size:
+            victim = min(self.behaviors.values(), key=lambda b: (b.updated_step, b.docid))
+            del self.behaviors[victim.docid]
+            del self.by_name[normalize_name(victim.name)]
+            self.anchors.pop(victim.docid, None)
+            counts["behaviors_evicted"] += 1
+
+    def _reindex(self, embed: Callable[[list[str]], np.ndarray]) -> None:
+        gone = [d for d in self.index.docids() if d not in self.behaviors]
+        self.index.delete(gone)
+        ids = list(self.behaviors)
+        if not ids:
+            return
+        anchors = np.stack([self.anchors[d] for d in ids])
+        if len(self.centroids):  # behaviors belong to the nearest current cluster
+            for d, c in zip(ids, np.argmax(anchors @ self.centroids.T, axis=1)):
+                self.behaviors[d].cluster_id = int(c)
+        if self.cfg.key == "text":
+            vecs = embed([f"{self.behaviors[d].name}: {self.behaviors[d].instruction}"
+                          for d in ids])
+        else:
+            vecs = anchors
+        self.index.upsert(ids, vecs)
+
+    # --------------------------------------------------------------------- state --
+    def state_dict(self) -> dict[str, Any]:
+        return dict(
+            behaviors=[dict(docid=b.docid, name=b.name, instruction=b.instruction,
+                            cluster_id=b.cluster_id, provenance=b.provenance.to_json(),
+                            created_step=b.created_step, updated_step=b.updated_step,
+                            version=b.version) for b in self.behaviors.values()],
+            anchors_ids=list(self.anchors),
+            anchors=(np.stack(list(self.anchors.values())) if self.anchors
+                     else np.zeros((0, self.dim), np.float32)),
+            index=self.index.state_dict(), centroids=self.centroids.copy(),
+            summaries=list(self.summaries),
+            members={str(c): list(m) for c, m in self.members.items()},
+            rounds=self.rounds, last_round_step=self.last_round_step, next_id=self.next_id,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.behaviors, self.by_name = {}, {}
+        for d in state["behaviors"]:
+            d = dict(d)
+            d["provenance"] = Provenance.from_json(d["provenance"])
+            b = Behavior(**d)
+            self.behaviors[b.docid] = b
+            self.by_name[normalize_name(b.name)] = b.docid
+        av = np.asarray(state["anchors"], np.float32).reshape(-1, self.dim)
+        self.anchors = {str(d): v.copy() for d, v in zip(state["anchors_ids"], av)}
+        self.index.load_state_dict(state["index"])
+        self.centroids = np.asarray(state["centroids"], np.float32).reshape(-1, self.dim)
+        self.summaries = list(state["summaries"])
+        self.members = {int(c): list(m) for c, m in state["members"].items()}
+        self.rounds = int(state["rounds"])
+        self.last_round_step = int(state["last_round_step"])
+        self.next_id = int(state["next_id"])
+
+
+def _first_texts(replies: object, n: int, counts: Counter) -> list[str]:
+    """The first sample of each of ``n`` replies; missing or malformed replies become ''."""
+    out = []
+    for i in range(n):
+        try:
+            r = replies[i]  # type: ignore[index]
+            t = r[0] if isinstance(r, (list, tuple)) and r else r
+        except (IndexError, KeyError, TypeError):
+            t = None
+        if not isinstance(t, str):
+            counts["missing_reply"] += 1
+            t = ""
+        out.append(t)
+    return out

@@ -1,0 +1,214 @@
+"""Level 2, insight: the policy reflects on each touched problem's attempts.
+
+Per problem and step: one reflection conversation showing up to ``max_attempts_shown`` correct
+and incorrect attempts (contrasted when both exist). The reply is parsed defensively into
+strategies and lessons, then filtered:
+
+- strategies are kept only if a shown attempt is a verified success, lessons only if a shown
+  attempt is a verified failure (switchable);
+- items containing a gold-leak string (option letter, expected output) are dropped;
+- near-duplicates (cosine >= ``dedup_threshold`` with an item of the same problem and kind, or
+  with an earlier item of the same reply) are not added; the existing item's support grows.
+  ``dedup="exact"`` compares case- and space-normalised text instead (no embedder calls).
+
+Per problem at most ``max_strategies_per_problem`` / ``max_lessons_per_problem`` items; the
+least recently confirmed (then least supported) item is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.memory import prompts
+from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.parsing import parse_reflection
+from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.types import InsightItem, Provenance, RolloutRecord
+
+KINDS = ("strategy", "lesson")
+
+
+def select_attempts(
+    records: Sequence[RolloutRecord], max_each: int, threshold: float
+) -> tuple[list[RolloutRecord], list[RolloutRecord]]:
+    good = [r for r in records if float(r.reward) >= threshold][:max_each]
+    bad = [r for r in records if float(r.reward) < threshold][:max_each]
+    return good, bad
+
+
+def reflection_conversation(
+    problem_text: str,
+    good: Sequence[RolloutRecord],
+    bad: Sequence[RolloutRecord],
+    cfg: Any,
+    extra_tokens: Sequence[str] = (),
+) -> list[dict[str, str]]:
+    blocks = []
+    for n, r in enumerate(list(good) + list(bad), 1):
+        verdict = prompts.VERDICT_CORRECT if n <= len(good) else prompts.VERDICT_INCORRECT
+        fb = sanitize_text(r.feedback or "", cfg.max_attempt_chars // 2, extra_tokens)
+        blocks.append(prompts.REFLECTION_ATTEMPT.format(
+            n=n, verdict=verdict, reward=float(r.reward),
+            response=sanitize_text(r.response_text, cfg.max_attempt_chars, extra_tokens,
+                                   drop_thinking=True) or "(empty)",
+            feedback=prompts.REFLECTION_FEEDBACK.format(feedback=fb) if fb else "",
+        ))
+    user = prompts.REFLECTION_USER.format(
+        problem=sanitize_text(problem_text, cfg.max_problem_chars, extra_tokens),
+        attempts="\n\n".join(blocks) if blocks else prompts.REFLECTION_NO_ATTEMPTS,
+        contrast=prompts.REFLECTION_CONTRAST if good and bad else "",
+    )
+    return [{"role": "system", "content": prompts.REFLECTION_SYSTEM},
+            {"role": "user", "content": user}]
+
+
+class InsightStore:
+    def __init__(self, cfg: Any, success_threshold: float, dim: int, index_cfg: Any,
+                 extra_tokens: Sequence[str] = ()):
+        self.cfg = cfg
+        self.success_threshold = float(success_threshold)
+        self.extra_tokens = tuple(extra_tokens)
+        self.items: dict[str, InsightItem] = {}
+        self.by_problem: dict[str, dict[str, list[str]]] = {}
+        self.index = ScannIndex(dim, index_cfg)  # vectors of every item, keyed by docid
+        self.next_id = 0
+
+    def ids(self, pid: str, kind: str) -> list[str]:
+        return self.by_problem.get(pid, {}).get(kind, [])
+
+    def texts(self, pid: str, kind: str) -> list[str]:
+        return [self.items[d].text for d in self.ids(pid, kind)]
+
+    def problems(self) -> list[str]:
+        return [p for p, v in self.by_problem.items() if v.get("strategy") or v.get("lesson")]
+
+    def ingest(
+        self,
+        step: int,
+        replies: dict[str, str],
+        shown: dict[str, tuple[list[RolloutRecord], list[RolloutRecord]]],
+        leak_strings: dict[str, list[str]],
+        embed: Callable[[list[str]], np.ndarray],
+    ) -> Counter:
+        """Parses each problem's reply, filters, dedups and stores the surviving items."""
+        counts: Counter = Counter()
+        candidates: list[tuple[str, str, str, Provenance]] = []  # pid, kind, text, prov
+        for pid, reply in replies.items():
+            good, bad = shown[pid]
+            counts["reflections"] += 1
+            before = counts["json_error"]
+            strategies, lessons = parse_reflection(
+                reply, counts, max_item_chars=self.cfg.max_item_chars,
+                min_item_chars=self.cfg.min_item_chars,
+                max_items=self.cfg.max_items_per_reflection, extra_tokens=self.extra_tokens)
+            if counts["json_error"] == before:
+                counts["reflections_parsed"] += 1
+            if self.cfg.strategies_only_from_successes and not good and strategies:
+                counts["strategies_without_success"] += len(strategies)
+                strategies = []
+            if self.cfg.lessons_only_from_failures and not bad and lessons:
+                counts["lessons_without_failure"] += len(lessons)
+                lessons = []
+            shown_recs = list(good) + list(bad)
+            prov = Provenance("reflection", int(step), (pid,),
+                              tuple(int(r.rollout_index) for r in shown_recs),
+                              tuple(float(r.reward) for r in shown_recs))
+            leaks = leak_strings.get(pid, [])
+            for kind, items in (("strategy", strategies), ("lesson", lessons)):
+                for text in items:
+                    if self.cfg.drop_gold_leaks and leaks_gold(text, leaks):
+                        counts["gold_leak"] += 1
+                        continue
+                    candidates.append((pid, kind, text, prov))
+        if not candidates:
+            return counts
+        exact = self.cfg.dedup == "exact"
+        if exact:
+            vecs = np.zeros((len(candidates), self.index.dim), np.float32)
+        else:
+            vecs = embed([c[2] for c in candidates])
+        new_ids: list[str] = []
+        new_vecs: list[np.ndarray] = []
+        pending: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
+        for (pid, kind, text, prov), v in zip(candidates, vecs):
+            hit = self._duplicate_of(pid, kind, text, v, pending.setdefault((pid, kind), []))
+            if hit is not None:
+                hit.support += 1
+                hit.last_step = int(step)
+                counts["duplicates"] += 1
+                continue
+            docid = f"ins/{pid}/{kind}/{self.next_id}"
+            self.next_id += 1
+            self.items[docid] = InsightItem(docid, pid, kind, text, prov, 1, int(step))
+            self.by_problem.setdefault(pid, {}).setdefault(kind, []).append(docid)
+            pending[(pid, kind)].append((docid, v))
+            if not exact:
+                new_ids.append(docid)
+                new_vecs.append(v)
+            counts[f"{kind}_added"] += 1
+        if new_ids:
+            self.index.upsert(new_ids, np.stack(new_vecs))
+        evicted = self._evict()
+        counts["insights_evicted"] += len(evicted)
+        return counts
+
+    def _duplicate_of(self, pid: str, kind: str, text: str, v: np.ndarray,
+                      pending: list[tuple[str, np.ndarray]]) -> InsightItem | None:
+        """The stored (or just added) item of this problem and kind that ``text`` repeats."""
+        if self.cfg.dedup == "exact":
+            key = " ".join(text.casefold().split())
+            for d in self.ids(pid, kind):
+                if " ".join(self.items[d].text.casefold().split()) == key:
+                    return self.items[d]
+            return None
+        existing = [d for d in self.ids(pid, kind) if d in self.index]
+        pool_ids = existing + [d for d, _ in pending]
+        if not pool_ids:
+            return None
+        pool = np.concatenate([self.index.matrix(existing).reshape(-1, v.shape[0]),
+                               np.array([pv for _, pv in pending]).reshape(-1, v.shape[0])])
+        sims = pool @ v
+        j = int(np.argmax(sims))
+        return self.items[pool_ids[j]] if sims[j] >= self.cfg.dedup_threshold else None
+
+    def _evict(self) -> list[str]:
+        caps = {"strategy": self.cfg.max_strategies_per_problem,
+                "lesson": self.cfg.max_lessons_per_problem}
+        gone: list[str] = []
+        for pid, kinds in self.by_problem.items():
+            for kind, ids in kinds.items():
+                while len(ids) > caps[kind]:
+                    victim = min(ids, key=lambda d: (self.items[d].last_step,
+                                                     self.items[d].support))
+                    ids.remove(victim)
+                    del self.items[victim]
+                    gone.append(victim)
+        self.index.delete(gone)
+        return gone
+
+    # --------------------------------------------------------------------- state --
+    def state_dict(self) -> dict[str, Any]:
+        return dict(
+            items=[dict(docid=i.docid, problem_id=i.problem_id, kind=i.kind, text=i.text,
+                        provenance=i.provenance.to_json(), support=i.support,
+                        last_step=i.last_step) for i in self.items.values()],
+            order={p: {k: list(v) for k, v in kinds.items()}
+                   for p, kinds in self.by_problem.items()},
+            index=self.index.state_dict(), next_id=self.next_id,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.items = {}
+        for d in state["items"]:
+            d = dict(d)
+            d["provenance"] = Provenance.from_json(d["provenance"])
+            it = InsightItem(**d)
+            self.items[it.docid] = it
+        self.by_problem = {p: {k: list(v) for k, v in kinds.items()}
+                           for p, kinds in state["order"].items()}
+        self.index.load_state_dict(state["index"])
+        self.next_id = int(state["next_id"])
