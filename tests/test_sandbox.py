@@ -1,0 +1,346 @@
+"""Hostile programs against the sandbox: each must be contained and reported with a reason.
+
+The fork bombs are bounded: they run only when a process-count containment really applies
+here (a dropped uid under RLIMIT_NPROC or a cgroup pids limit); otherwise the test is skipped
+with a message rather than running an unbounded fork bomb on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from pmd_jax.tasks import sandbox
+from pmd_jax.tasks.sandbox import Limits, run_python
+
+LIM = Limits(cpu_s=2, wall_s=6, memory_bytes=512 << 20, tree_memory_bytes=1 << 30, nproc=16,
+             nofile=64, fsize_bytes=4 << 20, output_bytes=1 << 20, tmpfs_bytes=32 << 20)
+INFO = sandbox.backend_info()
+BACKEND = INFO["backend"]
+
+
+def nproc_contained() -> bool:
+    return bool(INFO["uid_drop"] or "pids" in INFO["cgroup"] or "unified" in INFO["cgroup"])
+
+
+def run(src: str, backend: str = BACKEND, **kw) -> sandbox.ExecResult:
+    return run_python(src, backend=backend, limits=kw.pop("limits", LIM), **kw)
+
+
+def procs_with(marker: str) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def test_backend_reported():
+    assert BACKEND in sandbox.BACKENDS
+    assert BACKEND in INFO["available"] or BACKEND == "rlimits"
+    r = run("print('hello')")
+    assert r.ok and r.stdout == b"hello\n" and r.backend == BACKEND
+
+
+def test_uid_and_privileges_dropped():
+    if os.geteuid() != 0:
+        pytest.skip("host is not root: no uid drop to check")
+    r = run("import os\nprint(os.getuid(), os.geteuid())\n"
+            "try:\n os.setuid(0); print('ROOT')\nexcept PermissionError: print('denied')")
+    assert r.ok, r.reason
+    uid, euid, res = r.stdout.decode().split()
+    assert int(uid) != 0 and int(euid) != 0 and res == "denied"
+
+
+# ----------------------------------------------------------------------------- hostile kinds
+
+
+def test_fork_bomb():
+    if not nproc_contained():
+        pytest.skip("no process-count containment here (root without uid drop and no pids "
+                    "cgroup): not running a fork bomb")
+    src = ("import os\nn=0\nwhile True:\n    try:\n        os.fork(); n+=1\n"
+           "    except OSError:\n        break\nprint('forks', n)\nimport time; time.sleep(0.5)")
+    t0 = time.time()
+    r = run(src)
+    assert time.time() - t0 < LIM.wall_s + 5
+    # contained: either the bomb hit the limit and exited, or the tree was killed
+    assert r.status in ("ok", "exit_nonzero", "timeout", "signal", "cpu_limit"), r.reason
+
+
+def test_fork_bomb_counted_limit():
+    if not nproc_contained():
+        pytest.skip("no process-count containment here: not running a fork bomb")
+    src = ("import os,time\nn=0\nfor _ in range(200):\n    try:\n        pid=os.fork()\n"
+           "    except OSError:\n        break\n    if pid==0:\n        time.sleep(3); os._exit(0)\n"
+           "    n+=1\nprint(n)")
+    r = run(src)
+    assert r.ok, r.reason
+    assert int(r.stdout) < LIM.nproc + 8  # the process limit really bites
+
+
+def test_thread_bomb():
+    if not nproc_contained():
+        pytest.skip("no process-count containment here")
+    src = ("import threading,time\nn=0\ntry:\n    for _ in range(500):\n"
+           "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n+=1\n"
+           "except RuntimeError:\n    pass\nprint(n)")
+    r = run(src)
+    assert r.ok, r.reason
+    assert int(r.stdout) < LIM.nproc + 8
+
+
+def test_infinite_loop():
+    r = run("while True:\n    pass")
+    assert r.status in ("cpu_limit", "timeout"), r.reason
+    assert "limit" in r.reason
+
+
+def test_sleep_past_wall_limit():
+    t0 = time.time()
+    r = run("import time\ntime.sleep(60)")
+    assert r.status == "timeout" and "wall-clock" in r.reason
+    assert time.time() - t0 < LIM.wall_s + 3
+
+
+def test_allocate_10gb():
+    r = run("x = bytearray(10 * 1024**3)\nprint(len(x))")
+    assert r.status == "memory_limit", (r.status, r.reason)
+    assert "memory" in r.reason
+
+
+def test_allocate_incrementally():
+    r = run("xs=[]\nwhile True:\n    xs.append(bytearray(50 * 1024**2))")
+    assert r.status == "memory_limit", (r.status, r.reason)
+
+
+def test_memory_across_processes():
+    if not (INFO["cgroup"]):
+        pytest.skip("no memory cgroup here: RLIMIT_AS alone does not bound a process tree, "
+                    "not allocating across processes on a shared machine")
+    src = ("import os,time\nfor _ in range(6):\n    if os.fork()==0:\n"
+           "        try:\n            x=bytearray(400*1024**2)\n            time.sleep(3)\n"
+           "        finally:\n            os._exit(0)\n"
+           "time.sleep(4)\nprint('survived')")
+    r = run(src, limits=Limits(cpu_s=4, wall_s=8, memory_bytes=512 << 20,
+                               tree_memory_bytes=1 << 30, nproc=16))
+    # 6 x 400 MiB > 1 GiB tree limit: the OOM killer must have intervened
+    assert r.status == "memory_limit", (r.status, r.reason)
+
+
+def test_network_connect_localhost():
+    if not INFO["network_isolated"]:
+        pytest.skip(f"backend {BACKEND} has no network isolation")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(0.2)
+    port = srv.getsockname()[1]
+    got = []
+
+    def accept():
+        t_end = time.time() + 4
+        while time.time() < t_end:
+            try:
+                c, _ = srv.accept()
+                got.append(c)
+                return
+            except OSError:
+                continue
+
+    th = threading.Thread(target=accept)
+    th.start()
+    src = (f"import socket\ns=socket.socket()\ns.settimeout(2)\n"
+           f"s.connect(('127.0.0.1', {port}))\nprint('CONNECTED')")
+    r = run(src)
+    th.join()
+    srv.close()
+    assert not got, "the sandboxed program reached a host socket"
+    assert r.status == "exit_nonzero" and b"CONNECTED" not in r.stdout
+    assert "Error" in r.reason
+
+
+def test_network_external():
+    if not INFO["network_isolated"]:
+        pytest.skip(f"backend {BACKEND} has no network isolation")
+    r = run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\nprint('OUT')")
+    assert r.status == "exit_nonzero" and b"OUT" not in r.stdout
+
+
+def test_write_outside_temp_dir(tmp_path):
+    target = tmp_path / "pwned.txt"
+    r = run(f"open({str(target)!r}, 'w').write('x')\nprint('WROTE')")
+    assert not target.exists()
+    assert r.status == "exit_nonzero" and b"WROTE" not in r.stdout
+    assert "Error" in r.reason
+
+
+def test_cwd_is_empty_and_writable():
+    r = run("import os\nprint(os.listdir('.'))\nopen('f','w').write('ok')\nprint(open('f').read())")
+    assert r.ok, r.reason
+    assert r.stdout.decode().split() == ["[]", "ok"]
+
+
+def test_read_host_file(tmp_path):
+    if not INFO["filesystem_isolated"]:
+        pytest.skip(f"backend {BACKEND} shares the host filesystem (read-only by permissions)")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    secret.chmod(0o644)
+    r = run(f"print(open({str(secret)!r}).read())")
+    assert b"TOPSECRET" not in r.stdout and r.status == "exit_nonzero"
+
+
+def test_read_parent_environment(monkeypatch):
+    monkeypatch.setenv("PMD_TEST_SECRET", "s3cr3t-value")
+    src = ("import os\nprint(dict(os.environ))\n"
+           "for p in ('/proc/%d/environ' % os.getppid(), '/proc/1/environ'):\n"
+           "    try:\n        print(open(p,'rb').read())\n    except OSError as e:\n"
+           "        print('denied', p)")
+    r = run(src)
+    assert b"s3cr3t-value" not in r.stdout
+    assert r.ok, r.reason
+
+
+def test_kill_parent():
+    src = ("import os,signal\nfor t in (os.getppid(), 1):\n    try:\n"
+           "        os.kill(t, signal.SIGKILL)\n    except OSError as e:\n        print('no', t)\n"
+           "print('alive')")
+    r = run(src)
+    assert r.status in ("ok", "signal", "exit_nonzero")
+    assert os.getpid() > 0  # we are still here
+
+
+def test_kill_everything():
+    if not (os.geteuid() != 0 or INFO["uid_drop"]):
+        pytest.skip("program would run as root without a uid drop: kill(-1) is not safe here")
+    host_child = os.fork()
+    if host_child == 0:
+        time.sleep(20)
+        os._exit(0)
+    try:
+        r = run("import os,signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
+                "    pass\nprint('done')")
+        assert r.status in ("ok", "signal", "exit_nonzero")
+        pid, _ = os.waitpid(host_child, os.WNOHANG)
+        assert pid == 0, "a host process was killed by the sandboxed program"
+    finally:
+        os.kill(host_child, signal.SIGKILL)
+        os.waitpid(host_child, 0)
+
+
+def test_killpg_host_group():
+    r = run("import os,signal\ntry:\n    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\n"
+            "except OSError as e:\n    print('denied')\nprint('x')")
+    assert r.status in ("ok", "signal", "exit_nonzero")
+
+
+def test_huge_stdout():
+    t0 = time.time()
+    r = run("import sys\nwhile True:\n    sys.stdout.write('y'*65536)")
+    assert r.status == "output_limit" and "output limit" in r.reason
+    assert len(r.stdout) <= LIM.output_bytes
+    assert time.time() - t0 < LIM.wall_s + 3
+
+
+def test_huge_stderr():
+    r = run("import sys\nwhile True:\n    sys.stderr.write('z'*65536)")
+    assert r.status == "output_limit" and "stderr" in r.reason
+
+
+def test_huge_file():
+    r = run("f=open('big','wb')\nwhile True:\n    f.write(b'0'*(1<<20))")
+    assert r.status in ("file_size_limit", "exit_nonzero"), (r.status, r.reason)
+    assert "limit" in r.reason or "No space" in r.reason or "File too large" in r.reason
+
+
+def test_many_open_files():
+    r = run("fs=[]\nwhile True:\n    fs.append(open('/dev/null'))")
+    assert r.status == "exit_nonzero" and "Too many open files" in r.reason
+
+
+def test_raise_own_limits():
+    r = run("import resource\nresource.setrlimit(resource.RLIMIT_NPROC, (10**6, 10**6))\n"
+            "print('RAISED')")
+    assert b"RAISED" not in r.stdout and r.status == "exit_nonzero"
+
+
+def test_daemon_double_fork_is_killed():
+    marker = f"pmd-daemon-{uuid.uuid4().hex}"
+    src = ("import os,sys,time\nif os.fork()==0:\n    os.setsid()\n    if os.fork()==0:\n"
+           "        time.sleep(60)\n        os._exit(0)\n    os._exit(0)\nprint('parent done')")
+    r = run(src, args=[marker])
+    assert r.ok, r.reason
+    time.sleep(0.3)
+    assert procs_with(marker) == [], "a daemon outlived its sandbox run"
+
+
+def test_daemon_survives_timeout_kill():
+    marker = f"pmd-daemon-{uuid.uuid4().hex}"
+    src = ("import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n"
+           "    os._exit(0)\ntime.sleep(60)")
+    r = run(src, args=[marker], limits=Limits(cpu_s=2, wall_s=2))
+    assert r.status == "timeout"
+    time.sleep(0.3)
+    assert procs_with(marker) == []
+
+
+def test_segfault():
+    r = run("import ctypes\nctypes.string_at(0)")
+    assert r.status == "signal" and "SIGSEGV" in r.reason
+
+
+def test_deep_recursion():
+    r = run("import sys\nsys.setrecursionlimit(10**8)\ndef f(n): return f(n+1)\nf(0)")
+    # a segfault, or the limits, depending on how fast the stack grows under load
+    assert r.status in ("signal", "memory_limit", "exit_nonzero", "cpu_limit", "timeout"), (
+        r.reason
+    )
+
+
+def test_non_utf8_output():
+    r = run("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x80 ok')")
+    assert r.ok and r.stdout == b"\xff\xfe\x80 ok"
+
+
+def test_stdin_passed():
+    r = run("import sys\nprint(sys.stdin.read().upper())", stdin=b"abc" * 50000)
+    assert r.ok and r.stdout.strip() == b"ABC" * 50000
+
+
+def test_syntax_error():
+    r = run("def f(:\n")
+    assert r.status == "exit_nonzero" and "SyntaxError" in r.reason
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+_OTHER = [b for b in INFO["available"] if b != BACKEND]
+
+
+@pytest.mark.parametrize("backend", _OTHER or ["none"])
+def test_fallback_backends_contain_basics(backend):
+    if backend == "none":
+        pytest.skip("only one sandbox backend works here")
+    assert run("print(1)", backend=backend).ok
+    assert run("while True: pass", backend=backend).status in ("cpu_limit", "timeout",
+                                                               "exit_nonzero")
+    assert run("x=bytearray(10*1024**3)", backend=backend).status == "memory_limit"
+    r = run("import os\nprint(dict(os.environ))", backend=backend)
+    assert b"PMD_" not in r.stdout
+    marker = f"pmd-daemon-{uuid.uuid4().hex}"
+    run("import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)",
+        backend=backend, args=[marker])
+    time.sleep(0.3)
+    assert procs_with(marker) == []
