@@ -19,8 +19,17 @@ import pytest
 from pmd_jax.tasks import sandbox
 from pmd_jax.tasks.sandbox import Limits, run_python
 
-LIM = Limits(cpu_s=2, wall_s=6, memory_bytes=512 << 20, tree_memory_bytes=1 << 30, nproc=16,
-             nofile=64, fsize_bytes=4 << 20, output_bytes=1 << 20, tmpfs_bytes=32 << 20)
+LIM = Limits(
+    cpu_s=2,
+    wall_s=6,
+    memory_bytes=512 << 20,
+    tree_memory_bytes=1 << 30,
+    nproc=16,
+    nofile=64,
+    fsize_bytes=4 << 20,
+    output_bytes=1 << 20,
+    tmpfs_bytes=32 << 20,
+)
 INFO = sandbox.backend_info()
 BACKEND = INFO["backend"]
 
@@ -56,8 +65,10 @@ def test_backend_reported():
 def test_uid_and_privileges_dropped():
     if os.geteuid() != 0:
         pytest.skip("host is not root: no uid drop to check")
-    r = run("import os\nprint(os.getuid(), os.geteuid())\n"
-            "try:\n os.setuid(0); print('ROOT')\nexcept PermissionError: print('denied')")
+    r = run(
+        "import os\nprint(os.getuid(), os.geteuid())\n"
+        "try:\n os.setuid(0); print('ROOT')\nexcept PermissionError: print('denied')"
+    )
     assert r.ok, r.reason
     uid, euid, res = r.stdout.decode().split()
     assert int(uid) != 0 and int(euid) != 0 and res == "denied"
@@ -68,10 +79,14 @@ def test_uid_and_privileges_dropped():
 
 def test_fork_bomb():
     if not nproc_contained():
-        pytest.skip("no process-count containment here (root without uid drop and no pids "
-                    "cgroup): not running a fork bomb")
-    src = ("import os\nn=0\nwhile True:\n    try:\n        os.fork(); n+=1\n"
-           "    except OSError:\n        break\nprint('forks', n)\nimport time; time.sleep(0.5)")
+        pytest.skip(
+            "no process-count containment here (root without uid drop and no pids "
+            "cgroup): not running a fork bomb"
+        )
+    src = (
+        "import os\nn=0\nwhile True:\n    try:\n        os.fork(); n+=1\n"
+        "    except OSError:\n        break\nprint('forks', n)\nimport time; time.sleep(0.5)"
+    )
     t0 = time.time()
     r = run(src)
     assert time.time() - t0 < LIM.wall_s + 5
@@ -82,9 +97,12 @@ def test_fork_bomb():
 def test_fork_bomb_counted_limit():
     if not nproc_contained():
         pytest.skip("no process-count containment here: not running a fork bomb")
-    src = ("import os,time\nn=0\nfor _ in range(200):\n    try:\n        pid=os.fork()\n"
-           "    except OSError:\n        break\n    if pid==0:\n        time.sleep(3); os._exit(0)\n"
-           "    n+=1\nprint(n)")
+    src = (
+        "import os,time\nn=0\nfor _ in range(200):\n    try:\n        pid=os.fork()\n"
+        "    except OSError:\n        break\n    if pid==0:\n"
+        "        time.sleep(3); os._exit(0)\n"
+        "    n+=1\nprint(n)"
+    )
     r = run(src)
     assert r.ok, r.reason
     assert int(r.stdout) < LIM.nproc + 8  # the process limit really bites
@@ -93,9 +111,11 @@ def test_fork_bomb_counted_limit():
 def test_thread_bomb():
     if not nproc_contained():
         pytest.skip("no process-count containment here")
-    src = ("import threading,time\nn=0\ntry:\n    for _ in range(500):\n"
-           "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n+=1\n"
-           "except RuntimeError:\n    pass\nprint(n)")
+    src = (
+        "import threading,time\nn=0\ntry:\n    for _ in range(500):\n"
+        "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start(); n+=1\n"
+        "except RuntimeError:\n    pass\nprint(n)"
+    )
     r = run(src)
     assert r.ok, r.reason
     assert int(r.stdout) < LIM.nproc + 8
@@ -127,14 +147,22 @@ def test_allocate_incrementally():
 
 def test_memory_across_processes():
     if not (INFO["cgroup"]):
-        pytest.skip("no memory cgroup here: RLIMIT_AS alone does not bound a process tree, "
-                    "not allocating across processes on a shared machine")
-    src = ("import os,time\nfor _ in range(6):\n    if os.fork()==0:\n"
-           "        try:\n            x=bytearray(400*1024**2)\n            time.sleep(3)\n"
-           "        finally:\n            os._exit(0)\n"
-           "time.sleep(4)\nprint('survived')")
-    r = run(src, limits=Limits(cpu_s=4, wall_s=8, memory_bytes=512 << 20,
-                               tree_memory_bytes=1 << 30, nproc=16))
+        pytest.skip(
+            "no memory cgroup here: RLIMIT_AS alone does not bound a process tree, "
+            "not allocating across processes on a shared machine"
+        )
+    src = (
+        "import os,time\nfor _ in range(6):\n    if os.fork()==0:\n"
+        "        try:\n            x=bytearray(400*1024**2)\n            time.sleep(3)\n"
+        "        finally:\n            os._exit(0)\n"
+        "time.sleep(4)\nprint('survived')"
+    )
+    r = run(
+        src,
+        limits=Limits(
+            cpu_s=4, wall_s=8, memory_bytes=512 << 20, tree_memory_bytes=1 << 30, nproc=16
+        ),
+    )
     # 6 x 400 MiB > 1 GiB tree limit: the OOM killer must have intervened
     assert r.status == "memory_limit", (r.status, r.reason)
 
@@ -161,8 +189,10 @@ def test_network_connect_localhost():
 
     th = threading.Thread(target=accept)
     th.start()
-    src = (f"import socket\ns=socket.socket()\ns.settimeout(2)\n"
-           f"s.connect(('127.0.0.1', {port}))\nprint('CONNECTED')")
+    src = (
+        f"import socket\ns=socket.socket()\ns.settimeout(2)\n"
+        f"s.connect(('127.0.0.1', {port}))\nprint('CONNECTED')"
+    )
     r = run(src)
     th.join()
     srv.close()
@@ -204,19 +234,23 @@ def test_read_host_file(tmp_path):
 
 def test_read_parent_environment(monkeypatch):
     monkeypatch.setenv("PMD_TEST_SECRET", "s3cr3t-value")
-    src = ("import os\nprint(dict(os.environ))\n"
-           "for p in ('/proc/%d/environ' % os.getppid(), '/proc/1/environ'):\n"
-           "    try:\n        print(open(p,'rb').read())\n    except OSError as e:\n"
-           "        print('denied', p)")
+    src = (
+        "import os\nprint(dict(os.environ))\n"
+        "for p in ('/proc/%d/environ' % os.getppid(), '/proc/1/environ'):\n"
+        "    try:\n        print(open(p,'rb').read())\n    except OSError as e:\n"
+        "        print('denied', p)"
+    )
     r = run(src)
     assert b"s3cr3t-value" not in r.stdout
     assert r.ok, r.reason
 
 
 def test_kill_parent():
-    src = ("import os,signal\nfor t in (os.getppid(), 1):\n    try:\n"
-           "        os.kill(t, signal.SIGKILL)\n    except OSError as e:\n        print('no', t)\n"
-           "print('alive')")
+    src = (
+        "import os,signal\nfor t in (os.getppid(), 1):\n    try:\n"
+        "        os.kill(t, signal.SIGKILL)\n    except OSError as e:\n        print('no', t)\n"
+        "print('alive')"
+    )
     r = run(src)
     assert r.status in ("ok", "signal", "exit_nonzero")
     assert os.getpid() > 0  # we are still here
@@ -230,8 +264,10 @@ def test_kill_everything():
         time.sleep(20)
         os._exit(0)
     try:
-        r = run("import os,signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
-                "    pass\nprint('done')")
+        r = run(
+            "import os,signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
+            "    pass\nprint('done')"
+        )
         assert r.status in ("ok", "signal", "exit_nonzero")
         pid, _ = os.waitpid(host_child, os.WNOHANG)
         assert pid == 0, "a host process was killed by the sandboxed program"
@@ -241,8 +277,10 @@ def test_kill_everything():
 
 
 def test_killpg_host_group():
-    r = run("import os,signal\ntry:\n    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\n"
-            "except OSError as e:\n    print('denied')\nprint('x')")
+    r = run(
+        "import os,signal\ntry:\n    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)\n"
+        "except OSError as e:\n    print('denied')\nprint('x')"
+    )
     assert r.status in ("ok", "signal", "exit_nonzero")
 
 
@@ -271,15 +309,19 @@ def test_many_open_files():
 
 
 def test_raise_own_limits():
-    r = run("import resource\nresource.setrlimit(resource.RLIMIT_NPROC, (10**6, 10**6))\n"
-            "print('RAISED')")
+    r = run(
+        "import resource\nresource.setrlimit(resource.RLIMIT_NPROC, (10**6, 10**6))\n"
+        "print('RAISED')"
+    )
     assert b"RAISED" not in r.stdout and r.status == "exit_nonzero"
 
 
 def test_daemon_double_fork_is_killed():
     marker = f"pmd-daemon-{uuid.uuid4().hex}"
-    src = ("import os,sys,time\nif os.fork()==0:\n    os.setsid()\n    if os.fork()==0:\n"
-           "        time.sleep(60)\n        os._exit(0)\n    os._exit(0)\nprint('parent done')")
+    src = (
+        "import os,sys,time\nif os.fork()==0:\n    os.setsid()\n    if os.fork()==0:\n"
+        "        time.sleep(60)\n        os._exit(0)\n    os._exit(0)\nprint('parent done')"
+    )
     r = run(src, args=[marker])
     assert r.ok, r.reason
     time.sleep(0.3)
@@ -288,8 +330,10 @@ def test_daemon_double_fork_is_killed():
 
 def test_daemon_survives_timeout_kill():
     marker = f"pmd-daemon-{uuid.uuid4().hex}"
-    src = ("import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n"
-           "    os._exit(0)\ntime.sleep(60)")
+    src = (
+        "import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n"
+        "    os._exit(0)\ntime.sleep(60)"
+    )
     r = run(src, args=[marker], limits=Limits(cpu_s=2, wall_s=2))
     assert r.status == "timeout"
     time.sleep(0.3)
@@ -304,9 +348,7 @@ def test_segfault():
 def test_deep_recursion():
     r = run("import sys\nsys.setrecursionlimit(10**8)\ndef f(n): return f(n+1)\nf(0)")
     # a segfault, or the limits, depending on how fast the stack grows under load
-    assert r.status in ("signal", "memory_limit", "exit_nonzero", "cpu_limit", "timeout"), (
-        r.reason
-    )
+    assert r.status in ("signal", "memory_limit", "exit_nonzero", "cpu_limit", "timeout"), r.reason
 
 
 def test_non_utf8_output():
@@ -334,13 +376,19 @@ def test_fallback_backends_contain_basics(backend):
     if backend == "none":
         pytest.skip("only one sandbox backend works here")
     assert run("print(1)", backend=backend).ok
-    assert run("while True: pass", backend=backend).status in ("cpu_limit", "timeout",
-                                                               "exit_nonzero")
+    assert run("while True: pass", backend=backend).status in (
+        "cpu_limit",
+        "timeout",
+        "exit_nonzero",
+    )
     assert run("x=bytearray(10*1024**3)", backend=backend).status == "memory_limit"
     r = run("import os\nprint(dict(os.environ))", backend=backend)
     assert b"PMD_" not in r.stdout
     marker = f"pmd-daemon-{uuid.uuid4().hex}"
-    run("import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)",
-        backend=backend, args=[marker])
+    run(
+        "import os,time\nif os.fork()==0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)",
+        backend=backend,
+        args=[marker],
+    )
     time.sleep(0.3)
     assert procs_with(marker) == []

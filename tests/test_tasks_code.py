@@ -74,7 +74,11 @@ def test_humaneval_loaded(humaneval):
 def test_humaneval_canonical_sample_pass(humaneval):
     probs = sample(humaneval.problems("validation"), N_SAMPLE)
     res = humaneval.verify_batch(probs, [canonical(p) for p in probs], "validation")
-    bad = [(p.id, r.reason, r.feedback[:300]) for p, r in zip(probs, res) if r.reward != 1.0]
+    bad = [
+        (p.id, r.reason, r.feedback[:300])
+        for p, r in zip(probs, res, strict=True)
+        if r.reward != 1.0
+    ]
     assert not bad
 
 
@@ -82,7 +86,11 @@ def test_humaneval_canonical_sample_pass(humaneval):
 def test_humaneval_all_164_canonical_pass(humaneval):
     probs = humaneval.problems("validation")
     res = humaneval.verify_batch(probs, [canonical(p) for p in probs], "validation")
-    bad = [(p.id, r.reason, r.feedback[:300]) for p, r in zip(probs, res) if r.reward != 1.0]
+    bad = [
+        (p.id, r.reason, r.feedback[:300])
+        for p, r in zip(probs, res, strict=True)
+        if r.reward != 1.0
+    ]
     assert not bad, bad
 
 
@@ -95,8 +103,16 @@ def _mutate_return_none(src: str, fn: str) -> str:
     return ast.unparse(tree)
 
 
-_FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq,
-         ast.NotEq: ast.Eq, ast.Add: ast.Sub, ast.Sub: ast.Add}
+_FLIP = {
+    ast.Lt: ast.GtE,
+    ast.GtE: ast.Lt,
+    ast.Gt: ast.LtE,
+    ast.LtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+}
 
 
 def _mutate_first_operator(src: str, fn: str) -> str | None:
@@ -117,14 +133,21 @@ def _mutate_first_operator(src: str, fn: str) -> str | None:
 def test_humaneval_mutants_fail(humaneval):
     probs = sample(humaneval.problems("validation"), N_SAMPLE, seed=1)
     src = [p.meta["program_prefix"] + p.meta["reference"] for p in probs]
-    none_mut = [fence(_mutate_return_none(s, p.meta["entry_point"])) for s, p in zip(src, probs)]
+    none_mut = [
+        fence(_mutate_return_none(s, p.meta["entry_point"]))
+        for s, p in zip(src, probs, strict=True)
+    ]
     res = humaneval.verify_batch(probs, none_mut, "validation")
-    assert all(r.reward == 0.0 for r in res), [p.id for p, r in zip(probs, res) if r.reward]
+    assert all(r.reward == 0.0 for r in res), [
+        p.id for p, r in zip(probs, res, strict=True) if r.reward
+    ]
     assert all(r.feedback for r in res)
-    pairs = [(p, _mutate_first_operator(s, p.meta["entry_point"])) for s, p in zip(src, probs)]
+    pairs = [
+        (p, _mutate_first_operator(s, p.meta["entry_point"]))
+        for s, p in zip(src, probs, strict=True)
+    ]
     pairs = [(p, m) for p, m in pairs if m is not None]
-    res2 = humaneval.verify_batch([p for p, _ in pairs], [fence(m) for _, m in pairs],
-                                  "validation")
+    res2 = humaneval.verify_batch([p for p, _ in pairs], [fence(m) for _, m in pairs], "validation")
     killed = sum(r.reward == 0.0 for r in res2)
     # operator flips can be equivalent mutants; nearly all must still be caught
     assert killed >= 0.8 * len(pairs), (killed, len(pairs))
@@ -140,7 +163,11 @@ def test_mbpp_loaded(mbpp):
 
 def _mbpp_pass_rate(mbpp, probs):
     res = mbpp.verify_batch(probs, [fence(p.meta["reference"]) for p in probs], "validation")
-    fails = [(p.id, r.reason, r.feedback[:200]) for p, r in zip(probs, res) if r.reward != 1.0]
+    fails = [
+        (p.id, r.reason, r.feedback[:200])
+        for p, r in zip(probs, res, strict=True)
+        if r.reward != 1.0
+    ]
     return 1 - len(fails) / len(probs), fails
 
 
@@ -179,13 +206,23 @@ def test_mbpp_train_split_uses_half_the_tests(mbpp):
 
 
 def _r(i, kind, inp, actual, exp="e", passed=False):
-    return {"test_idx": i, "input": inp, "expected": exp, "actual": actual, "passed": passed,
-            "kind": kind}
+    return {
+        "test_idx": i,
+        "input": inp,
+        "expected": exp,
+        "actual": actual,
+        "passed": passed,
+        "kind": kind,
+    }
 
 
 def test_feedback_priorities_and_limits():
-    recs = [_r(0, "wrong", "long input " * 10, "x"), _r(1, "wrong", "s", "y"),
-            _r(2, "wrong", "mid", "z"), _r(3, "wrong", "ok", "ok", passed=True)]
+    recs = [
+        _r(0, "wrong", "long input " * 10, "x"),
+        _r(1, "wrong", "s", "y"),
+        _r(2, "wrong", "mid", "z"),
+        _r(3, "wrong", "ok", "ok", passed=True),
+    ]
     fb = format_feedback(recs)
     assert fb.startswith("Test Case 2: Wrong Answer")
     assert "Test Case 3: Wrong Answer" in fb and "Test Case 1" not in fb
@@ -210,26 +247,63 @@ def _encode_private(cases: list[dict]) -> str:
 
 
 def _lcb_file(tmp_path):
-    stdin_cases = [{"input": f"{a} {b}\n", "output": f"{a + b}\n", "testtype": "stdin"}
-                   for a, b in [(1, 2), (3, 4), (10, 20), (5, 5), (7, 8), (100, 1)]]
-    call_cases = [{"input": json.dumps(xs) + "\n" + str(k), "output": json.dumps(sum(xs) * k),
-                   "testtype": "functional"} for xs, k in [([1, 2], 2), ([3], 3), ([0, 9], 1)]]
+    stdin_cases = [
+        {"input": f"{a} {b}\n", "output": f"{a + b}\n", "testtype": "stdin"}
+        for a, b in [(1, 2), (3, 4), (10, 20), (5, 5), (7, 8), (100, 1)]
+    ]
+    call_cases = [
+        {
+            "input": json.dumps(xs) + "\n" + str(k),
+            "output": json.dumps(sum(xs) * k),
+            "testtype": "functional",
+        }
+        for xs, k in [([1, 2], 2), ([3], 3), ([0, 9], 1)]
+    ]
     rows = [
-        {"question_id": "p_stdin", "question_content": "Read a and b, print a+b.",
-         "starter_code": "", "public_test_cases": json.dumps(stdin_cases[:1]),
-         "private_test_cases": _encode_private(stdin_cases), "metadata": "{}"},
-        {"question_id": "p_call", "question_content": "Return sum(nums) * k.",
-         "starter_code": "class Solution:\n    def scaled(self, nums: List[int], k: int) -> int:\n",
-         "public_test_cases": "[]", "private_test_cases": json.dumps(call_cases),
-         "metadata": json.dumps({"func_name": "scaled"})},
-        {"id": "p_sdpo", "problem": "Print the square of n.",
-         "tests": json.dumps({"inputs": ["3\n", "4\n"], "outputs": ["9\n", "16\n"],
-                              "testtype": "stdin", "fn_name": "", "time_limit": 2})},
+        {
+            "question_id": "p_stdin",
+            "question_content": "Read a and b, print a+b.",
+            "starter_code": "",
+            "public_test_cases": json.dumps(stdin_cases[:1]),
+            "private_test_cases": _encode_private(stdin_cases),
+            "metadata": "{}",
+        },
+        {
+            "question_id": "p_call",
+            "question_content": "Return sum(nums) * k.",
+            "starter_code": (
+                "class Solution:\n    def scaled(self, nums: List[int], k: int) -> int:\n"
+            ),
+            "public_test_cases": "[]",
+            "private_test_cases": json.dumps(call_cases),
+            "metadata": json.dumps({"func_name": "scaled"}),
+        },
+        {
+            "id": "p_sdpo",
+            "problem": "Print the square of n.",
+            "tests": json.dumps(
+                {
+                    "inputs": ["3\n", "4\n"],
+                    "outputs": ["9\n", "16\n"],
+                    "testtype": "stdin",
+                    "fn_name": "",
+                    "time_limit": 2,
+                }
+            ),
+        },
     ]
     lines = [json.dumps(r) for r in rows]
     lines.insert(1, '{"question_id": "broken", ')  # malformed JSON
-    lines.append(json.dumps({"question_id": "no_tests", "question_content": "x",
-                             "private_test_cases": "[]", "public_test_cases": "[]"}))
+    lines.append(
+        json.dumps(
+            {
+                "question_id": "no_tests",
+                "question_content": "x",
+                "private_test_cases": "[]",
+                "public_test_cases": "[]",
+            }
+        )
+    )
     lines.append("[1, 2, 3]")
     p = tmp_path / "lcb.jsonl"
     p.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe not utf8\n")
@@ -304,15 +378,21 @@ def test_bad_responses_never_raise(tmp_path):
 
 def test_reward_hacks_fail(mbpp, tmp_path):
     p = mbpp.problems("validation")[0]
-    for hack in ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
-                 "raise SystemExit", "def remove_Occ(s, ch):\n    import os; os._exit(0)"]:
+    for hack in [
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "raise SystemExit",
+        "def remove_Occ(s, ch):\n    import os; os._exit(0)",
+    ]:
         r = mbpp.verify(p, fence(hack), "validation")
         assert r.reward == 0.0, hack
     task = load_livecodebench(_lcb_file(tmp_path))
     q = task.problems("validation")[0]
     # the expected outputs never enter the sandbox
-    spy = fence("import os\nprint(open('/code/payload.json').read() if os.path.exists("
-                "'/code/payload.json') else 'none')")
+    spy = fence(
+        "import os\nprint(open('/code/payload.json').read() if os.path.exists("
+        "'/code/payload.json') else 'none')"
+    )
     r = task.verify(q, spy, "validation")
     shown = "\n".join(str(rec["actual"]) for rec in r.details["records"])
     assert '"outputs"' not in shown and "101" not in shown
@@ -331,6 +411,7 @@ def test_timeout_reported(humaneval):
     p = humaneval.problems("validation")[0]
     t = CodeTask(name="h", splits={"validation": [p]})
     p2 = Problem(p.id, p.question, {**p.gold, "time_limit": 1.0}, p.meta)
-    r = t.verify(p2, fence("def has_close_elements(numbers, threshold):\n    while True: pass"),
-                 "validation")
+    r = t.verify(
+        p2, fence("def has_close_elements(numbers, threshold):\n    while True: pass"), "validation"
+    )
     assert r.reason == "timeout" and r.feedback.startswith("Time Limit Exceeded")

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from pmd_jax.tasks import Task, TaskError, get_task, task_names
-from pmd_jax.tasks import olmo_data
+from pmd_jax.tasks import Task, TaskError, get_task, olmo_data, task_names
 from pmd_jax.tasks.mcq import SYSTEM_PROMPT_4, extract_answer, load_sciq, system_prompt
 
 
@@ -30,8 +29,9 @@ def raw_sciq_docs() -> dict[int, dict]:
 
 
 def test_registry():
-    assert {"sciq", "mmlu_science", "sciknoweval", "mbpp", "humaneval",
-            "livecodebench"} <= set(task_names())
+    assert {"sciq", "mmlu_science", "sciknoweval", "mbpp", "humaneval", "livecodebench"} <= set(
+        task_names()
+    )
     with pytest.raises(TaskError, match="unknown task"):
         get_task("nope")
     with pytest.raises(TaskError, match="path"):
@@ -57,14 +57,17 @@ def test_sciq_gold_tracks_shuffle(sciq):
     for p in sciq.problems("all"):
         d = raw[int(p.id.split("/")[1])]
         opts = p.meta["options"]
-        assert sorted(opts) == sorted([d["distractor1"], d["distractor2"], d["distractor3"],
-                                       d["correct_answer"]])
+        assert sorted(opts) == sorted(
+            [d["distractor1"], d["distractor2"], d["distractor3"], d["correct_answer"]]
+        )
         assert opts["ABCD".index(p.gold)] == d["correct_answer"]
         letters[p.gold] += 1
     # shuffled: the gold letter is spread over all four positions
     assert all(150 < letters[c] < 350 for c in "ABCD"), letters
     other = load_sciq(seed=1)
-    moved = sum(a.gold != b.gold for a, b in zip(sciq.problems("all"), other.problems("all")))
+    moved = sum(
+        a.gold != b.gold for a, b in zip(sciq.problems("all"), other.problems("all"), strict=True)
+    )
     assert moved > 500
     unshuffled = load_sciq(shuffle=False)
     assert {p.gold for p in unshuffled.problems("all")} == {"D"}
@@ -76,8 +79,9 @@ def test_prompt_format(sciq):
     assert sys_msg["role"] == "system" and user["role"] == "user"
     assert sys_msg["content"] == SYSTEM_PROMPT_4
     o = p.meta["options"]
-    assert user["content"] == (f"{p.question}\n\nA: {o[0]}\nB: {o[1]}\nC: {o[2]}\nD: {o[3]}"
-                               "\nPlease reason step by step.")
+    assert user["content"] == (
+        f"{p.question}\n\nA: {o[0]}\nB: {o[1]}\nC: {o[2]}\nD: {o[3]}\nPlease reason step by step."
+    )
     assert "(A or B)" in system_prompt(2) and "two options" in system_prompt(2)
 
 
@@ -132,7 +136,7 @@ def test_mmlu_science():
     rows = ipc.open_stream(f.open("rb")).read_all().to_pylist()
     phys = [p for p in tr if p.meta["subject"] == "college_physics"]
     assert len(phys) == len(rows) == 102
-    for p, row in zip(phys, rows):
+    for p, row in zip(phys, rows, strict=True):
         assert p.meta["gold_text"] == row["choices"][row["answer"]]
         assert p.meta["options"]["ABCD".index(p.gold)] == row["choices"][row["answer"]]
     assert len(t.problems("validation")) > 0
@@ -142,16 +146,24 @@ def test_mmlu_science():
 
 def _ske_row(i, domain="Chemistry", level="L3", typ="mcq-4-choices", n=4, key="B"):
     labels = "ABCD"[:n]
-    return {"question": f"Q{i}: which?", "choices": {"text": [f"opt{i}{c}" for c in labels],
-                                                      "label": list(labels)},
-            "answerKey": key, "domain": domain, "type": typ, "details": {"level": level}}
+    return {
+        "question": f"Q{i}: which?",
+        "choices": {"text": [f"opt{i}{c}" for c in labels], "label": list(labels)},
+        "answerKey": key,
+        "domain": domain,
+        "type": typ,
+        "details": {"level": level},
+    }
 
 
 def test_sciknoweval_jsonl(tmp_path):
     rows = [_ske_row(i) for i in range(40)]
     rows += [_ske_row(100 + i, domain="Physics", typ="mcq-2-choices", n=2) for i in range(10)]
-    rows += [_ske_row(200, level="L1"), _ske_row(201, domain="Math"),
-             _ske_row(202, typ="true_or_false")]
+    rows += [
+        _ske_row(200, level="L1"),
+        _ske_row(201, domain="Math"),
+        _ske_row(202, typ="true_or_false"),
+    ]
     lines = [json.dumps(r) for r in rows]
     lines.insert(5, "{not json")
     lines.insert(7, json.dumps({"question": "no choices"}))
