@@ -409,6 +409,8 @@ class WeightStore:
                 ],
                 "fill_value": 0,
             }
+            # Chunks equal to the fill value must still be written: a missing chunk is an error.
+            spec["store_data_equal_to_fill_value"] = True
             if pidx == 0:
                 spec.update(create=True, delete_existing=True)
             else:
@@ -711,6 +713,7 @@ class WeightStore:
                 ),
                 f"deleting version {v}",
             )
+        removed = list(doomed)
         if versions and len(versions) > keep:
             oldest_kept = versions[-keep]
             for v in self._data_versions():
@@ -723,10 +726,10 @@ class WeightStore:
                         ),
                         f"deleting orphan data of version {v}",
                     )
+                    removed.append(v)
         if self.is_local:
-            for v in doomed:
-                d = os.path.join(self.kvspec["path"], "data", _version_dir(v))
-                _remove_empty_dirs(d)
+            for v in removed:
+                _remove_empty_dirs(os.path.join(self.kvspec["path"], "data", _version_dir(v)))
         return doomed
 
     def _delete_key(self, key: str) -> None:

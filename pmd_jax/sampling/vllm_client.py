@@ -1,0 +1,284 @@
+"""Sampler backed by an external vLLM server (OpenAI-compatible completions endpoint).
+
+The server is started by ``launch/vllm_server.sh``: it loads the worker extension in
+``third_party/pmd_vllm`` (``--worker-extension-cls``), serves the development endpoints
+(``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``) and returns
+logprobs of the processed distribution (``--logprobs-mode processed_logprobs``), i.e. after
+temperature, top-k and top-p: with ``top_p=1`` and ``top_k=0`` that is ``log_softmax(logits
+/ T)``, the trainer's logprob at the sampling temperature; with top-k / top-p the
+distribution is renormalised over the kept tokens (what was actually sampled from).
+
+Only the standard library is used (``urllib``). Every call has a timeout; connection errors
+and 5xx answers are retried with exponential backoff; errors say which URL failed, with the
+status and an excerpt of the body.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
+
+
+class VLLMServerError(SamplerError):
+    """The vLLM server could not be reached or answered with an error."""
+
+
+_RETRYABLE_STATUS = {429, 502, 503, 504}
+
+
+class VLLMSampler:
+    """``Sampler`` over a vLLM server.
+
+    Args:
+      base_url: e.g. ``http://127.0.0.1:8000`` (no trailing ``/v1``).
+      model: the served model name (the path given to ``vllm serve`` unless renamed).
+      store_url: the weight store (local path or gs://) the server reads versions from.
+      timeout_s: per-request timeout for generation.
+      reload_timeout_s: timeout of a weight reload (read + load on the server).
+      retries: extra attempts on connection errors, timeouts and 429/502/503/504.
+      backoff_s: first backoff; doubles after each failed attempt.
+      vocab_size: when given, prompts and stop tokens are checked against it.
+      max_model_len: when given, prompts longer than this (minus max_tokens) are rejected.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        store_url: str | None = None,
+        *,
+        timeout_s: float = 300.0,
+        reload_timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise SamplerError(f"VLLMSampler: base_url must be http(s)://..., got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.store_url = store_url
+        self.timeout_s = timeout_s
+        self.reload_timeout_s = reload_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.weights_version: int | None = None
+        self.last_reload: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------- HTTP
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any | None = None,
+        *,
+        timeout_s: float | None = None,
+        retry: bool = True,
+    ) -> Any:
+        """JSON request with timeout and retries; returns the decoded JSON (None if empty)."""
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        attempts = 1 + (self.retries if retry else 0)
+        delay = self.backoff_s
+        last: str = ""
+        for attempt in range(attempts):
+            req = urllib.request.Request(url, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    raw = resp.read()
+                    status = resp.status
+            except urllib.error.HTTPError as e:
+                excerpt = _excerpt(e.read())
+                last = f"HTTP {e.code} from {method} {url}: {excerpt}"
+                if e.code in _RETRYABLE_STATUS and attempt + 1 < attempts:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise VLLMServerError(last) from e
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+                # OSError covers ConnectionError, TimeoutError and socket.timeout
+                reason = getattr(e, "reason", e)
+                last = f"{method} {url} failed: {type(reason).__name__}: {reason}"
+                if attempt + 1 < attempts:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise VLLMServerError(f"{last} (after {attempts} attempt(s))") from e
+            if not raw.strip():
+                return None
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise VLLMServerError(
+                    f"malformed JSON (HTTP {status}) from {method} {url}: {_excerpt(raw)}"
+                ) from e
+        raise VLLMServerError(last)
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            self._request("GET", "/health", timeout_s=timeout_s, retry=False)
+            return True
+        except VLLMServerError:
+            return False
+
+    def wait_until_ready(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.health(timeout_s=min(5.0, poll_s * 5)):
+                return
+            time.sleep(poll_s)
+        raise VLLMServerError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
+
+    # ------------------------------------------------------------------------- Sampler
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
+        params.validate(self.vocab_size)
+        if not prompts:
+            return Rollouts(items=[], weights_version=self.weights_version)
+        clean: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            toks = [int(t) for t in p]
+            if not toks:
+                raise SamplerError(f"prompt {i} is empty")
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in toks):
+                raise SamplerError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+            if self.max_model_len is not None and len(toks) + params.max_tokens > (
+                self.max_model_len
+            ):
+                raise SamplerError(
+                    f"prompt {i} has {len(toks)} tokens; with max_tokens={params.max_tokens} "
+                    f"that exceeds the context of {self.max_model_len}"
+                )
+            clean.append(toks)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": clean if len(clean) > 1 else clean[0],
+            "n": params.n,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "seed": params.seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": False,
+            "skip_special_tokens": False,
+        }
+        out = self._request("POST", "/v1/completions", body)
+        return self._parse_completions(out, len(clean), params)
+
+    def _parse_completions(self, out: Any, num_prompts: int, params: SamplingParams) -> Rollouts:
+        where = f"{self.base_url}/v1/completions"
+        if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
+            raise VLLMServerError(f"unexpected response from {where}: {_excerpt(out)}")
+        choices = out["choices"]
+        if len(choices) != num_prompts * params.n:
+            raise VLLMServerError(
+                f"{where} returned {len(choices)} choices, expected {num_prompts} x {params.n}"
+            )
+        items: list[Rollout] = []
+        for j, c in enumerate(choices):
+            try:
+                idx = int(c["index"])
+                tokens = c.get("token_ids")
+                lp = (c.get("logprobs") or {}).get("token_logprobs")
+                if tokens is None:
+                    # Older servers: ids only as "token_id:123" strings in logprobs.tokens.
+                    tokens = [int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]]
+                if lp is None:
+                    raise KeyError("logprobs.token_logprobs")
+                reason = c.get("finish_reason")
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                raise VLLMServerError(
+                    f"choice {j} from {where} lacks {e}: {_excerpt(c)}"
+                ) from e
+            if len(lp) != len(tokens):
+                raise VLLMServerError(
+                    f"choice {j} from {where}: {len(tokens)} tokens but {len(lp)} logprobs"
+                )
+            if reason not in ("stop", "length"):
+                raise VLLMServerError(f"choice {j} from {where}: finish_reason {reason!r}")
+            items.append(
+                Rollout(
+                    prompt_index=idx // params.n,
+                    sample_index=idx % params.n,
+                    tokens=np.asarray(tokens, np.int32),
+                    logprobs=np.asarray(
+                        [np.nan if x is None else x for x in lp], np.float32
+                    ),
+                    finish_reason=reason,
+                )
+            )
+        items.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        return Rollouts(items=items, weights_version=self.weights_version)
+
+    def set_weights(self, version: int) -> None:
+        """Make the server load committed ``version`` from the store; returns once served.
+
+        The server reads and verifies the whole version before touching any weight, so on
+        error (missing version, bad checksum) it keeps serving the previous weights.
+        """
+        if self.store_url is None:
+            raise SamplerError("VLLMSampler.set_weights needs store_url")
+        if int(version) < 0:
+            raise SamplerError(f"set_weights: version must be >= 0, got {version}")
+        body = {
+            "method": "pmd_load_weights",
+            "args": [str(self.store_url), str(int(version)), str(self.reload_timeout_s)],
+            "timeout": self.reload_timeout_s,
+        }
+        # Not retried: a reload that timed out on the client may still be running there.
+        t0 = time.perf_counter()
+        out = self._request(
+            "POST", "/collective_rpc", body, timeout_s=self.reload_timeout_s + 30, retry=False
+        )
+        results = (out or {}).get("results") if isinstance(out, dict) else None
+        if not results or not all(
+            isinstance(r, dict) and r.get("version") == int(version) for r in results
+        ):
+            raise VLLMServerError(
+                f"reload of version {version} via {self.base_url}/collective_rpc returned "
+                f"{_excerpt(out)}"
+            )
+        reset = self._request("POST", "/reset_prefix_cache", None)
+        if isinstance(reset, dict) and reset.get("success") is False:
+            # Blocks still held by running requests; the server says retrying is fine.
+            for _ in range(10):
+                time.sleep(0.2)
+                reset = self._request("POST", "/reset_prefix_cache", None)
+                if not (isinstance(reset, dict) and reset.get("success") is False):
+                    break
+            else:
+                raise VLLMServerError(
+                    f"{self.base_url}/reset_prefix_cache kept failing after loading "
+                    f"version {version}: {_excerpt(reset)}"
+                )
+        self.weights_version = int(version)
+        self.last_reload = dict(results[0], client_s=time.perf_counter() - t0)
+
+
+def _excerpt(x: Any, n: int = 300) -> str:
+    if isinstance(x, bytes):
+        x = x.decode("utf-8", "replace")
+    elif not isinstance(x, str):
+        try:
+            x = json.dumps(x)
+        except (TypeError, ValueError):
+            x = repr(x)
+    x = x.strip()
+    return x if len(x) <= n else x[:n] + f"... ({len(x)} chars)"
