@@ -114,7 +114,7 @@ class Trainer:
             self.memory.load_state_dict(extras["memory"])
         self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
         self.metrics.truncate_after(self.step - 1)
-        self._publish()
+        self._publish(self.step)
         log.info("resumed from checkpoint at step %d", self.step)
 
     def _save(self) -> None:
@@ -126,10 +126,10 @@ class Trainer:
         }
         self.ckpt.save(self.step, self.state, extras)
 
-    def _publish(self) -> None:
+    def _publish(self, version: int) -> None:
         from pmd_jax import wiring
 
-        wiring.publish(self.cfg, self.sampler, self.state, self.step)
+        wiring.publish(self.cfg, self.sampler, self.state, version)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -212,7 +212,7 @@ class Trainer:
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
             with _timed(times, "train"):
-                self.state, train_metrics = wiring.train_step(self.state, batch)
+                train_metrics = wiring.train_step(self.state, batch)
             finite = bool(train_metrics.get("finite", True)) and math.isfinite(
                 float(train_metrics.get("loss", 0.0))
             )
@@ -230,7 +230,7 @@ class Trainer:
             else:
                 self.nonfinite_in_a_row = 0
             with _timed(times, "publish"):
-                self._publish()
+                self._publish(step + 1)
         times["time_step"] = time.perf_counter() - t_step
         rewards = sb.rewards
         out: dict[str, Any] = {

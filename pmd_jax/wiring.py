@@ -1,0 +1,422 @@
+"""Builds the parts of a run from its config and moves data between them.
+
+The trainer calls these functions; each one is small glue between two packages (tasks ->
+memory records, memory -> teacher prompts -> aligned batch -> train step, train state ->
+sampler). Nothing numeric happens here beyond host-side bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.data import select_demonstrations
+from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+
+log = logging.getLogger("pmd_jax")
+
+PMD_MODES = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy")
+
+
+def is_main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+# ----------------------------------------------------------------------------- task / model
+def build_task(cfg: Any):
+    from pmd_jax.tasks.registry import get_task
+
+    kw: dict[str, Any] = {}
+    if cfg.task.path:
+        kw["path"] = cfg.task.path
+    if cfg.task.name in ("sciq", "mmlu_science", "sciknoweval"):
+        kw["seed"] = int(cfg.seed)
+    return get_task(cfg.task.name, **kw)
+
+
+@dataclasses.dataclass
+class ModelBundle:
+    cfg: Any  # ModelConfig
+    params: Any  # initial params (compute dtype), placed on the mesh
+    tokenizer: Any
+    mesh: Any
+    rules: Any
+
+    def encode_chat(self, messages: Messages, enable_thinking: bool = False) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                          enable_thinking=enable_thinking)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.tokenizer.stop_ids)
+
+    @property
+    def pad_id(self) -> int:
+        p = self.tokenizer.pad_id
+        return int(p if p is not None else self.tokenizer.eos_id or 0)
+
+
+def build_mesh(cfg: Any):
+    from pmd_jax.sharding import ShardingRules, make_mesh
+
+    mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
+    return mesh, rules
+
+
+def load_model(cfg: Any) -> ModelBundle:
+    from pmd_jax.models import hf_io
+    from pmd_jax.models.config import from_hf_config
+    from pmd_jax.models.gguf_io import smollm2_hf_dir
+    from pmd_jax.models.tokenizer import Tokenizer
+
+    mesh, rules = build_mesh(cfg)
+    t0 = time.perf_counter()
+    src = smollm2_hf_dir() if cfg.model.source == "smollm2" else Path(cfg.model.source)
+    model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
+        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+    )
+    model_cfg, params = hf_io.load_hf_checkpoint(src, cfg=model_cfg, mesh=mesh, rules=rules)
+    fmt = None if cfg.model.chat_template == "auto" else cfg.model.chat_template
+    if cfg.model.source == "smollm2":
+        fmt = fmt or "chatml"
+    tok = Tokenizer.from_pretrained(src, chat_format=fmt)
+    log.info(
+        "model %s (%s, %.1fM params) loaded from %s in %.1fs; mesh %s",
+        model_cfg.family, cfg.model.source, model_cfg.num_params() / 1e6, src,
+        time.perf_counter() - t0, dict(mesh.shape),
+    )
+    return ModelBundle(model_cfg, params, tok, mesh, rules)
+
+
+def build_sampler(cfg: Any, model: ModelBundle):
+    r = cfg.rollout
+    max_len = max(r.max_prompt_tokens + r.max_tokens, cfg.rollout.max_prompt_tokens
+                  + cfg.eval.max_tokens)
+    if r.sampler == "jax":
+        from pmd_jax.sampling.jax_sampler import JaxSampler
+
+        return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
+                          max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch)
+    from pmd_jax.sampling.vllm_client import VLLMSampler
+
+    return VLLMSampler(r.vllm_url, store_url=r.weight_store)
+
+
+# ----------------------------------------------------------------------------- memory
+def build_memory(cfg: Any, model: ModelBundle):
+    if cfg.mode not in PMD_MODES:
+        return None
+    from pmd_jax.memory.memory import ProceduralMemory
+
+    mc = cfg.memory
+    with mc.unlocked():
+        mc.context.extra_control_tokens = list(model.tokenizer.special_tokens)
+        mc.success_threshold = float(cfg.teacher_prompt.success_threshold)
+        if cfg.mode == "pmd_frozen_memory" and mc.frozen_after_step < 0:
+            # "memory built once, then fixed": the first fifth of the run builds it (ours).
+            mc.frozen_after_step = max(0, cfg.train.steps // 5 - 1)
+    return ProceduralMemory(mc)
+
+
+def update_memory(cfg: Any, memory: Any, step: int, sb: Any, task: Any,
+                  textgen: TextGenerator) -> dict[str, Any]:
+    from pmd_jax.memory.types import RolloutRecord
+
+    records = []
+    for r, text, res in zip(sb.rollouts, sb.texts, sb.results, strict=True):
+        p = sb.problems[r.prompt_index]
+        records.append(RolloutRecord(
+            problem_id=str(p.id), problem_text=_user_text(task.prompt(p)), step=int(step),
+            rollout_index=int(r.sample_index), response_text=text, reward=float(res.reward),
+            feedback=res.feedback or "", leak_strings=list(task.gold_leak_strings(p)),
+        ))
+    st = memory.update(step, records, textgen)
+    out: dict[str, Any] = {"reflect_seconds": st.seconds.get("generation", 0.0),
+                           "memory_frozen": float(st.frozen)}
+    for k, v in st.counts.items():
+        out[f"memory_{k}"] = float(v)
+    s = memory.stats()
+    out["memory_experiences"] = float(s.get("experience_records", 0))
+    out["memory_insights"] = float(s.get("strategies", 0) + s.get("lessons", 0))
+    out["memory_behaviors"] = float(s.get("behaviors", 0))
+    return out
+
+
+def _user_text(messages: Messages) -> str:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise ValueError("task prompt has no user message")
+    return users[-1]
+
+
+def teacher_messages(student_messages: Messages, user_text: str) -> Messages:
+    """The teacher conversation: system messages kept, the user turn replaced (SDPO 1.5)."""
+    out = [dict(m) for m in student_messages if m["role"] == "system"]
+    out.append({"role": "user", "content": user_text})
+    return out
+
+
+def build_teacher_contexts(cfg: Any, model: ModelBundle, task: Any, memory: Any,
+                           sb: Any) -> list[Any]:
+    """One TeacherContext per rollout (prompt-major), following the mode's rules."""
+    from pmd_jax.memory.context import TeacherContext
+    from pmd_jax.memory.sanitize import sanitize_text
+
+    tp = cfg.teacher_prompt
+    g = cfg.rollout.n
+    demos = select_demonstrations(sb.rewards, tp.success_threshold,
+                                  tp.dont_reprompt_on_self_success)
+    extra = tuple(model.tokenizer.special_tokens)
+    out = []
+    for idx, r in enumerate(sb.rollouts):
+        i, j = r.prompt_index, r.sample_index
+        p = sb.problems[i]
+        user = _user_text(task.prompt(p))
+        d = demos[i, j]
+        sibling = sb.texts[i * g + d] if d >= 0 else None
+        fb = sb.results[idx].feedback if tp.include_feedback else None
+        if fb and tp.feedback_only_without_solution and sibling:
+            fb = None
+        if memory is not None:
+            ctx = memory.teacher_context(str(p.id), user, sibling, fb,
+                                         student_response=sb.texts[idx])
+        else:  # sdpo: the reprompt template with only the demonstration and feedback
+            succ = sanitize_text(sibling, 6000, extra, drop_thinking=True) if sibling else None
+            ctx = TeacherContext(
+                problem_text=user, successful_attempt=succ or None,
+                successful_attempt_source="sibling" if succ else None,
+                feedback=sanitize_text(fb, 2000, extra) if fb else None, signal_rule="sdpo",
+                max_tokens=int(tp.max_tokens),
+            )
+        out.append(ctx)
+    return out
+
+
+def build_train_batch(cfg: Any, model: ModelBundle, task: Any, memory: Any,
+                      sb: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    from pmd_jax.distill import align
+    from pmd_jax.distill.step import make_batch
+
+    responses = [r.tokens.tolist() for r in sb.rollouts]
+    students = [sb.student_prompts[r.prompt_index] for r in sb.rollouts]
+    sampler_logp = [r.logprobs for r in sb.rollouts]
+    stats: dict[str, float] = {}
+    if cfg.mode == "grpo":
+        teachers = students
+        sd = np.ones(len(responses), np.float32)
+    else:
+        ctxs = build_teacher_contexts(cfg, model, task, memory, sb)
+        budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens)
+                     if memory is not None else cfg.teacher_prompt.max_tokens)
+        teachers, sd = [], np.zeros(len(responses), np.float32)
+        src = {"sibling": 0, "memory": 0}
+        for k, (ctx, r) in enumerate(zip(ctxs, sb.rollouts, strict=True)):
+            text = ctx.render(model.count_tokens, budget)
+            msgs = teacher_messages(task.prompt(sb.problems[r.prompt_index]), text)
+            teachers.append(model.encode_chat(msgs, enable_thinking=False))
+            sd[k] = float(ctx.has_signal)
+            if ctx.successful_attempt_source in src:
+                src[ctx.successful_attempt_source] += 1
+        n = max(1, len(ctxs))
+        stats = {
+            "reprompt_sample_fraction": float(sd.mean()),
+            "demo_from_sibling_fraction": src["sibling"] / n,
+            "demo_from_memory_fraction": src["memory"] / n,
+            "teacher_prompt_tokens_mean": float(np.mean([len(t) for t in teachers])),
+        }
+    r_max = max(1, max(len(x) for x in responses))
+    db = align.build_distill_batch(
+        students, teachers, responses, pad_id=model.pad_id, pad_side="right",
+        pad_to_multiple=16, max_response_len=_round_up(r_max, 16),
+    )
+    rl = db.responses.shape[1]
+    logp = np.zeros((len(responses), rl), np.float32)
+    for k, lp in enumerate(sampler_logp):
+        logp[k, : len(lp)] = lp
+    batch = make_batch(db, sd_mask=sd, sampler_logp=logp, old_logp=logp,
+                       rewards=sb.rewards.reshape(-1).astype(np.float32))
+    stats["student_tokens_mean"] = float(np.mean([len(s) + len(x)
+                                                  for s, x in zip(students, responses,
+                                                                  strict=True)]))
+    return batch, stats
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+# ----------------------------------------------------------------------------- training
+@dataclasses.dataclass
+class TrainBundle:
+    step_fn: Any  # distill.step.TrainStep
+    state: Any  # distill.step.TrainState
+    initial_params: Any  # for KL(policy || initial) at eval (None to skip)
+
+
+def init_train_state(cfg: Any, model: ModelBundle) -> TrainBundle:
+    from pmd_jax.distill.step import TrainStep
+
+    ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules)
+    state = ts.init(model.params, rng=int(cfg.seed))
+    return TrainBundle(ts, state, model.params)
+
+
+def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    import jax
+
+    bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
+    return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+
+
+def current_params(cfg: Any, bundle: TrainBundle) -> Any:
+    from pmd_jax.distill.step import compute_params
+
+    return compute_params(bundle.state, cfg.distill)
+
+
+def publish(cfg: Any, sampler: Any, bundle: TrainBundle, step: int) -> None:
+    """Hand the current weights to the sampler (in-process, or a tensorstore version)."""
+    params = current_params(cfg, bundle)
+    if hasattr(sampler, "set_params"):
+        sampler.set_params(params, version=int(step))
+        return
+    from pmd_jax.models.hf_io import iter_hf_tensors
+    from pmd_jax.sampling.weight_store import WeightStore
+
+    url = cfg.rollout.weight_store
+    store = _STORES.get(url) or _STORES.setdefault(url, WeightStore(url))
+    store.publish(dict(iter_hf_tensors(params, bundle.step_fn.model_cfg)), version=int(step),
+                  step=int(step))
+    sampler.set_weights(int(step))
+
+
+_STORES: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class RunCheckpointer:
+    """Train state + the memory and data-cursor slots, through pmd_jax.checkpoint."""
+
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        from pmd_jax.checkpoint import Checkpointer
+
+        self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
+                                 slots=("memory", "data_cursor", "trainer"))
+
+    def save(self, step: int, bundle: TrainBundle, extras: dict[str, Any]) -> None:
+        mem = extras.get("memory")
+        slots = {
+            "data_cursor": extras["data_cursor"],
+            "trainer": {"step": int(step),
+                        "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0))},
+            "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
+        }
+        self.ckpt.save(int(step), bundle.state, slots=slots)
+
+    def restore_latest(self, bundle: TrainBundle):
+        from pmd_jax.checkpoint import CheckpointError
+
+        if not self.ckpt.all_steps():
+            return None
+        try:
+            r = self.ckpt.restore(bundle.step_fn.abstract_state())
+        except CheckpointError as e:
+            log.error("%s; starting from scratch", e)
+            return None
+        for s, why in r.skipped:
+            log.warning("skipped corrupt checkpoint %d: %s", s, why)
+        bundle.state = r.state
+        tr = r.slots.get("trainer") or {"step": r.step}
+        mem = r.slots.get("memory")
+        extras = {
+            "step": int(tr["step"]),
+            "data_cursor": r.slots["data_cursor"],
+            "nonfinite_in_a_row": int(tr.get("nonfinite_in_a_row", 0)),
+            "memory": pickle.loads(mem) if mem else None,
+        }
+        return bundle, extras
+
+    def wait(self) -> None:
+        self.ckpt.wait()
+
+
+def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:
+    return RunCheckpointer(run_dir, int(cfg.train.keep_checkpoints))
+
+
+# ----------------------------------------------------------------------------- evaluation
+def make_generate_fn(
+    cfg: Any, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
+    pid_by_text: dict[str, str] | None = None,
+) -> Callable[[list[Messages], int, int], list[list[str]]]:
+    e = cfg.eval
+
+    def generate(convs: list[Messages], n: int, seed: int) -> list[list[str]]:
+        if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
+            pids = pid_by_text or {}
+            convs = [teacher_messages(c, memory.teacher_context(
+                pids.get(_user_text(c), ""), _user_text(c)).render(model.count_tokens))
+                for c in convs]
+        sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
+                            max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
+                            seed=int(seed))
+        out: list[list[str]] = []
+        bs = max(1, cfg.rollout.max_batch // max(1, n))
+        for s in range(0, len(convs), bs):
+            out.extend(textgen.generate_texts(convs[s: s + bs], sp))
+        return out
+
+    return generate
+
+
+def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
+             problems: Sequence[Any], out_dir: Path, memory: Any = None) -> dict[str, Any]:
+    from pmd_jax.tasks import evaluation
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = evaluation.evaluate(
+        task, make_generate_fn(cfg, model, textgen), split=cfg.task.eval_split, k=cfg.eval.n,
+        seeds=tuple(cfg.eval.seeds), problems=problems, out_path=out_dir / "results.jsonl",
+        name=out_dir.name, n_boot=2000,
+    )
+    s = res.summarize()
+    out = {"accuracy": float(s["mean"]), "accuracy_ci_low": float(s["ci_low"]),
+           "accuracy_ci_high": float(s["ci_high"]), "num_problems": len(problems)}
+    if memory is not None and cfg.mode == "pmd_frozen_policy":
+        rm = evaluation.evaluate(
+            task,
+            make_generate_fn(cfg, model, textgen, memory,
+                             {_user_text(task.prompt(p)): str(p.id) for p in problems}),
+            split=cfg.task.eval_split,
+            k=cfg.eval.n, seeds=tuple(cfg.eval.seeds), problems=problems,
+            out_path=out_dir / "results_with_memory.jsonl", name=out_dir.name + "_mem",
+            n_boot=2000,
+        )
+        sm = rm.summarize()
+        out.update({"accuracy_with_memory": float(sm["mean"])})
+    return out
+
+
+def export_hf(cfg: Any, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path:
+    from pmd_jax.models.hf_io import save_hf_checkpoint
+
+    params = current_params(cfg, bundle)
+    return save_hf_checkpoint(params, model.cfg, path, dtype="float32"
+                              if model.cfg.param_dtype == "float32" else "bfloat16",
+                              tokenizer=model.tokenizer)
