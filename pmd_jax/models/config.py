@@ -141,7 +141,9 @@ class ModelConfig:
             if bad:
                 raise ConfigError(f"model.layer_types has unknown entries {sorted(bad)}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
-                raise ConfigError("model.layer_types uses sliding_attention but sliding_window unset")
+                raise ConfigError(
+                    "model.layer_types uses sliding_attention but sliding_window is unset"
+                )
         if "full_attention" not in dict(self.rope):
             raise ConfigError("model.rope must define 'full_attention'")
         for dt in (self.dtype, self.param_dtype):
