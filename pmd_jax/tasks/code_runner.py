@@ -16,7 +16,6 @@ Kinds:
   shown.
 """
 
-import ast
 import ctypes
 import json
 import linecache
@@ -130,6 +129,8 @@ def _child(payload, test, w_fd):
 
 
 def _run_code_test(test, ns):
+    import ast
+
     tree = ast.parse(test, "<test>")
     body = tree.body
     if (len(body) == 1 and isinstance(body[0], ast.Assert)
@@ -188,6 +189,8 @@ def _explain_assert(exc, test):
     line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
     out["call"] = line[:ERR_LIMIT]
     try:
+        import ast
+
         node = ast.parse(line).body[0]
         if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
                 and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):

@@ -35,9 +35,9 @@ leftover process of the run's uid is killed afterwards.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import selectors
@@ -116,7 +116,6 @@ def _lease_uid():
     try:
         yield uid
     finally:
-        _kill_uid(uid)
         with _uid_lock:
             _uid_free.append(uid)
 
@@ -152,91 +151,141 @@ def _kill_uid(uid: int) -> int:
 
 
 class _Cgroup:
-    """A per-run cgroup (v1 memory+pids hierarchies, or v2 unified) when writable."""
+    """A cgroup for one uid slot (v1 memory+pids hierarchies, or v2 unified) when writable.
 
-    _counter = itertools.count()
+    Created once per slot and reused (mkdir/rmdir per run costs tens of ms); the limits are
+    rewritten and the OOM / pids-limit counters re-read as a baseline at every run; all
+    groups are removed at exit.
+    """
+
+    _by_uid: dict[int, _Cgroup] = {}
+    _lock = threading.Lock()
 
     def __init__(self, dirs: dict[str, Path]):
         self.dirs = dirs
+        self._oom0 = 0
+        self._pids0 = 0
 
     @classmethod
-    def create(cls, limits: Limits) -> _Cgroup | None:
+    def for_uid(cls, uid: int, limits: Limits) -> _Cgroup | None:
         base = _cgroup_bases()
         if not base:
             return None
-        name = f"pmd-sbx-{os.getpid()}-{next(cls._counter)}"
+        with cls._lock:
+            cg = cls._by_uid.get(uid)
+            if cg is None:
+                cg = cls._make(base, f"pmd-sbx-{os.getpid()}-{uid}")
+                if cg is None:
+                    return None
+                cls._by_uid[uid] = cg
+        try:
+            cg._set_limits(limits)
+        except OSError as e:
+            log.debug("cgroup limits failed: %s", e)
+            return None
+        cg._oom0, cg._pids0 = cg._oom_count(), cg._pids_count()
+        return cg
+
+    @classmethod
+    def _make(cls, base: dict[str, Path], name: str) -> _Cgroup | None:
         dirs: dict[str, Path] = {}
         try:
-            if "unified" in base:
-                d = base["unified"] / name
-                d.mkdir()
-                dirs["unified"] = d
-                (d / "memory.max").write_text(str(limits.tree_memory_bytes))
-                with contextlib.suppress(OSError):
-                    (d / "memory.swap.max").write_text("0")
-                (d / "pids.max").write_text(str(limits.nproc + 8))
-            else:
-                if "memory" in base:
-                    d = base["memory"] / name
-                    d.mkdir()
-                    dirs["memory"] = d
-                    (d / "memory.limit_in_bytes").write_text(str(limits.tree_memory_bytes))
-                if "pids" in base:
-                    d = base["pids"] / name
-                    d.mkdir()
-                    dirs["pids"] = d
-                    (d / "pids.max").write_text(str(limits.nproc + 8))
+            for ctrl in ("unified", "memory", "pids"):
+                if ctrl in base:
+                    d = base[ctrl] / name
+                    d.mkdir(exist_ok=True)
+                    dirs[ctrl] = d
         except OSError as e:
             log.debug("cgroup setup failed: %s", e)
-            cg = cls(dirs)
-            cg.destroy()
+            cls(dirs).destroy()
             return None
         return cls(dirs)
+
+    def _set_limits(self, limits: Limits) -> None:
+        if "unified" in self.dirs:
+            d = self.dirs["unified"]
+            (d / "memory.max").write_text(str(limits.tree_memory_bytes))
+            with contextlib.suppress(OSError):
+                (d / "memory.swap.max").write_text("0")
+            (d / "pids.max").write_text(str(limits.nproc + 8))
+        if "memory" in self.dirs:
+            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(
+                str(limits.tree_memory_bytes))
+        if "pids" in self.dirs:
+            (self.dirs["pids"] / "pids.max").write_text(str(limits.nproc + 8))
 
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 
-    def oom_killed(self) -> bool:
+    def _oom_count(self) -> int:
         try:
             if "unified" in self.dirs:
                 ev = (self.dirs["unified"] / "memory.events").read_text()
-                return any(
-                    ln.split()[0] in ("oom_kill", "oom") and int(ln.split()[1]) > 0
-                    for ln in ev.splitlines()
-                )
+                return sum(int(ln.split()[1]) for ln in ev.splitlines()
+                           if ln.split()[0] == "oom_kill")
             if "memory" in self.dirs:
-                return int((self.dirs["memory"] / "memory.failcnt").read_text()) > 0
+                for ln in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
+                    if ln.startswith("oom_kill "):
+                        return int(ln.split()[1])
+                return int((self.dirs["memory"] / "memory.failcnt").read_text())
         except (OSError, ValueError, IndexError):
             pass
-        return False
+        return 0
+
+    def _pids_count(self) -> int:
+        d = self.dirs.get("pids") or self.dirs.get("unified")
+        try:
+            if d is not None:
+                for ln in (d / "pids.events").read_text().splitlines():
+                    if ln.startswith("max"):
+                        return int(ln.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
+    def oom_killed(self) -> bool:
+        return self._oom_count() > self._oom0
 
     def pids_limited(self) -> bool:
-        try:
-            d = self.dirs.get("pids") or self.dirs.get("unified")
-            if d is None:
-                return False
-            for ln in (d / "pids.events").read_text().splitlines():
-                if ln.startswith("max") and int(ln.split()[1]) > 0:
-                    return True
-        except (OSError, ValueError, IndexError):
-            pass
-        return False
+        return self._pids_count() > self._pids0
+
+    def kill_all(self) -> int:
+        n = 0
+        for _ in range(50):
+            pids: set[int] = set()
+            for d in self.dirs.values():
+                with contextlib.suppress(OSError, ValueError):
+                    pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
+            if not pids:
+                break
+            for p in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
+                    n += 1
+            time.sleep(0.005)
+        return n
 
     def destroy(self) -> None:
+        self.kill_all()
         for d in self.dirs.values():
             for _ in range(50):
                 try:
-                    pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
-                except OSError:
-                    pids = []
-                for p in pids:
-                    with contextlib.suppress(OSError):
-                        os.kill(p, signal.SIGKILL)
-                try:
                     d.rmdir()
+                    break
+                except FileNotFoundError:
                     break
                 except OSError:
                     time.sleep(0.01)
+
+    @classmethod
+    def destroy_all(cls) -> None:
+        with cls._lock:
+            for cg in cls._by_uid.values():
+                cg.destroy()
+            cls._by_uid.clear()
+
+
+atexit.register(_Cgroup.destroy_all)
 
 
 @functools.cache
@@ -476,7 +525,6 @@ def run_python(
     work_dir = os.path.join(tmp, "work")
     os.mkdir(code_dir)
     os.mkdir(work_dir)
-    cg: _Cgroup | None = None
     try:
         all_files = {"main.py": script, **(files or {})}
         for name, content in all_files.items():
@@ -498,15 +546,20 @@ def run_python(
         with uid_ctx as uid:
             cmd, cwd, env = _build_command(backend, argv, code_dir, work_dir, uid, limits)
             cmd = _prlimit_args(limits) + cmd
-            cg = _Cgroup.create(limits)
+            cg = _Cgroup.for_uid(uid, limits) if uid is not None else None
             if cg is not None:
                 # join the cgroup before exec, so nothing escapes it
                 joins = " && ".join(f'echo $$ > "{p}"' for p in cg.procs_files())
                 cmd = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *cmd]
-            return _communicate(cmd, cwd, env, stdin, limits, backend, cg)
+            try:
+                return _communicate(cmd, cwd, env, stdin, limits, backend, cg)
+            finally:
+                # nothing of the run may outlive it (daemons, stopped processes)
+                if cg is not None:
+                    cg.kill_all()
+                elif uid is not None:
+                    _kill_uid(uid)
     finally:
-        if cg is not None:
-            cg.destroy()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
