@@ -1,0 +1,252 @@
+"""Memory-bounded distillation loss and token log-probs over hidden states.
+
+With a 151k vocabulary and 8k response tokens a full fp32 ``[B, T, V]`` logits tensor is
+~5 GB per sample (and its backward needs several more). The functions here never build it:
+they take the final-norm hidden states ``[B, T, D]`` and the unembedding ``[D, V]``, and
+``lax.scan`` over chunks of ``chunk`` sequence positions. Each chunk projects to
+``[B, chunk, V]`` fp32 logits, reduces them to per-token numbers (loss, sampled-token
+log-prob, KL, agreement, entropy) and drops them. The scan body is wrapped in
+``jax.checkpoint``, so the backward pass recomputes each chunk's logits instead of storing
+them: forward and backward both keep O(B * chunk * V) logits alive, not O(B * T * V).
+
+Hidden states must already be aligned to the response positions (``[B, R, D]`` from
+:func:`pmd_jax.distill.align.gather_response`): row ``t`` of the student and of the teacher
+both predict response token ``tokens[:, t]``.
+
+Teachers: one hidden/unembedding pair (EMA, frozen or live teacher), or, for the
+trust-region teacher (METHOD.md 1.4), a second pair from the frozen reference model and the
+interpolation ``alpha``: ``logits_T = lerp(logits_ref, logits_cur, alpha) = logits_ref +
+alpha * (logits_cur - logits_ref)``, computed inside the chunk. The teacher is always
+stop-gradiented.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pmd_jax.distill import losses
+
+Array = jax.Array
+
+DEFAULT_CHUNK = 256
+
+
+def project(hidden: Array, unembed: Array) -> Array:
+    """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``."""
+    return jnp.einsum("...d,dv->...v", hidden, unembed, preferred_element_type=jnp.float32)
+
+
+def _check_hidden(hidden: Array, unembed: Array, what: str) -> None:
+    if hidden.ndim != 3:
+        raise ValueError(f"{what} hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    if unembed.ndim != 2:
+        raise ValueError(f"{what} unembed must be [D, V], got shape {tuple(unembed.shape)}")
+    if hidden.shape[-1] != unembed.shape[0]:
+        raise ValueError(
+            f"{what}: hidden size {hidden.shape[-1]} does not match unembed rows "
+            f"{unembed.shape[0]} (unembed must be [D, V])"
+        )
+
+
+def _check_chunk(chunk: int) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    return chunk
+
+
+def _split(x: Array, chunk: int) -> Array:
+    """``[B, T, ...]`` -> ``[n, B, chunk, ...]``, zero-padding T up to ``n * chunk``."""
+    b, t = x.shape[:2]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
+
+
+def _merge(y: Array, t: int) -> Array:
+    """``[n, B, chunk, ...]`` -> ``[B, T, ...]`` (drops the padding)."""
+    n, b, c = y.shape[:3]
+    return jnp.moveaxis(y, 0, 1).reshape((b, n * c) + y.shape[3:])[:, :t]
+
+
+def chunked_distill_stats(
+    student_hidden: Array,
+    teacher_hidden: Array,
+    student_unembed: Array,
+    teacher_unembed: Array,
+    tokens: Array,
+    cfg: losses.DistillLossConfig,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    ref_teacher_hidden: Array | None = None,
+    ref_teacher_unembed: Array | None = None,
+    trust_region_alpha: float | None = None,
+) -> dict[str, Array]:
+    """Per-token distillation statistics, ``[B, T]`` each, computed chunk by chunk.
+
+    Same outputs as :func:`pmd_jax.distill.losses.token_distill_stats` on the full logits
+    (``loss``, ``student_logp``, ``teacher_logp``, ``kl``, ``top1_agree``, ``entropy``).
+    ``teacher_hidden`` / ``teacher_unembed`` is the current teacher; with
+    ``ref_teacher_hidden`` / ``ref_teacher_unembed`` and ``trust_region_alpha`` the teacher
+    logits are ``lerp(ref, current, alpha)``.
+    """
+    _check_hidden(student_hidden, student_unembed, "student")
+    _check_hidden(teacher_hidden, teacher_unembed, "teacher")
+    chunk = _check_chunk(chunk)
+    if teacher_hidden.shape != student_hidden.shape:
+        raise ValueError(
+            f"student hidden {tuple(student_hidden.shape)} and teacher hidden "
+            f"{tuple(teacher_hidden.shape)} must have the same [B, T, D] (teacher aligned to "
+            "the response positions)"
+        )
+    vocab = student_unembed.shape[1]
+    if teacher_unembed.shape != student_unembed.shape:
+        raise ValueError(
+            f"student unembed {tuple(student_unembed.shape)} and teacher unembed "
+            f"{tuple(teacher_unembed.shape)} differ"
+        )
+    if tuple(tokens.shape) != tuple(student_hidden.shape[:2]):
+        raise ValueError(
+            f"tokens shape {tuple(tokens.shape)} must be [B, T]={tuple(student_hidden.shape[:2])}"
+        )
+    cfg.validate(vocab_size=vocab)
+    has_ref = ref_teacher_hidden is not None or ref_teacher_unembed is not None
+    if has_ref:
+        if ref_teacher_hidden is None or ref_teacher_unembed is None:
+            raise ValueError("trust-region teacher needs both ref_teacher_hidden and _unembed")
+        _check_hidden(ref_teacher_hidden, ref_teacher_unembed, "reference teacher")
+        if ref_teacher_hidden.shape != teacher_hidden.shape:
+            raise ValueError(
+                f"reference teacher hidden {tuple(ref_teacher_hidden.shape)} must match teacher "
+                f"hidden {tuple(teacher_hidden.shape)}"
+            )
+        if ref_teacher_unembed.shape != teacher_unembed.shape:
+            raise ValueError(
+                f"reference teacher unembed {tuple(ref_teacher_unembed.shape)} must match "
+                f"teacher unembed {tuple(teacher_unembed.shape)}"
+            )
+        if trust_region_alpha is None:
+            raise ValueError("trust-region teacher needs trust_region_alpha")
+        tr_alpha = losses.static_float(trust_region_alpha, "trust_region_alpha")
+        if not 0.0 <= tr_alpha <= 1.0:
+            raise ValueError(f"trust_region_alpha must be in [0, 1], got {tr_alpha}")
+    elif trust_region_alpha is not None:
+        raise ValueError("trust_region_alpha given without a reference teacher (ref_teacher_*)")
+
+    t_len = student_hidden.shape[1]
+    chunk = min(chunk, max(t_len, 1))
+    sg = lax.stop_gradient
+    w_t = sg(teacher_unembed)
+    w_r = sg(ref_teacher_unembed) if has_ref else None
+
+    def body(carry: None, xs: tuple) -> tuple[None, dict[str, Array]]:
+        hs, ht, hr, tok = xs
+        s_logits = project(hs, student_unembed)
+        t_logits = project(ht, w_t)
+        if hr is not None:
+            r_logits = project(hr, w_r)
+            t_logits = r_logits + tr_alpha * (t_logits - r_logits)
+        return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg)
+
+    body = jax.checkpoint(body, prevent_cse=False)
+    xs = (
+        _split(student_hidden, chunk),
+        _split(sg(teacher_hidden), chunk),
+        _split(sg(ref_teacher_hidden), chunk) if has_ref else None,
+        _split(tokens.astype(jnp.int32), chunk),
+    )
+    _, out = lax.scan(body, None, xs)
+    return {k: _merge(v, t_len) for k, v in out.items()}
+
+
+def chunked_distill_loss(
+    student_hidden: Array,
+    teacher_hidden: Array,
+    student_unembed: Array,
+    teacher_unembed: Array,
+    tokens: Array,
+    response_mask: Array,
+    sd_mask: Array | None,
+    cfg: losses.DistillLossConfig,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    old_token_logp: Array | None = None,
+    rollout_is_weights: Array | None = None,
+    ref_teacher_hidden: Array | None = None,
+    ref_teacher_unembed: Array | None = None,
+    trust_region_alpha: float | None = None,
+) -> tuple[Array, dict[str, Array], dict[str, Array]]:
+    """The SDPO loss from aligned hidden states: ``(loss, metrics, per_token_stats)``.
+
+    Equal to :func:`pmd_jax.distill.losses.self_distillation_loss` on the full logits
+    ``hidden @ unembed`` (tested), without materialising them.
+    """
+    stats = chunked_distill_stats(
+        student_hidden,
+        teacher_hidden,
+        student_unembed,
+        teacher_unembed,
+        tokens,
+        cfg,
+        chunk=chunk,
+        ref_teacher_hidden=ref_teacher_hidden,
+        ref_teacher_unembed=ref_teacher_unembed,
+        trust_region_alpha=trust_region_alpha,
+    )
+    loss, metrics = losses.finalize_distill(
+        stats,
+        response_mask,
+        sd_mask,
+        cfg,
+        old_token_logp=old_token_logp,
+        rollout_is_weights=rollout_is_weights,
+    )
+    return loss, metrics, stats
+
+
+def chunked_token_logprobs(
+    hidden: Array,
+    unembed: Array,
+    tokens: Array,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    *,
+    return_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """``log_softmax(hidden @ unembed / T)[b, t, tokens[b, t]]`` as ``[B, T]`` fp32, chunked.
+
+    Differentiable w.r.t. ``hidden`` and ``unembed`` with a chunked backward (remat). With
+    ``return_entropy`` also returns the (detached) entropy per token.
+    """
+    _check_hidden(hidden, unembed, "model")
+    chunk = _check_chunk(chunk)
+    if tuple(tokens.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(
+            f"tokens shape {tuple(tokens.shape)} must be [B, T]={tuple(hidden.shape[:2])}"
+        )
+    t = losses.static_float(temperature, "temperature")
+    if not t > 0.0:
+        raise ValueError(f"temperature must be > 0, got {t}")
+    t_len = hidden.shape[1]
+    chunk = min(chunk, max(t_len, 1))
+
+    def body(carry: None, xs: tuple) -> tuple[None, tuple[Array, Array]]:
+        h, tok = xs
+        logp = losses.log_probs(project(h, unembed), t)
+        tok_lp = losses.token_log_probs(logp, tok)
+        if return_entropy:
+            lp = lax.stop_gradient(logp)
+            ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+        else:
+            ent = jnp.zeros_like(tok_lp)
+        return carry, (tok_lp, ent)
+
+    body = jax.checkpoint(body, prevent_cse=False)
+    _, (lp, ent) = lax.scan(body, None, (_split(hidden, chunk), _split(tokens, chunk)))
+    lp = _merge(lp, t_len)
+    if return_entropy:
+        return lp, _merge(ent, t_len)
+    return lp
