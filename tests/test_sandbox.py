@@ -392,3 +392,32 @@ def test_fallback_backends_contain_basics(backend):
     )
     time.sleep(0.3)
     assert procs_with(marker) == []
+
+
+def test_interpreter_is_the_hosts():
+    import sys
+
+    r = run("import sys\nprint(sys.version)")
+    assert r.ok, r.reason
+    if BACKEND == "bwrap" or os.geteuid() != 0:
+        # same build: stdlib and libpython of the host installation, not a system fallback
+        assert r.stdout.decode().strip() == sys.version
+    else:
+        assert r.stdout.decode().startswith(f"{sys.version_info[0]}.")
+
+
+def test_numpy_importable_in_code_runner():
+    from pmd_jax.tasks.code import run_tests
+
+    tests = {
+        "kind": "stdin",
+        "inputs": ["3\n"],
+        "outputs": ["9\n"],
+        "time_limit": 5.0,
+        "fn_name": "",
+        "setup": "",
+    }
+    recs, res = run_tests("import numpy as np\nprint(int(np.int64(int(input())) ** 2))", tests, [0])
+    if BACKEND != "bwrap" and sandbox.interpreter_for(BACKEND) != sandbox.python_executable():
+        pytest.skip("fallback interpreter without the host's site-packages")
+    assert recs[0]["passed"], recs

@@ -347,6 +347,48 @@ def python_executable() -> str:
     return os.path.realpath(sys.executable)
 
 
+def _world_readable(path: str) -> bool:
+    """True if every directory above ``path`` is o+x and ``path`` itself is o+r."""
+    p = os.path.realpath(path)
+    parts = p.split(os.sep)
+    for i in range(2, len(parts)):
+        d = os.sep.join(parts[:i]) or os.sep
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    try:
+        return bool(os.stat(p).st_mode & 0o004)
+    except OSError:
+        return False
+
+
+def interpreter_for(backend: str) -> str:
+    """The interpreter a backend runs programs with.
+
+    bwrap mounts the host interpreter's installation into a fresh root, so it is always
+    usable. Without bwrap the program runs as an unprivileged uid on the host filesystem; if
+    the host interpreter lives under a private directory (e.g. pyenv under /root), a
+    world-readable system ``python3`` is used instead (stdlib only: the host's site-packages
+    are not readable then). Raises SandboxError when there is none.
+    """
+    exe = python_executable()
+    if backend == "bwrap" or os.geteuid() != 0:
+        return exe
+    stdlib = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}."
+                          f"{sys.version_info[1]}", "os.py")
+    if _world_readable(exe) and _world_readable(stdlib):
+        return exe
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
+        if os.path.exists(cand) and _world_readable(cand):
+            return cand
+    raise SandboxError(
+        f"backend {backend}: the interpreter {exe} is not readable by an unprivileged uid and "
+        "no world-readable python3 exists"
+    )
+
+
 def _bwrap_fs_args() -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
     for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -354,9 +396,19 @@ def _bwrap_fs_args() -> list[str]:
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
+    made: set[str] = set()
     for r in _python_roots():
-        if not r.startswith("/usr/"):
-            args += ["--ro-bind", r, r]
+        if r.startswith("/usr/"):
+            continue
+        # bwrap would create the parents of a bind with the host's modes; /root is 0700,
+        # which would hide e.g. a pyenv interpreter (and its libpython RUNPATH) from the uid
+        parts = r.split(os.sep)
+        for i in range(2, len(parts)):
+            d = os.sep.join(parts[:i])
+            if d not in made:
+                made.add(d)
+                args += ["--perms", "0755", "--dir", d]
+        args += ["--ro-bind", r, r]
     return args
 
 
@@ -410,8 +462,11 @@ def _build_command(
         return cmd, None, {}
     env = {**_SANDBOX_ENV, "HOME": work_dir, "TMPDIR": work_dir}
     if backend == "unshare":
+        # a shell is the namespace's pid 1 and runs the program as pid 2: the kernel does not
+        # deliver SIGXCPU / SIGKILL-on-hard-limit to a pid-namespace init
         cmd = [_UNSHARE or "unshare", "--net", "--pid", "--fork", "--kill-child", "--ipc",
-               "--uts", "--mount", "--mount-proc", "--", *_setpriv_args(uid), *argv]  # type: ignore[arg-type]
+               "--uts", "--mount", "--mount-proc", "--", *_setpriv_args(uid),  # type: ignore[arg-type]
+               "/bin/sh", "-c", '"$@"; exit $?', "sh", *argv]
         return cmd, work_dir, env
     if backend == "rlimits":
         cmd = ([*_setpriv_args(uid)] if root and _SETPRIV else []) + argv  # type: ignore[arg-type]
@@ -538,7 +593,7 @@ def run_python(
         os.chmod(tmp, 0o755)
         os.chmod(work_dir, 0o1777)
         in_code = "/code" if backend == "bwrap" else code_dir
-        argv = [python_executable(), *python_flags, f"{in_code}/main.py", *(args or [])]
+        argv = [interpreter_for(backend), *python_flags, f"{in_code}/main.py", *(args or [])]
         if backend == "rlimits" and os.geteuid() != 0:
             uid_ctx: contextlib.AbstractContextManager = contextlib.nullcontext(None)
         else:
@@ -578,6 +633,7 @@ def _communicate(
                           0.0, backend)
     out = bytearray()
     err = bytearray()
+    cpu = 0.0
     over = None
     timed_out = False
     sel = selectors.DefaultSelector()
@@ -625,12 +681,11 @@ def _communicate(
                 break
         if over or timed_out:
             _kill_tree(proc)
-        try:
-            rc = proc.wait(timeout=max(0.5, deadline - time.monotonic() + 1.0))
-        except subprocess.TimeoutExpired:
+        rc, cpu = _wait(proc, max(0.5, deadline - time.monotonic() + 1.0))
+        if rc is None:
             timed_out = True
             _kill_tree(proc)
-            rc = proc.wait()
+            rc, cpu = _wait(proc, None)
     finally:
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
@@ -638,8 +693,32 @@ def _communicate(
                 f.close()
         _kill_tree(proc)
     wall = time.monotonic() - t0
-    status, reason = _classify(rc, bytes(err), timed_out, over, limits, cg, wall)
-    return ExecResult(status, rc, bytes(out), bytes(err), reason, wall, backend)
+    status, reason = _classify(rc, bytes(err), timed_out, over, limits, cg, cpu)
+    return ExecResult(status, rc, bytes(out), bytes(err), reason, wall, backend,
+                      {"cpu_s": round(cpu, 4)})
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int | None, float]:
+    """(return code, CPU seconds of the whole waited-for tree) via wait4; (None, 0) on timeout.
+
+    The rusage of a reaped child includes its descendants that were reaped in turn (bwrap and
+    unshare reap theirs), so CPU-limit kills are recognised in every backend.
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        try:
+            pid, status, ru = os.wait4(proc.pid, 0 if end is None else os.WNOHANG)
+        except ChildProcessError:
+            return (proc.returncode if proc.returncode is not None else -9), 0.0
+        if pid:
+            rc = os.waitstatus_to_exitcode(status)
+            proc.returncode = rc
+            return rc, ru.ru_utime + ru.ru_stime
+        if end is not None and time.monotonic() >= end:
+            return None, 0.0
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -651,7 +730,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _classify(
     rc: int | None, err: bytes, timed_out: bool, over: str | None, limits: Limits,
-    cg: _Cgroup | None, wall: float,
+    cg: _Cgroup | None, cpu: float,
 ) -> tuple[str, str]:
     if over:
         return "output_limit", f"output limit exceeded: {over} passed {limits.output_bytes} bytes"
@@ -669,7 +748,7 @@ def _classify(
         return "memory_limit", (
             f"memory limit exceeded (MemoryError; limit {limits.memory_bytes >> 20} MiB)"
         )
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "CPU" in last):
+    if sig == signal.SIGXCPU or cpu >= 0.98 * max(1, int(limits.cpu_s + 0.999)):
         return "cpu_limit", f"CPU time limit of {limits.cpu_s:g}s exceeded"
     if sig == signal.SIGXFSZ:
         return "file_size_limit", f"file size limit of {limits.fsize_bytes} bytes exceeded"
