@@ -100,24 +100,35 @@ _BWRAP = shutil.which("bwrap")
 _UNSHARE = shutil.which("unshare")
 _PRLIMIT = shutil.which("prlimit")
 
-# Dedicated uids for sandboxed programs (root host only). One per concurrent run, chosen from
-# the host pid so that two host processes rarely share one.
-_UID_BASE = 200_000 + (os.getpid() % 40_000) * 32
+# Dedicated uids for sandboxed programs (root host only). One per concurrent run, from a
+# range chosen by the host pid (re-chosen after a fork), so two host processes rarely share.
+_UID_SLOTS = 32
 _uid_lock = threading.Lock()
-_uid_free: list[int] = list(range(_UID_BASE, _UID_BASE + 32))
+_uid_owner = -1
+_uid_free: list[int] = []
+
+
+def _uid_base(pid: int) -> int:
+    return 200_000 + (pid % 40_000) * _UID_SLOTS
 
 
 @contextlib.contextmanager
 def _lease_uid():
+    global _uid_owner, _uid_free
     with _uid_lock:
+        if _uid_owner != os.getpid():  # first use, or we are a forked child
+            _uid_owner = os.getpid()
+            base = _uid_base(_uid_owner)
+            _uid_free = list(range(base, base + _UID_SLOTS))
         if not _uid_free:
-            raise SandboxError("more than 32 concurrent sandbox runs in one process")
+            raise SandboxError(f"more than {_UID_SLOTS} concurrent sandbox runs in one process")
         uid = _uid_free.pop()
     try:
         yield uid
     finally:
         with _uid_lock:
-            _uid_free.append(uid)
+            if _uid_owner == os.getpid():
+                _uid_free.append(uid)
 
 
 def _kill_uid(uid: int) -> int:
