@@ -415,3 +415,23 @@ def test_timeout_reported(humaneval):
         p2, fence("def has_close_elements(numbers, threshold):\n    while True: pass"), "validation"
     )
     assert r.reason == "timeout" and r.feedback.startswith("Time Limit Exceeded")
+
+
+def test_large_outputs_and_floods():
+    from pmd_jax.tasks.code import run_tests
+
+    big = "x" * 3_000_000
+    tests = {
+        "kind": "stdin",
+        "inputs": ["1\n", "2\n"],
+        "outputs": [big, "2"],
+        "time_limit": 5.0,
+        "fn_name": "",
+        "setup": "",
+    }
+    recs, _ = run_tests("n=int(input())\nprint('x'*3_000_000 if n==1 else 2)", tests, [0, 1])
+    assert [r["passed"] for r in recs] == [True, True]
+    assert len(recs[0]["expected"]) < 5000  # records are capped, comparison was not
+    recs, _ = run_tests("while True: print('y'*100000)", tests, [1])
+    assert not recs[0]["passed"] and recs[0]["kind"] == "error"
+    assert "File too large" in recs[0]["actual"] or "output limit" in recs[0]["actual"]

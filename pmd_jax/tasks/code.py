@@ -214,10 +214,12 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
         "nonce": nonce,
         "sys_path": _site_paths(),
         "max_timeouts": 1,
-        "max_output": 1 << 20,
+        # per-test stdout cap: enough to compare with the expected output, no more
+        "max_output": [max(1 << 16, 2 * len(str(tests["outputs"][i])) + 1024) for i in indices],
     }
     wall = min(max_wall_s, len(inputs) * (t_lim + 0.3) + 5.0)
-    lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall)
+    out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
+    lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
     res = sandbox.run_python(_runner_source(), files={"payload.json": json.dumps(payload)},
                              limits=lim, backend=backend)
     raw: list[dict] = []
@@ -281,8 +283,17 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     return records, res
 
 
+_REC_CHARS = 4096  # records keep at most this much of each field (feedback shows 250)
+
+
+def _cap(v):
+    if isinstance(v, str) and len(v) > _REC_CHARS:
+        return v[:_REC_CHARS] + f"... ({len(v) - _REC_CHARS} more characters)"
+    return v
+
+
 def _rec(idx, inp, exp, actual, passed, kind) -> dict:
-    return {"test_idx": idx, "input": inp, "expected": exp, "actual": actual,
+    return {"test_idx": idx, "input": _cap(inp), "expected": _cap(exp), "actual": _cap(actual),
             "passed": bool(passed), "kind": kind}
 
 

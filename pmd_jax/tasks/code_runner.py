@@ -292,8 +292,9 @@ def _run_one(payload, i, test):
             else:
                 rec.update(status="error",
                            error=f"the program exited (status {code}) before reporting")
-    cap = int(payload.get("max_output", 1 << 20))
-    for key, path in (("stdout", out_path), ("stderr", err_path)):
+    caps = payload.get("max_output") or []
+    out_cap = int(caps[i]) if i < len(caps) else 1 << 16
+    for key, path, cap in (("stdout", out_path, out_cap), ("stderr", err_path, 8192)):
         try:
             with open(path, "rb") as f:
                 raw = f.read(cap + 1)
