@@ -238,3 +238,43 @@ def test_unshardable_mesh_names_the_tensor(tmp_path):
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     with pytest.raises(ValueError, match="layers.*q|heads"):
         hf_io.load_hf_checkpoint(tmp_path, mesh=mesh)
+
+
+def _hf_model(cfg: ModelConfig):
+    """A randomly initialised transformers model for our config (HF's own init and config)."""
+    hc = transformers.AutoConfig.for_model(**hf_io.to_hf_config(cfg, dtype="float32"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hc)
+    with torch.no_grad():  # make norms distinguishable from their init value 1
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("case", ["qwen3_untied", "olmo3", "llama_tied"])
+@pytest.mark.parametrize("torch_dtype", ["float32", "bfloat16"])
+def test_loads_checkpoints_written_by_transformers(case, torch_dtype, tmp_path):
+    cfg = CASES[case]
+    model = _hf_model(cfg).to(getattr(torch, torch_dtype))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / hf_io.SAFE_INDEX).exists()
+    cfg2, params = hf_io.load_hf_checkpoint(tmp_path, dtype="float32")
+    assert cfg2 == cfg
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    ours = dict(hf_io.iter_hf_tensors(params, cfg))
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, sd[k], err_msg=k)
+    assert set(sd) - set(ours) <= {"lm_head.weight"}
+
+
+def test_sharded_load_olmo3_full_qk_norm(tmp_path):
+    cfg = CASES["olmo3"]
+    params = random_params(cfg, seed=5)
+    hf_io.save_hf_checkpoint(params, cfg, tmp_path, dtype="bfloat16")
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _, sharded = hf_io.load_hf_checkpoint(tmp_path, mesh=mesh, dtype="bfloat16")
+    want = jax.tree.map(lambda p: np.asarray(p.astype(jax.numpy.bfloat16)), params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, want)
+    qn = sharded["layers"]["q_norm"]
+    assert qn.sharding.spec[1] == "tensor" and qn.sharding.shard_shape(qn.shape)[1] == 32
