@@ -435,3 +435,35 @@ def test_large_outputs_and_floods():
     recs, _ = run_tests("while True: print('y'*100000)", tests, [1])
     assert not recs[0]["passed"] and recs[0]["kind"] == "error"
     assert "File too large" in recs[0]["actual"] or "output limit" in recs[0]["actual"]
+
+
+def test_custom_equality_hack_fails(humaneval, mbpp):
+    hack = "class _A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+    p = mbpp.problems("validation")[0]
+    r = mbpp.verify(p, fence(hack + "def remove_Occ(s, ch):\n    return _A()"), "validation")
+    assert r.reward == 0.0 and "only built-in data types" in r.feedback
+    q = humaneval.problems("validation")[0]
+    r = humaneval.verify(
+        q,
+        fence(hack + "def has_close_elements(numbers, threshold):\n    return _A()"),
+        "validation",
+    )
+    assert r.reward == 0.0
+    sub = "class _B(int):\n    def __eq__(self, o):\n        return True\n"
+    r = mbpp.verify(p, fence(sub + "def remove_Occ(s, ch):\n    return _B(0)"), "validation")
+    assert r.reward == 0.0
+    # built-in containers from the stdlib still compare
+    from pmd_jax.tasks.code import run_tests
+
+    tests = {
+        "kind": "code",
+        "inputs": ["assert f() == {'a': 2}"],
+        "outputs": [""],
+        "time_limit": 5.0,
+        "fn_name": "f",
+        "setup": "",
+    }
+    recs, _ = run_tests(
+        "import collections\ndef f():\n    return collections.Counter('aa')", tests, [0]
+    )
+    assert recs[0]["passed"], recs

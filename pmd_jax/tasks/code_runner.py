@@ -113,7 +113,7 @@ def _child(payload, test, w_fd):
                 raise RuntimeError(
                     f"the program exited (SystemExit: {e.code}) before the tests ran"
                 ) from None
-            msg = _run_code_test(str(test), ns)
+            msg = _run_code_test(str(test), ns, payload.get("fn_name") or "")
         else:
             msg = {"status": "error", "error": f"unknown test kind {kind!r}"}
     except BaseException as e:  # noqa: BLE001
@@ -128,9 +128,64 @@ def _child(payload, test, w_fd):
     os.close(w_fd)
 
 
-def _run_code_test(test, ns):
+_type = type
+_builtin_mods = {"builtins", "collections", "fractions", "decimal", "datetime"}
+_seqs = (list, tuple, set, frozenset)
+_atoms = frozenset({int, float, complex, str, bytes, bool, type(None), type(Ellipsis),
+                    type(NotImplemented)})
+
+
+def _check_plain(v, depth=0):
+    """Raise TypeError unless ``v`` is built-in data (so ``==`` cannot be faked).
+
+    A returned object with a custom ``__eq__`` (always True) would pass any assert; built-in
+    types, the stdlib containers (Counter, OrderedDict, deque, ...), Fraction, Decimal,
+    datetime and numpy scalars are accepted, recursively for containers.
+    """
+    if depth > 100:
+        raise TypeError("returned value is nested too deeply")
+    t = _type(v)
+    if t in _atoms:
+        return
+    mod = sys.modules.get(getattr(t, "__module__", "") or "")
+    trusted = mod is not None and getattr(mod, getattr(t, "__name__", ""), None) is t
+    if trusted and t.__module__ in _builtin_mods:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_plain(k, depth + 1)
+                _check_plain(x, depth + 1)
+        elif isinstance(v, _seqs) or t.__name__ == "deque":
+            for x in v:
+                _check_plain(x, depth + 1)
+        return
+    if trusted and t.__module__ == "numpy":
+        return
+    raise TypeError(f"the function returned a {getattr(t, '__name__', t)!s} object; only "
+                    "built-in data types are compared")
+
+
+def _guard(fn):
+    def guarded(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        _check_plain(out)
+        return out
+
+    guarded.__name__ = getattr(fn, "__name__", "guarded")
+    guarded.__wrapped__ = fn
+    return guarded
+
+
+def _guard_entry(ns, fn_name):
+    f = ns.get(fn_name) if fn_name else None
+    code = getattr(f, "__code__", None)
+    if code is not None and code.co_filename == "<solution>":
+        ns[fn_name] = _guard(f)
+
+
+def _run_code_test(test, ns, fn_name=""):
     import ast
 
+    _guard_entry(ns, fn_name)
     tree = ast.parse(test, "<test>")
     body = tree.body
     if (len(body) == 1 and isinstance(body[0], ast.Assert)
@@ -143,6 +198,12 @@ def _run_code_test(test, ns):
         except BaseException as e:  # noqa: BLE001
             return {"status": "error", "error": _short_trace(e)}
         want = eval(compile(right, "<test>", "eval"), ns)
+        try:
+            _check_plain(got)
+        except TypeError as e:
+            return {"status": "fail", "actual": f"TypeError: {e}"[:ERR_LIMIT],
+                    "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
+                    "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT]}
         if got == want:
             return {"status": "ok"}
         return {"status": "fail", "actual": repr(got)[:ERR_LIMIT],
