@@ -278,3 +278,27 @@ def test_sharded_load_olmo3_full_qk_norm(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, want)
     qn = sharded["layers"]["q_norm"]
     assert qn.sharding.spec[1] == "tensor" and qn.sharding.shard_shape(qn.shape)[1] == 32
+
+
+def _configs_for_roundtrip():
+    from pmd_jax.models import config as C
+
+    llama3 = ModelConfig(
+        family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8,
+        rope=(("full_attention", RopeConfig(theta=5e5, rope_type="llama3", factor=8.0,
+                                            original_max_position_embeddings=64)),),
+    )
+    qwen_sliding = tiny("qwen3", sliding_window=16, layer_types=(
+        "full_attention", "full_attention", "sliding_attention", "sliding_attention"))
+    return {"llama3_rope": llama3, "qwen3_sliding": qwen_sliding,
+            **{name: fn() for name, fn in C.PRESETS.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(_configs_for_roundtrip()))
+def test_hf_config_roundtrip_through_transformers(name):
+    cfg = _configs_for_roundtrip()[name].replace(dtype="float32", param_dtype="float32")
+    d = hf_io.to_hf_config(cfg)
+    hc = transformers.AutoConfig.for_model(**d)
+    assert from_hf_config(hc.to_dict()) == cfg
+    assert from_hf_config(d) == cfg
