@@ -180,8 +180,8 @@ def test_mbpp_reference_sample_pass(mbpp):
 @pytest.mark.slow
 def test_mbpp_all_references(mbpp):
     rate, fails = _mbpp_pass_rate(mbpp, mbpp.problems("validation"))
-    print(f"MBPP reference pass rate {rate:.4f}; failures: {fails}")
-    assert rate >= 0.95, fails
+    print(f"MBPP reference pass rate {rate:.4f}; {len(fails)} failures: {fails[:20]}")
+    assert rate >= 0.95, fails[:20]
 
 
 def test_mbpp_mutants_fail(mbpp):

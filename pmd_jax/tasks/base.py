@@ -67,6 +67,11 @@ class Task(Protocol):
     def gold_leak_strings(self, problem: Problem) -> list[str]: ...
 
 
+def clean_text(s: str) -> str:
+    """Text safe to encode as UTF-8 (lone surrogates from bad bytes become escapes)."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class TaskError(ValueError):
     """Bad task input (missing file, unknown split, unreadable data)."""
 

@@ -12,8 +12,10 @@ cut to 250 characters and the text to 2000.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
+import marshal
 import os
 import pickle
 import re
@@ -36,6 +38,7 @@ from pmd_jax.tasks.base import (
     TaskError,
     VerifyResult,
     check_split,
+    clean_text,
     iter_jsonl,
 )
 
@@ -169,7 +172,7 @@ def format_feedback(records: list[dict]) -> str:
             if r.get("expected") is not None:
                 parts += ["", "Expected", _trunc(r["expected"])]
         parts.append("")
-    text = "\n".join(parts).rstrip()
+    text = clean_text("\n".join(parts).rstrip())
     return text[:MAX_FEEDBACK]
 
 
@@ -179,6 +182,7 @@ FORMAT_FEEDBACK = "Incorrect Format: Put your code inside a ```python ... ``` bl
 # ----------------------------------------------------------------------------- running
 
 
+@functools.cache
 def _runner_source() -> str:
     return resources.files("pmd_jax.tasks").joinpath("code_runner.py").read_text("utf-8")
 
@@ -220,7 +224,7 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     wall = min(max_wall_s, len(inputs) * (t_lim + 0.3) + 5.0)
     out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
     lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
-    res = sandbox.run_python(_runner_source(), files={"payload.json": json.dumps(payload)},
+    res = sandbox.run_python(_runner_source(), files={"payload.bin": marshal.dumps(payload)},
                              limits=lim, backend=backend)
     raw: list[dict] = []
     for line in res.stdout.decode("utf-8", "replace").splitlines():

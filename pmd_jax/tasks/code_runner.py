@@ -1,10 +1,13 @@
 """Test harness that runs INSIDE the sandbox (stdlib only; executed as a script, not imported).
 
-Reads ``/code/payload.json`` (next to this file): the candidate program, the test inputs (never
-the expected outputs: the comparison happens in the host), the test kind, a function name, a
-per-test timeout and a nonce. Each test runs in a forked child with its own process group,
-CPU limit and wall deadline; stdin comes from a file, stdout and stderr go to files. The child
-reports through a pipe; the harness prints one line ``<nonce><json>`` with all records.
+Reads ``payload.bin`` (marshal, written by the host, next to this file): the candidate program,
+the test inputs (never the expected outputs: the comparison happens in the host), the test
+kind, a function name, a per-test timeout and a nonce. Each test runs in a forked child with
+its own process group, CPU limit and wall deadline; stdin comes from a file, stdout and stderr
+go to files. The child reports through a pipe (marshal); the harness prints one line
+``<nonce><json>`` with all records. Start-up cost matters (one harness per program), so the
+json, traceback and linecache modules are imported only when needed and JSON output is
+written with a small encoder over the C ``_json`` string escaper.
 
 Kinds:
 - ``stdin``: the program runs as ``__main__`` with the input on stdin; stdout is returned.
@@ -17,15 +20,14 @@ Kinds:
 """
 
 import ctypes
-import json
-import linecache
+import marshal
 import os
 import resource
 import select
 import signal
 import sys
 import time
-import traceback
+from _json import encode_basestring_ascii as _enc_str
 
 ERR_LIMIT = 2000
 
@@ -38,7 +40,45 @@ def _no_dump():
         pass
 
 
+_PROGRAM = [""]
+
+
+def _dumps(v, depth=0):
+    """Minimal JSON encoder (dict, list, tuple, str, int, float, bool, None; repr otherwise)."""
+    if depth > 200:
+        return _enc_str("<nested too deeply>")
+    if v is None:
+        return "null"
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    t = type(v)
+    if t is int:
+        return int.__repr__(v)
+    if t is float:
+        if v != v:
+            return "NaN"
+        if v in (float("inf"), float("-inf")):
+            return "Infinity" if v > 0 else "-Infinity"
+        return float.__repr__(v)
+    if t is str:
+        return _enc_str(v)
+    if t is list or t is tuple:
+        return "[" + ",".join(_dumps(x, depth + 1) for x in v) + "]"
+    if t is dict:
+        return "{" + ",".join(_enc_str(str(k)) + ":" + _dumps(x, depth + 1)
+                              for k, x in v.items()) + "}"
+    return _enc_str(repr(v))
+
+
 def _short_trace(exc, filename="<solution>", limit=3):
+    import linecache
+    import traceback
+
+    if filename == "<solution>" and _PROGRAM[0]:
+        src = _PROGRAM[0]
+        linecache.cache["<solution>"] = (len(src), None, src.splitlines(True), "<solution>")
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
     lines = [f"{type(exc).__name__}: {exc}"[:ERR_LIMIT]]
     for f in frames[-limit:]:
@@ -77,7 +117,7 @@ def _find_callable(ns, fn_name):
 def _child(payload, test, w_fd):
     program = payload["program"]
     kind = payload["kind"]
-    linecache.cache["<solution>"] = (len(program), None, program.splitlines(True), "<solution>")
+    _PROGRAM[0] = program
     msg = {"status": "ok"}
     try:
         if kind == "stdin":
@@ -97,8 +137,12 @@ def _child(payload, test, w_fd):
             if isinstance(inp, dict):
                 result = fn(**inp)
             else:
+                import json
+
                 args = [json.loads(line) for line in str(inp).split("\n") if line.strip()]
                 result = fn(*args)
+            import json
+
             try:
                 msg = {"status": "ok", "value": json.dumps(_jsonable(result))}
             except (TypeError, ValueError) as e:
@@ -123,7 +167,10 @@ def _child(payload, test, w_fd):
         sys.stderr.flush()
     except BaseException:  # noqa: BLE001
         pass
-    data = json.dumps(msg).encode()
+    try:
+        data = marshal.dumps(msg)
+    except ValueError:
+        data = marshal.dumps({"status": "error", "error": "unserialisable result"})
     os.write(w_fd, data)
     os.close(w_fd)
 
@@ -336,8 +383,11 @@ def _run_one(payload, i, test):
         rec.update(status="timeout")
     else:
         try:
-            rec.update(json.loads(data.decode()) if data else {})
-        except (ValueError, UnicodeDecodeError):
+            got = marshal.loads(data) if data else {}
+            if not isinstance(got, dict):
+                raise ValueError("not a dict")
+            rec.update(got)
+        except (ValueError, EOFError, TypeError):
             rec.update(status="error", error="the program corrupted the harness channel")
         if not data:
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
@@ -375,8 +425,10 @@ def _run_one(payload, i, test):
 def main():
     _no_dump()
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "payload.json"), encoding="utf-8") as f:
-        payload = json.load(f)
+    with open(os.path.join(here, "payload.bin"), "rb") as f:
+        payload = marshal.loads(f.read())
+    if payload["kind"] == "call":
+        import json  # noqa: F401 - imported once here rather than in every forked child
     for p in payload.get("sys_path", []):
         if p not in sys.path:
             sys.path.append(p)
@@ -398,7 +450,7 @@ def main():
                 break
         if payload.get("stop_on_error") and rec.get("status") == "error":
             break
-    out.write(nonce + json.dumps(records) + "\n")
+    out.write(nonce + _dumps(records) + "\n")
     out.flush()
 
 

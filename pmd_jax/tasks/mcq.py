@@ -30,6 +30,7 @@ from pmd_jax.tasks.base import (
     TaskError,
     VerifyResult,
     check_split,
+    clean_text,
     iter_jsonl,
 )
 
@@ -123,7 +124,7 @@ def score_mcq(response: str, gold: str, options: Sequence[str]) -> VerifyResult:
 
 
 def _clip(s: str, n: int) -> str:
-    return s if len(s) <= n else s[:n] + "..."
+    return clean_text(s if len(s) <= n else s[:n] + "...")
 
 
 def shuffle_options(
