@@ -302,3 +302,26 @@ def test_hf_config_roundtrip_through_transformers(name):
     hc = transformers.AutoConfig.for_model(**d)
     assert from_hf_config(hc.to_dict()) == cfg
     assert from_hf_config(d) == cfg
+
+
+def test_slice_reads_match_full_transform_for_any_index():
+    """Reading a slice of our layout == transforming the full HF tensor, then slicing (numpy),
+    including slices inside merged dims (head_dim) and empty ranges."""
+    cfg = tiny("olmo3", attention_bias=True)
+    rng = np.random.default_rng(7)
+    tensors = {}
+    for m in hf_io.tensor_maps(cfg):
+        for n in m.hf_names():
+            tensors[n] = rng.standard_normal(m.hf_shape).astype(np.float32)
+    src = hf_io.ArraySource(tensors)
+    for m in hf_io.tensor_maps(cfg):
+        full = np.stack([m.from_hf(tensors[n]) for n in m.hf_names()]) if m.stacked else \
+            m.from_hf(tensors[m.hf_name])
+        for _ in range(6):
+            idx = []
+            for n in m.shape:
+                a = int(rng.integers(0, n))
+                b = int(rng.integers(a, n + 1))
+                idx.append(slice(a, b))
+            got = hf_io._read_leaf(src, m, tuple(idx), np.dtype(np.float32))
+            np.testing.assert_array_equal(got, full[tuple(idx)], err_msg=str((m.path, idx)))

@@ -339,7 +339,9 @@ def _read_leaf(
             raw = read_slice(src, m.hf_name.format(i=i), hf_idx)
             parts.append(np.asarray(m.from_hf_slice(raw, post), dtype=dtype))
         if not parts:
-            return np.zeros((0,) + m.layer_shape, dtype)
+            sizes = [len(range(*_norm_slice(s, n).indices(n))) for s, n in
+                     zip(index[1:], m.layer_shape)]
+            return np.zeros((0, *sizes), dtype)
         return np.stack(parts)
     hf_idx, post = m.hf_index(index)
     raw = read_slice(src, m.hf_name, hf_idx)
