@@ -78,6 +78,7 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     store_dir = scratch / "store"
     raw_path = scratch / "raw.bin"
+    shutil.rmtree(store_dir, ignore_errors=True)
     ws = WeightStore(store_dir, keep=1, file_io_sync=args.sync)
 
     raw_w, raw_r, st_w, st_r = [], [], [], []

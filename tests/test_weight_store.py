@@ -66,7 +66,7 @@ def test_roundtrip_dtypes_and_chunking(tmp_path):
         assert out[k].dtype == a.dtype and out[k].shape == a.shape
         np.testing.assert_array_equal(out[k], a)
     # 300 rows x 400 B = 120 KB > 64 KiB: split into several chunks, each with its own digest.
-    assert len(man.arrays["a.weight"]["crc32c"]) == 2
+    assert len(man.arrays["a.weight"]["checksums"]) == 2
     assert ws.history[-1].op == "read" and ws.history[-1].bytes == m.bytes
 
 
@@ -309,7 +309,7 @@ def test_sharded_publish_on_8_devices_reads_back_equal(tmp_path):
     for k, a in host.items():
         np.testing.assert_array_equal(out[k], a)
     assert man.arrays["two_axes.weight"]["chunk_shape"] == [16, 16]
-    assert len(man.arrays["two_axes.weight"]["crc32c"]) == 8
+    assert len(man.arrays["two_axes.weight"]["checksums"]) == 8
     assert man.arrays["rows_replicated_over_y.weight"]["chunk_shape"] == [16, 48]
     assert man.arrays["replicated.weight"]["chunk_shape"] == [40]
     # the same values published unsharded carry the same content; only chunking differs
@@ -317,3 +317,37 @@ def test_sharded_publish_on_8_devices_reads_back_equal(tmp_path):
     out1, _ = ws.read(1)
     for k in host:
         np.testing.assert_array_equal(out1[k], out[k])
+
+
+# ----------------------------------------------------------------------------- checksum
+def _reference_checksum(data: bytes) -> str:
+    """The documented algorithm, written out with Python integers."""
+    n = len(data)
+    padded = data + bytes(-n % 4096)
+    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    blocks = [sum(words[i : i + 512]) % 2**64 for i in range(0, len(words), 512)]
+    s1 = sum(blocks) % 2**64
+    s2 = sum((k + 1) * b for k, b in enumerate(blocks)) % 2**64
+    return f"{n:x}:{s1:016x}:{s2:016x}"
+
+
+def test_checksum_matches_reference_and_sees_damage():
+    from pmd_jax.sampling.weight_store import checksum
+
+    rng = np.random.default_rng(0)
+    for n in [1, 7, 8, 4096, 4097, 20011]:
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert checksum(a) == _reference_checksum(a.tobytes())
+    x = rng.standard_normal((64, 96)).astype(np.float32)  # 24 KiB = 6 blocks
+    assert checksum(x) == _reference_checksum(x.tobytes())
+    assert checksum(x.astype(ml_dtypes.bfloat16)) == _reference_checksum(
+        x.astype(ml_dtypes.bfloat16).tobytes()
+    )
+    flipped = x.copy()
+    flipped.view(np.uint32)[10, 3] ^= 1 << 7
+    swapped = x.copy()
+    swapped[:16], swapped[16:32] = x[16:32], x[:16]  # two 4 KiB blocks exchanged
+    zeroed = x.copy()
+    zeroed[32:48] = 0
+    digests = {checksum(v) for v in (x, flipped, swapped, zeroed, x[:-1])}
+    assert len(digests) == 5

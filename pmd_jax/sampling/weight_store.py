@@ -17,15 +17,18 @@ process writes only its addressable shards with ``replica_id == 0`` (so each uni
 written exactly once across all processes). Plain numpy arrays are chunked along axis 0 into
 chunks of at most ``max_chunk_bytes``.
 
-Checksums: every chunk goes through the zarr3 ``crc32c`` codec, i.e. tensorstore appends the
-CRC32C (Castagnoli) of the chunk's encoded bytes (little endian, full chunk, edge chunks
-padded with zeros) and verifies it on every read. After writing, each process reads back the
-4-byte digests of the chunks it wrote (tiny reads) and the manifest records, per array, the
-list of chunk digests in C order of the chunk grid: the checksum is computed per shard and
-combined by concatenation. On read, the digests stored in the chunk files must equal the
-manifest's (this catches stale or swapped chunk files), and tensorstore checks every chunk's
-data against its digest (this catches corrupted bytes). Either failure raises
-``WeightStoreError`` naming the array.
+Checksums (``CHECKSUM_ALGO``): per chunk, a Fletcher-style pair of 64-bit sums over the
+chunk's C-order bytes: the bytes are cut into 4 KiB blocks (the last one zero-padded) read as
+uint64 words; ``s1`` is the sum of all words and ``s2`` the sum of each block's word sum
+times its 1-based block index, both mod 2**64; the digest is ``"<nbytes hex>:<s1>:<s2>"``.
+Any change of a single word changes ``s1``; moved, swapped, zeroed or truncated blocks change
+``s2`` or the length. It is not cryptographic and does not see reorderings within one 4 KiB
+block. It runs at memory speed in numpy (several times faster than a software CRC), is
+computed per shard on the host that writes it (a shard is exactly one chunk), and the manifest
+combines them as the list of chunk digests in C order of the chunk grid. Readers recompute the
+digests from the arrays they read and compare; a mismatch raises ``WeightStoreError`` naming
+the array and chunk. Missing chunks are read errors (``fill_missing_data_reads=False``), never
+silent zeros.
 
 Garbage collection keeps the newest ``keep`` committed versions and deletes older ones
 (manifest first, then data). A reader that loses the race (its version was deleted while it
@@ -54,6 +57,8 @@ import numpy as np
 import tensorstore as ts
 
 MANIFEST_FORMAT = "pmd_jax.weights/1"
+CHECKSUM_ALGO = "sum64x2-4k"
+_BLOCK_WORDS = 512  # 4 KiB blocks
 _VERSION_DIGITS = 12
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 _MANIFEST_RE = re.compile(rf"^v(\d{{{_VERSION_DIGITS}}})\.json$")
@@ -77,7 +82,7 @@ class TransferMetrics:
     bytes: int
     seconds: float
     write_or_read_seconds: float  # the data transfer part
-    checksum_seconds: float  # reading / verifying chunk digests
+    checksum_seconds: float  # computing / verifying chunk digests
     manifest_seconds: float
 
     @property
@@ -90,7 +95,7 @@ class Manifest:
     version: int
     step: int
     created: float
-    arrays: dict[str, dict[str, Any]]  # name -> {shape, dtype, chunk_shape, crc32c}
+    arrays: dict[str, dict[str, Any]]  # name -> {shape, dtype, chunk_shape, checksums}
     extra: dict[str, Any]
 
     @property
@@ -112,6 +117,7 @@ class Manifest:
                 "step": self.step,
                 "created": self.created,
                 "names": self.names,
+                "checksum": CHECKSUM_ALGO,
                 "arrays": self.arrays,
                 "extra": self.extra,
             },
@@ -124,9 +130,11 @@ class Manifest:
             d = json.loads(text)
             if d.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"format {d.get('format')!r} != {MANIFEST_FORMAT!r}")
+            if d.get("checksum") != CHECKSUM_ALGO:
+                raise ValueError(f"checksum {d.get('checksum')!r} != {CHECKSUM_ALGO!r}")
             arrays = d["arrays"]
             for name, a in arrays.items():
-                for key in ("shape", "dtype", "chunk_shape", "crc32c"):
+                for key in ("shape", "dtype", "chunk_shape", "checksums"):
                     if key not in a:
                         raise ValueError(f"array {name!r} lacks {key!r}")
             return cls(
@@ -393,6 +401,15 @@ class WeightStore:
             }
 
         t_write = time.perf_counter()
+        kv = self._kvstore()
+        prefix = self._data_prefix(version)
+        if pidx == 0:
+            # Leftovers of a crashed publish of this same (uncommitted) version go first.
+            self._wait(
+                kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")),
+                f"clearing uncommitted data of version {version}",
+                deadline,
+            )
         open_futs = {}
         for name, p in plans.items():
             spec = self._array_spec(version, name)
@@ -403,28 +420,46 @@ class WeightStore:
                     "name": "regular",
                     "configuration": {"chunk_shape": list(p["chunk_shape"])},
                 },
-                "codecs": [
-                    {"name": "bytes", "configuration": {"endian": "little"}},
-                    {"name": "crc32c"},
-                ],
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
                 "fill_value": 0,
             }
             # Chunks equal to the fill value must still be written: a missing chunk is an error.
             spec["store_data_equal_to_fill_value"] = True
             if pidx == 0:
-                spec.update(create=True, delete_existing=True)
-            else:
-                spec.update(open=True)
-            open_futs[name] = ts.open(spec, context=self.context)
+                spec["create"] = True
+                open_futs[name] = ts.open(spec, context=self.context)
+        if pcount > 1:
+            # Process 0 created the metadata; the others open the arrays once it is there.
+            for name in open_futs:
+                self._wait(open_futs[name], f"creating array {name!r}", deadline)
+            _barrier(f"pmd_weight_store_create_v{version}")
+            for name in plans:
+                if name not in open_futs:
+                    spec = self._array_spec(version, name)
+                    spec["open"] = True
+                    open_futs[name] = ts.open(spec, context=self.context)
         write_futs = []
         nbytes = 0
         for name, p in plans.items():
             store = self._wait(open_futs[name], f"creating array {name!r}", deadline)
-            p["store"] = store
+            p["host"] = []
             for idx, data in p["pieces"]:
                 host = np.asarray(data)
                 nbytes += host.nbytes
-                write_futs.append((name, store[idx].write(host)))
+                p["host"].append((idx, host))
+                write_futs.append(
+                    (name, store[idx].write(host, can_reference_source_data_indefinitely=True))
+                )
+        # Checksums of this process's chunks, computed while tensorstore writes (both run
+        # outside the GIL).
+        t_crc = time.perf_counter()
+        local_crcs: dict[str, dict[str, str]] = {}
+        for name, p in plans.items():
+            for idx, host in p["host"]:
+                local_crcs.setdefault(name, {}).update(
+                    _piece_checksums(host, idx, p["chunk_shape"], p["shape"])
+                )
+        t_crc = time.perf_counter() - t_crc
         for name, fut in write_futs:
             try:
                 self._wait(fut.commit, f"writing array {name!r}", deadline)
@@ -434,17 +469,8 @@ class WeightStore:
                 raise WeightStoreError(f"publish: writing array {name!r} failed: {e}") from e
         t_write = time.perf_counter() - t_write
 
-        # 2. read back the digests of the chunks this process wrote.
-        t_crc = time.perf_counter()
-        local_crcs = self._chunk_digests(
-            version, {n: p for n, p in plans.items() if p["pieces"]}, deadline, own_pieces=True
-        )
-        t_crc = time.perf_counter() - t_crc
-
         # 3. commit (process 0, after gathering every process's digests).
         t_man = time.perf_counter()
-        kv = self._kvstore()
-        prefix = self._data_prefix(version)
         if pcount > 1:
             self._wait(
                 kv.write(f"{prefix}_crc/p{pidx:05d}.json", json.dumps(local_crcs).encode()),
@@ -452,7 +478,7 @@ class WeightStore:
                 deadline,
             )
         if pidx == 0:
-            all_crcs: dict[str, dict[str, int]] = {n: {} for n in plans}
+            all_crcs: dict[str, dict[str, str]] = {n: {} for n in plans}
             if pcount > 1:
                 for q in range(pcount):
                     key = f"{prefix}_crc/p{q:05d}.json"
@@ -484,7 +510,7 @@ class WeightStore:
                     "shape": list(p["shape"]),
                     "dtype": p["dtype"],
                     "chunk_shape": list(p["chunk_shape"]),
-                    "crc32c": [all_crcs[name][k] for k in keys],
+                    "checksums": [all_crcs[name][k] for k in keys],
                 }
             manifest = Manifest(
                 version=version,
@@ -510,45 +536,6 @@ class WeightStore:
         if pidx == 0 and self.gc_on_publish:
             self.gc()
         return metrics
-
-    def _chunk_digests(
-        self,
-        version: int,
-        plans: Mapping[str, Mapping[str, Any]],
-        deadline: float,
-        own_pieces: bool,
-    ) -> dict[str, dict[str, int]]:
-        """Read the 4-byte CRC32C trailer of chunks: those this process wrote, or all."""
-        kv = self._kvstore()
-        futs = []
-        for name, p in plans.items():
-            shape, chunk_shape = tuple(p["shape"]), tuple(p["chunk_shape"])
-            grid = _chunk_grid(shape, chunk_shape)
-            size = math.prod(chunk_shape) * p["itemsize"]
-            if own_pieces:
-                idxs: set[tuple[int, ...]] = set()
-                for idx, _ in p["pieces"]:
-                    ranges = [
-                        range(s.start // c, -(-s.stop // c))
-                        for s, c in zip(idx, chunk_shape, strict=True)
-                    ]
-                    idxs.update(_product(ranges))
-            else:
-                idxs = set(np.ndindex(*grid)) if grid else {()}
-            for i in sorted(idxs):
-                key = f"{self._data_prefix(version)}{name}/{_chunk_key(i)}"
-                futs.append((name, _chunk_key(i), key, kv.read(key, byte_range=slice(size, None))))
-        out: dict[str, dict[str, int]] = {}
-        for name, ck, key, fut in futs:
-            res = self._wait(fut, f"reading the digest of {key}", deadline)
-            if res.state != "value":
-                raise WeightStoreError(f"array {name!r} of version {version}: chunk {key} missing")
-            if len(res.value) != 4:
-                raise WeightStoreError(
-                    f"array {name!r} of version {version}: chunk {key} has a truncated digest"
-                )
-            out.setdefault(name, {})[ck] = int.from_bytes(res.value, "little")
-        return out
 
     def _commit_manifest(self, version: int, payload: bytes, deadline: float) -> None:
         key = self._manifest_key(version)
@@ -645,26 +632,19 @@ class WeightStore:
                 errors[name] = str(e)
         t_read = time.perf_counter() - t_read
         t_crc = time.perf_counter()
-        if verify and not errors:
-            plans = {
-                n: dict(
-                    manifest.arrays[n],
-                    itemsize=np.dtype(_np_dtype(manifest.arrays[n]["dtype"])).itemsize,
-                )
-                for n in wanted
-            }
-            try:
-                digests = self._chunk_digests(version, plans, deadline, own_pieces=False)
-            except WeightStoreError as e:
-                errors["(digests)"] = str(e)
-                digests = {}
-            for n in wanted if digests else []:
+        if verify:
+            for n, arr in out.items():
                 meta = manifest.arrays[n]
-                grid = _chunk_grid(tuple(meta["shape"]), tuple(meta["chunk_shape"]))
+                shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunk_shape"])
+                got = _piece_checksums(arr, tuple(slice(0, d) for d in shape), chunk_shape, shape)
+                grid = _chunk_grid(shape, chunk_shape)
                 keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
-                got = [digests[n][k] for k in keys]
-                if got != list(meta["crc32c"]):
-                    bad = [k for k, a, b in zip(keys, got, meta["crc32c"], strict=True) if a != b]
+                bad = [
+                    k
+                    for k, want in zip(keys, meta["checksums"], strict=False)
+                    if got.get(k) != want
+                ]
+                if bad or len(keys) != len(meta["checksums"]):
                     errors[n] = f"checksum mismatch against the manifest in chunks {bad[:4]}"
         t_crc = time.perf_counter() - t_crc
         # Deletion removes the manifest first: if it is still there, nothing we read was deleted.
@@ -754,6 +734,51 @@ class WeightStore:
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)
+
+
+def checksum(data: np.ndarray) -> str:
+    """``CHECKSUM_ALGO`` digest of an array's C-order bytes (see the module docstring)."""
+    b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    nbytes = b.size
+    block = _BLOCK_WORDS * 8
+    n_main = nbytes // block * block
+    sums = [b[:n_main].view(np.uint64).reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)]
+    if nbytes > n_main:
+        tail = np.zeros(block, np.uint8)
+        tail[: nbytes - n_main] = b[n_main:]
+        sums.append(tail.view(np.uint64).sum(dtype=np.uint64, keepdims=True))
+    bs = np.concatenate(sums)
+    with np.errstate(over="ignore"):
+        s1 = int(bs.sum(dtype=np.uint64))
+        s2 = int((bs * np.arange(1, bs.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+    return f"{nbytes:x}:{s1:016x}:{s2:016x}"
+
+
+def _piece_checksums(
+    host: np.ndarray,
+    idx: tuple[slice, ...],
+    chunk_shape: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> dict[str, str]:
+    """Digests of every chunk inside ``host`` = global[idx] (idx aligned to the chunk grid)."""
+    ranges = [
+        range(sl.start // c, -(-sl.stop // c)) for sl, c in zip(idx, chunk_shape, strict=True)
+    ]
+    out = {}
+    for ci in _product(ranges):
+        local = tuple(
+            slice(i * c - sl.start, min((i + 1) * c, d) - sl.start)
+            for i, c, sl, d in zip(ci, chunk_shape, idx, shape, strict=True)
+        )
+        out[_chunk_key(ci)] = checksum(host[local])
+    return out
+
+
+def _barrier(name: str) -> None:
+    """All jax processes reach this point before any goes on (multi-host publish)."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
