@@ -96,11 +96,16 @@ def default_memory_config() -> ml_collections.ConfigDict:
     c.index = ml_collections.ConfigDict()
     c.index.brute_force_below = 20_000  # exact (brute-force) scoring below this many items
     c.index.num_leaves_per_sqrt = 1.0  # tree leaves = this * sqrt(n)
-    c.index.leaves_to_search_frac = 0.1
+    c.index.leaves_to_search_frac = 0.1  # of num_leaves; small n needs more (tests use 0.3)
     c.index.ah_dims_per_block = 2
     c.index.ah_threshold = 0.2
     c.index.reorder = 100
     c.index.training_sample_size = 100_000
+    c.index.min_partition_size = 10
+    c.index.spherical = True  # spherical k-means partitioner (unit-norm embeddings)
+    # > 0 enables SOAR spilling (better recall). scann 1.4.2 segfaults deleting from a SOAR
+    # index, so with SOAR on, deletes rebuild the index instead.
+    c.index.soar_lambda = 0.0
     c.index.rebalance_imbalance = 0.25  # rebalance when partition imbalance grows by this
     c.index.rebalance_qerror_ratio = 1.5  # or quantization error grows by this factor
     c.index.num_threads = 0  # 0 = ScaNN default

@@ -108,8 +108,11 @@ class ScannIndex:
         if self._want_tree(n):
             leaves = max(2, int(self.cfg.num_leaves_per_sqrt * math.sqrt(n)))
             search = max(1, int(round(self.cfg.leaves_to_search_frac * leaves)))
+            soar = self.cfg.soar_lambda if self.cfg.soar_lambda > 0 else None
             b = b.tree(num_leaves=leaves, num_leaves_to_search=search,
-                       training_sample_size=min(n, self.cfg.training_sample_size))
+                       training_sample_size=min(n, self.cfg.training_sample_size),
+                       min_partition_size=self.cfg.min_partition_size,
+                       spherical=self.cfg.spherical, soar_lambda=soar)
             b = b.score_ah(self.cfg.ah_dims_per_block,
                            anisotropic_quantization_threshold=self.cfg.ah_threshold)
             b = b.reorder(self.cfg.reorder)
@@ -169,7 +172,9 @@ class ScannIndex:
         for d in docids:
             del self._vectors[d]
         n = len(self._vectors)
-        if n == 0 or self._searcher is None or self._want_tree(n) != (self.mode == "tree"):
+        soar = self.mode == "tree" and self.cfg.soar_lambda > 0  # SOAR delete segfaults (1.4.2)
+        if (n == 0 or self._searcher is None or soar
+                or self._want_tree(n) != (self.mode == "tree")):
             self._build()
             return
         self._searcher.delete(docids)

@@ -58,20 +58,30 @@ def _token_regex(tokens: Iterable[str]) -> re.Pattern[str]:
 _KNOWN_RE = _token_regex(KNOWN_CONTROL_TOKENS)
 
 
+_INVISIBLE: re.Pattern[str] | None = None
+
+
+def _invisible_re() -> re.Pattern[str]:
+    """Character class of every Cc/Cf/Cs code point except newline and tab (built once)."""
+    global _INVISIBLE
+    if _INVISIBLE is None:
+        ranges: list[tuple[int, int]] = []
+        for cp in range(0x110000):
+            if cp in (0x09, 0x0A):
+                continue
+            if unicodedata.category(chr(cp)) in ("Cc", "Cf", "Cs"):
+                if ranges and ranges[-1][1] == cp - 1:
+                    ranges[-1] = (ranges[-1][0], cp)
+                else:
+                    ranges.append((cp, cp))
+        body = "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+        _INVISIBLE = re.compile(f"[{body}]")
+    return _INVISIBLE
+
+
 def _drop_invisible(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch)
-            continue
-        cat = unicodedata.category(ch)
-        if cat in ("Cc", "Cf", "Cs", "Co", "Cn"):
-            continue
-        if cat in ("Zl", "Zp"):
-            out.append("\n")
-            continue
-        out.append(ch)
-    return "".join(out)
+    text = text.replace("\u2028", "\n").replace("\u2029", "\n").replace("\r\n", "\n")
+    return _invisible_re().sub("", text)
 
 
 def strip_control_tokens(
