@@ -122,7 +122,8 @@ class DistillLossConfig:
                 raise TypeError(f"topk must be an int or None, got {self.topk!r}")
             if self.topk < 1:
                 raise ValueError(f"topk must be >= 1, got {self.topk}")
-            if vocab_size is not None and self.topk > vocab_size:
+            # top-K is unused by the sampled-token surrogate
+            if self.full_logit_distillation and vocab_size is not None and self.topk > vocab_size:
                 raise ValueError(f"topk={self.topk} is larger than the vocabulary ({vocab_size})")
         t = static_float(self.temperature, "temperature")
         if not t > 0.0:
