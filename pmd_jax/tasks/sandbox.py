@@ -659,13 +659,20 @@ def _communicate(
     sel.register(proc.stderr, selectors.EVENT_READ, err)
     deadline = t0 + limits.wall_s
     open_reads = 2
+    exited_at: float | None = None
     try:
         while open_reads:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 timed_out = True
                 break
-            for key, _ in sel.select(timeout=min(left, 0.5)):
+            if exited_at is None and _has_exited(proc.pid):
+                exited_at = now
+            if exited_at is not None and now - exited_at > _EXIT_GRACE_S:
+                # the program is done; a leftover (daemon) still holds the pipes open
+                break
+            for key, _ in sel.select(timeout=min(left, 0.05 if exited_at else 0.25)):
                 if key.fileobj is proc.stdin:
                     try:
                         n = os.write(proc.stdin.fileno(), pending[:65536])
@@ -707,6 +714,18 @@ def _communicate(
     status, reason = _classify(rc, bytes(err), timed_out, over, limits, cg, cpu)
     return ExecResult(status, rc, bytes(out), bytes(err), reason, wall, backend,
                       {"cpu_s": round(cpu, 4)})
+
+
+_EXIT_GRACE_S = 0.25
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the child has exited, without reaping it (its rusage is read by _wait)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int | None, float]:
