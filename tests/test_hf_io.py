@@ -227,6 +227,15 @@ def test_bad_checkpoints_name_the_tensor(tmp_path):
     with pytest.raises(hf_io.CheckpointError, match="cannot open as safetensors"):
         hf_io.load_hf_checkpoint(tmp_path / "d")
 
+    hf_io.save_hf_checkpoint(params, cfg, tmp_path / "e", dtype="float32", max_shard_bytes=50_000)
+    (tmp_path / "e" / hf_io.SAFE_INDEX).write_text("{not json")
+    with pytest.raises(hf_io.CheckpointError, match="not a valid safetensors index"):
+        hf_io.load_hf_checkpoint(tmp_path / "e")
+    hf_io.save_hf_checkpoint(params, cfg, tmp_path / "f", dtype="float32", max_shard_bytes=50_000)
+    next((tmp_path / "f").glob("model-00002-of-*.safetensors")).unlink()
+    with pytest.raises(hf_io.CheckpointError, match="shard file model-00002.*missing"):
+        hf_io.load_hf_checkpoint(tmp_path / "f")
+
     with pytest.raises(hf_io.CheckpointError, match="no config.json"):
         hf_io.load_hf_checkpoint(tmp_path / "missing")
 

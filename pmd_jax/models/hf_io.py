@@ -228,7 +228,10 @@ class SafetensorsSource(TensorSource):
         self.path = Path(path)
         idx = self.path / SAFE_INDEX
         if idx.exists():
-            weight_map = json.loads(idx.read_text())["weight_map"]
+            try:
+                weight_map = dict(json.loads(idx.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{idx}: not a valid safetensors index: {e!r}") from e
         elif (self.path / SAFE_SINGLE).exists():
             weight_map = None
         else:
