@@ -44,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
     # "smollm2" (embedded GGUF), a preset name (dry runs), or a path to a HF checkpoint folder.
     c.model.source = "smollm2"
     c.model.preset = ""  # for dry runs: "olmo3-7b", "qwen3-8b"
+    # Random weights of this preset (e.g. "tiny-llama") with the tokenizer of model.source:
+    # for fast tests of the loop; "" = the real weights of model.source.
+    c.model.random_init = ""
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = "float32"
     c.model.chat_template = "auto"  # auto | chatml | qwen3 | olmo3
@@ -74,6 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_prompt_tokens = 2048
     c.rollout.max_tokens = 8192
     c.rollout.max_batch = 64  # sampler micro-batch (rows)
+    c.rollout.max_context = 0  # prompt + generation limit (0 = the model's context length)
     c.rollout.retries = 3
 
     c.teacher_prompt = ml_collections.ConfigDict()
@@ -85,13 +89,11 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
-    c.train.micro_batch = 0  # rows per jitted step call (0 = whole batch)
-    c.train.eval_every = 10
+    c.train.eval_every = 10  # 0: only at the end; -1: never
     c.train.eval_at_start = True
     c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite_in_a_row = 3
-    c.train.overlap_rollouts = False  # sample step k+1 while step k trains (staleness 1)
     c.train.export_hf = True
 
     c.eval = ml_collections.ConfigDict()
@@ -123,7 +125,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     need(c.rollout.max_tokens >= 1, "rollout.max_tokens must be >= 1")
     need(c.train.steps >= 0, "train.steps must be >= 0")
     need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
-    need(c.train.eval_every >= 0, "train.eval_every must be >= 0")
+    need(c.train.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
     need(c.eval.n >= 1, "eval.n must be >= 1")
     for ax in ("data", "fsdp", "tensor"):
         v = c.mesh[ax]
@@ -154,6 +156,13 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         validate_memory_config(c.memory)
     except ValueError as e:
         errs.append(str(e))
+    if c.model.random_init:
+        from pmd_jax.models.config import PRESETS
+
+        need(
+            c.model.random_init in PRESETS,
+            f"model.random_init={c.model.random_init!r} is not a preset {sorted(PRESETS)}",
+        )
     # Files and sources.
     src = c.model.source
     if src != "smollm2":

@@ -150,7 +150,7 @@ class Trainer:
             )
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+            if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:
                 results[f"step_{self.step}"] = self.evaluate(self.step)
         prog.close()
         if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:

@@ -91,7 +91,10 @@ def load_model(cfg: Any) -> ModelBundle:
     model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
         dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
     )
-    model_cfg, params = hf_io.load_hf_checkpoint(src, cfg=model_cfg, mesh=mesh, rules=rules)
+    if cfg.model.random_init:
+        model_cfg, params = _random_model(cfg, mesh, rules)
+    else:
+        model_cfg, params = hf_io.load_hf_checkpoint(src, cfg=model_cfg, mesh=mesh, rules=rules)
     fmt = None if cfg.model.chat_template == "auto" else cfg.model.chat_template
     if cfg.model.source == "smollm2":
         fmt = fmt or "chatml"
@@ -104,10 +107,30 @@ def load_model(cfg: Any) -> ModelBundle:
     return ModelBundle(model_cfg, params, tok, mesh, rules)
 
 
+def _random_model(cfg: Any, mesh: Any, rules: Any):
+    import jax
+
+    from pmd_jax.models import decoder
+    from pmd_jax.models.config import preset
+    from pmd_jax.sharding import shard_tree
+
+    mc = preset(cfg.model.random_init).replace(dtype=cfg.model.dtype,
+                                               param_dtype=cfg.model.param_dtype)
+    params = decoder.init_params(mc, jax.random.PRNGKey(int(cfg.seed)))
+    return mc, shard_tree(params, mesh, rules, decoder.param_axes(mc))
+
+
 def build_sampler(cfg: Any, model: ModelBundle):
     r = cfg.rollout
-    max_len = max(r.max_prompt_tokens + r.max_tokens, cfg.rollout.max_prompt_tokens
-                  + cfg.eval.max_tokens)
+    # The KV cache is sized per request bucket; max_len only bounds prompt + generation
+    # (reflection prompts can be longer than the task prompts).
+    max_len = int(r.max_context or model.cfg.max_position_embeddings)
+    need = r.max_prompt_tokens + max(r.max_tokens, cfg.eval.max_tokens)
+    if need > max_len:
+        raise ValueError(
+            f"rollout.max_prompt_tokens + max generation = {need} exceeds the context "
+            f"{max_len} (rollout.max_context / the model's max_position_embeddings)"
+        )
     if r.sampler == "jax":
         from pmd_jax.sampling.jax_sampler import JaxSampler
 

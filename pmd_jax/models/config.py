@@ -282,7 +282,20 @@ def olmo3_7b() -> ModelConfig:
     )
 
 
-PRESETS = {"smollm2-135m": smollm2_135m, "qwen3-8b": qwen3_8b, "olmo3-7b": olmo3_7b}
+def tiny_llama() -> ModelConfig:
+    """A 2-layer Llama with SmolLM2's vocabulary, for fast end-to-end tests of the loop."""
+    return ModelConfig(
+        family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, tie_embeddings=True,
+        rope=(("full_attention", RopeConfig(theta=100000.0)),),
+    )
+
+
+PRESETS = {
+    "smollm2-135m": smollm2_135m, "qwen3-8b": qwen3_8b, "olmo3-7b": olmo3_7b,
+    "tiny-llama": tiny_llama,
+}
 
 
 def preset(name: str) -> ModelConfig:

@@ -1,0 +1,139 @@
+"""End-to-end tests of the loop on a tiny random Llama (SmolLM2's tokenizer, real SciQ data).
+
+They run the real entry point in subprocesses: a clean run, and a run killed with SIGKILL
+after its first checkpoint and restarted with the same command, which must end bitwise equal
+(params, and the per-step rewards and losses it logged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--config.model.random_init=tiny-llama",
+    "--config.rollout.problems_per_step=2",
+    "--config.rollout.n=2",
+    "--config.rollout.max_tokens=12",
+    "--config.rollout.max_prompt_tokens=320",
+    "--config.task.max_eval_problems=2",
+    "--config.eval.n=1",
+    "--config.eval.max_tokens=8",
+    "--config.train.steps=3",
+    "--config.train.checkpoint_every=1",
+    "--config.train.eval_every=-1",
+    "--config.train.eval_at_start=False",
+    "--config.memory.behavior.every_n_steps=2",
+    "--config.memory.behavior.min_problems=2",
+    "--config.memory.insight.sampling.max_tokens=16",
+    "--config.memory.behavior.sampling.max_tokens=16",
+    "--config.teacher_prompt.max_tokens=768",
+    "--config.distill.loss.topk=8",
+]
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
+            f"--config.run_dir={run_dir}", *TINY, *extra]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return [r for r in recs if r["kind"] == "train"]
+
+
+def _final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted((run_dir / "final_hf").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("clean")
+    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return run_dir
+
+
+def test_run_writes_the_run_directory(clean_run: Path):
+    recs = _train_records(clean_run)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        for k in ("reward_mean", "loss", "time_sample", "time_verify", "time_memory",
+                  "time_train", "time_publish", "memory_experiences"):
+            assert k in r, (k, r)
+        assert np.isfinite(r["loss"])
+    assert recs[-1]["memory_experiences"] == 12  # 3 steps x 2 problems x 2 rollouts
+    assert (clean_run / "final_hf" / "config.json").exists()
+    assert (clean_run / "memory.html").exists() and (clean_run / "memory.jsonl").exists()
+    assert list((clean_run / "plots").glob("*.png"))
+    assert list((clean_run / "tensorboard").iterdir())
+
+
+def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    marker = run_dir / "checkpoints" / "1" / "pmd_commit.json"
+    t0 = time.time()
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-4000:]
+        assert time.time() - t0 < 600, "no checkpoint after 600 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "final_hf").exists()
+    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "resumed from checkpoint" in p.stderr
+    a, b = _train_records(clean_run), _train_records(run_dir)
+    assert [r["step"] for r in b] == [0, 1, 2], "a step was lost or repeated"
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("reward_mean", "loss", "kl_student_teacher", "grad_norm",
+                  "memory_experiences", "memory_insights", "reprompt_sample_fraction"):
+            if k in ra:
+                assert ra[k] == rb[k], (k, ra["step"], ra[k], rb[k])
+    pa, pb = _final_params(clean_run), _final_params(run_dir)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def test_bad_config_fails_before_compute(tmp_path: Path):
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
+         "--config.mode=bogus", "--config.rollout.n=0", f"--config.run_dir={tmp_path}/r"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 2
+    assert "mode='bogus'" in p.stderr and "rollout.n" in p.stderr
+    assert not (tmp_path / "r").exists()
+    p = subprocess.run(
+        [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
+         "--config.rollout.no_such_key=1"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode != 0 and "no_such_key" in p.stderr
+    assert time.time() - t0 < 120
