@@ -187,6 +187,18 @@ def _runner_source() -> str:
     return resources.files("pmd_jax.tasks").joinpath("code_runner.py").read_text("utf-8")
 
 
+_RUNNER_LOADER = (
+    "import marshal, os\n"
+    "exec(marshal.loads(open(os.path.join(os.path.dirname(__file__), 'runner.bin'), 'rb')"
+    ".read()))\n"
+)
+
+
+@functools.cache
+def _runner_code() -> bytes:
+    return marshal.dumps(compile(_runner_source(), "code_runner.py", "exec"))
+
+
 def _site_paths() -> list[str]:
     import site
 
@@ -224,8 +236,14 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     wall = min(max_wall_s, len(inputs) * (t_lim + 0.3) + 5.0)
     out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
     lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
-    res = sandbox.run_python(_runner_source(), files={"payload.bin": marshal.dumps(payload)},
-                             limits=lim, backend=backend)
+    files = {"payload.bin": marshal.dumps(payload)}
+    script = _runner_source()
+    b = backend or sandbox.detect_backend()
+    if sandbox.interpreter_for(b) == sandbox.python_executable():
+        # same interpreter inside: ship the compiled harness, skip compiling it per program
+        files["runner.bin"] = _runner_code()
+        script = _RUNNER_LOADER
+    res = sandbox.run_python(script, files=files, limits=lim, backend=b)
     raw: list[dict] = []
     for line in res.stdout.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce):

@@ -19,7 +19,6 @@ Kinds:
   shown.
 """
 
-import ctypes
 import marshal
 import os
 import resource
@@ -33,11 +32,20 @@ ERR_LIMIT = 2000
 
 
 def _no_dump():
-    # other processes of our uid (the candidate) must not read our memory or fds via /proc
+    """PR_SET_DUMPABLE 0: processes of our uid (the candidate) cannot read our memory or fds
+    through /proc. Uses the C ``_ctypes`` module directly (importing ``ctypes`` costs more)."""
     try:
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    except Exception:
-        pass
+        import _ctypes
+
+        fn = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
+        _ctypes.call_function(fn, (4, 0, 0, 0, 0))  # PR_SET_DUMPABLE = 4
+    except Exception:  # noqa: BLE001
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 _PROGRAM = [""]
@@ -427,8 +435,11 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "payload.bin"), "rb") as f:
         payload = marshal.loads(f.read())
+    # imported once here rather than in every forked child
     if payload["kind"] == "call":
-        import json  # noqa: F401 - imported once here rather than in every forked child
+        import json  # noqa: F401
+    elif payload["kind"] == "code":
+        import ast  # noqa: F401
     for p in payload.get("sys_path", []):
         if p not in sys.path:
             sys.path.append(p)
