@@ -264,8 +264,11 @@ def verify_step_dir(step_dir: Path, step: int) -> None:
 def abstract_state(state: Any, shardings: Any | None = None) -> Any:
     """``ShapeDtypeStruct`` tree (with target shardings) to restore ``state``-shaped trees."""
     if shardings is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default
+            ),
             state,
         )
     return jax.tree.map(
@@ -326,7 +329,7 @@ class Checkpointer:
             enable_async_checkpointing=self._async,
             async_options=ocp.options.AsyncOptions(
                 post_finalization_callback=self._on_finalized
-            ),
+            ) if self._async else None,
             cleanup_tmp_directories=True,
         )
         return ocp.CheckpointManager(self.directory, options=opts, handler_registry=registry)

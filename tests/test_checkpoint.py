@@ -1,0 +1,279 @@
+"""Orbax checkpoints: slots, restore onto a mesh, corrupt/partial fallback, kill -9 resume.
+
+The kill -9 test runs this file as a worker in subprocesses (``python test_checkpoint.py
+--worker ...``): a tiny-model training run (deterministic data per step) that saves every
+step asynchronously. One run goes uninterrupted; another is killed with SIGKILL after it
+reports step 3, then restarted; the restarted run's per-step losses and full-state digests
+must be bitwise identical to the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ != "__main__":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pmd_jax import sharding as shd  # noqa: E402
+from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _state(seed: int = 0) -> dict:
+    r = np.random.default_rng(seed)
+    return {
+        "params": {"w": jnp.asarray(r.normal(size=(8, 4)), jnp.float32),
+                   "b": jnp.asarray(r.normal(size=(4,)), jnp.bfloat16)},
+        "step": jnp.int32(seed),
+        "rng": jax.random.key_data(jax.random.PRNGKey(seed)),
+    }
+
+
+def _assert_tree_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_save_restore_with_slots(tmp_path):
+    mem_dir = tmp_path / "memory_src"
+    (mem_dir / "index").mkdir(parents=True)
+    (mem_dir / "index" / "vectors.bin").write_bytes(os.urandom(1000))
+    (mem_dir / "items.jsonl").write_text('{"a": 1}\n')
+    ck = Checkpointer(tmp_path / "ck", max_to_keep=2)
+    for step in (1, 2, 3):
+        (mem_dir / "items.jsonl").write_text(f'{{"v": {step}}}\n')
+        ck.save(step, _state(step), slots={"memory": mem_dir, "data_cursor": {"epoch": 0,
+                                                                              "pos": step}})
+        (mem_dir / "items.jsonl").write_text("changed right after save\n")  # copy was taken
+    ck.wait()
+    assert ck.all_steps() == [2, 3]  # keep last N
+    r = ck.restore(_state(0), slot_dirs={"memory": tmp_path / "memory_out"})
+    assert r.step == 3 and r.skipped == []
+    _assert_tree_equal(r.state, _state(3))
+    assert r.slots["data_cursor"] == {"epoch": 0, "pos": 3}
+    out = r.slots["memory"]
+    assert out == tmp_path / "memory_out"
+    assert (out / "items.jsonl").read_text() == '{"v": 3}\n'
+    assert (out / "index" / "vectors.bin").read_bytes() == (
+        mem_dir / "index" / "vectors.bin").read_bytes()
+    ck.save(4, _state(4), slots={"memory": b"\x00raw-bytes\xff"})
+    r = ck.restore(_state(0))
+    assert r.step == 4 and r.slots == {"memory": b"\x00raw-bytes\xff"}
+    with pytest.raises(CheckpointError, match="unknown checkpoint slots"):
+        ck.save(5, _state(5), slots={"optimizer_notes": {}})
+    ck.close()
+
+
+def _corrupt_truncate(step_dir: Path) -> str:
+    f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    return "truncated"
+
+
+def _corrupt_flip(step_dir: Path) -> str:
+    f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return "CRC32"
+
+
+def _corrupt_no_marker(step_dir: Path) -> str:
+    (step_dir / COMMIT_FILE).unlink()
+    return "no commit marker"
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_truncate, _corrupt_flip, _corrupt_no_marker])
+def test_corrupt_latest_falls_back_to_previous(tmp_path, caplog, corrupt):
+    ck = Checkpointer(tmp_path, max_to_keep=3, async_save=False)
+    for step in (1, 2):
+        ck.save(step, _state(step), slots={"data_cursor": {"pos": step}})
+    expect = corrupt(tmp_path / "2")
+    with caplog.at_level(logging.WARNING, logger="pmd_jax.checkpoint"):
+        r = ck.restore(_state(0))
+    assert r.step == 1
+    _assert_tree_equal(r.state, _state(1))
+    assert r.slots["data_cursor"] == {"pos": 1}
+    assert r.skipped and r.skipped[0][0] == 2 and expect in r.skipped[0][1]
+    assert str(tmp_path / "2") in caplog.text and expect in caplog.text
+    # the bad step was moved aside, so the run can save step 2 again
+    assert not (tmp_path / "2").exists() and any((tmp_path / "corrupt").iterdir())
+    ck.save(2, _state(2))
+    assert ck.restore(_state(0)).step == 2
+    ck.close()
+
+
+def test_partial_tmp_dir_is_ignored_and_all_corrupt_is_an_error(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(1, _state(1))
+    ck.close()
+    # a save killed mid-way leaves orbax's tmp directory: never a step
+    partial = tmp_path / "2.orbax-checkpoint-tmp"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "_METADATA").write_text("{")
+    ck = Checkpointer(tmp_path, async_save=False)
+    assert ck.restore(_state(0)).step == 1
+    (tmp_path / "1" / COMMIT_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step 1: .*no commit marker"):
+        ck.restore(_state(0))
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        Checkpointer(tmp_path / "empty").restore(_state(0))
+
+
+def test_restore_onto_mesh_shardings(tmp_path):
+    assert len(jax.devices()) == 8
+    rules = shd.ShardingRules.from_mapping()
+    axes = {"embed": ("vocab", "embed"), "mlp": ("embed", "mlp")}
+    r = np.random.default_rng(0)
+    host = {"embed": r.normal(size=(16, 8)).astype(np.float32),
+            "mlp": r.normal(size=(8, 32)).astype(np.float32)}
+    mesh_a = shd.make_mesh({"fsdp": 4, "tensor": 2})
+    saved = shd.shard_tree(host, mesh_a, rules, axes)
+    ck = Checkpointer(tmp_path)
+    ck.save(7, saved)
+    ck.wait()
+    mesh_b = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})  # a different layout
+    target_sh = shd.tree_shardings(mesh_b, rules, axes)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          host, target_sh)
+    out = ck.restore(target).state
+    for k in host:
+        assert out[k].sharding == target_sh[k]
+        np.testing.assert_array_equal(np.asarray(out[k]), host[k])
+    ck.close()
+
+
+# --------------------------------------------------------------------------------------------
+# kill -9 and resume: bitwise identical continuation
+# --------------------------------------------------------------------------------------------
+
+
+def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
+    from pmd_jax.distill import align
+    from pmd_jax.distill import step as st
+    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.models import decoder
+    from pmd_jax.models.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=40, hidden_size=16, intermediate_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+    c = default_distill_config()
+    c.teacher.rule = "ema"
+    c.teacher.rate = 0.1
+    c.loss.topk = 8
+    c.loss.chunk_size = 4
+    c.optim.lr = 1e-2
+    c.optim.warmup_steps = 2
+    ts = st.TrainStep(cfg, c)
+
+    def batch_for(step: int) -> dict:
+        r = np.random.default_rng(1000 + step)
+        sp = [r.integers(1, 40, r.integers(2, 6)) for _ in range(4)]
+        tp = [r.integers(1, 40, r.integers(3, 9)) for _ in range(4)]
+        rs = [r.integers(1, 40, r.integers(2, 7)) for _ in range(4)]
+        db = align.build_distill_batch(sp, tp, rs, pad_id=0, max_len=16, teacher_max_len=16,
+                                       max_response_len=8)
+        return st.make_batch(db, sampler_logp=r.normal(-3, 0.5, size=(4, 8)))
+
+    template = ts.init(decoder.init_params(cfg, jax.random.PRNGKey(0)), 0)
+    ck = Checkpointer(ck_dir, max_to_keep=2)
+    try:
+        restored = ck.restore(template)
+        state, start = restored.state, restored.step
+        assert restored.slots["data_cursor"]["next_step"] == start
+        assert int(state.step) == start
+        print(f"resumed {start}", flush=True)
+    except CheckpointError:
+        state, start = template, 0
+    with open(out_path, "a") as out:
+        for k in range(start, steps):
+            state, m = ts.step(state, batch_for(k))
+            digest = hashlib.sha256()
+            for leaf in jax.tree.leaves(state):
+                digest.update(np.asarray(leaf).tobytes())
+            out.write(json.dumps({"step": k + 1, "loss": float(m["loss"]).hex(),
+                                  "digest": digest.hexdigest()}) + "\n")
+            out.flush()
+            ck.save(k + 1, state, slots={"data_cursor": {"next_step": k + 1},
+                                         "memory": {"seen": list(range(k + 1))}})
+            print(f"saved {k + 1}", flush=True)
+            time.sleep(delay)
+    ck.close()
+    print("done", flush=True)
+
+
+def _run_worker(ck_dir: Path, out: Path, steps: int, delay: float, kill_after: int | None):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--worker", str(ck_dir), str(out), str(steps), str(delay)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO))
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if kill_after is not None and line.strip() == f"saved {kill_after}":
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    rc = proc.wait(timeout=600)
+    err = proc.stderr.read() if proc.stderr else ""
+    if kill_after is None:
+        assert rc == 0, err[-3000:]
+    else:
+        assert rc == -signal.SIGKILL, (rc, err[-3000:])
+    return lines
+
+
+def _records(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.timeout(900)
+def test_kill9_and_resume_is_bitwise_identical(tmp_path):
+    steps = 6
+    ref_out = tmp_path / "ref.jsonl"
+    _run_worker(tmp_path / "ck_ref", ref_out, steps, 0.0, None)
+    ref = _records(ref_out)
+    assert sorted(ref) == list(range(1, steps + 1))
+
+    out = tmp_path / "run.jsonl"
+    _run_worker(tmp_path / "ck", out, steps, 0.5, kill_after=3)
+    killed = _records(out)
+    assert max(killed) < steps  # it really died before the end
+    lines = _run_worker(tmp_path / "ck", out, steps, 0.0, None)
+    resumed_at = int(next(x for x in lines if x.startswith("resumed")).split()[1])
+    assert 1 <= resumed_at <= max(killed)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    after = [r for r in rows if r["step"] > resumed_at][-(steps - resumed_at):]
+    assert [r["step"] for r in after] == list(range(resumed_at + 1, steps + 1))
+    for r in after:  # step k+1 onwards: same loss bits and same full-state bytes
+        assert r["loss"] == ref[r["step"]]["loss"], r["step"]
+        assert r["digest"] == ref[r["step"]]["digest"], r["step"]
+    for r in rows:  # and the killed run agreed with the reference before it died
+        assert r["digest"] == ref[r["step"]]["digest"]
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
