@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 
 _DOCIDS_PICKLE = "scann_docids.pkl"
+# Asymmetric hashing trains 16 centers per block, and a tree needs points per leaf: below this
+# many items the index stays brute force whatever brute_force_below says.
+MIN_TREE_SIZE = 256
 
 
 def _scann():
@@ -92,7 +95,7 @@ class ScannIndex:
 
     # -------------------------------------------------------------------- building --
     def _want_tree(self, n: int) -> bool:
-        return n >= self.cfg.brute_force_below
+        return n >= max(self.cfg.brute_force_below, MIN_TREE_SIZE)
 
     def _build(self) -> None:
         """(Re)builds the searcher from the authoritative vectors."""

@@ -9,7 +9,8 @@ Every string the memory stores or puts in a teacher prompt passes ``sanitize_tex
 3. repeatedly remove chat-template control tokens (``<|...|>``, ``<think>``, ``[INST]``,
    ``<start_of_turn>``, ...) until nothing changes, so that tokens split by other tokens
    (``<|im_<|x|>start|>``) cannot re-form;
-4. remove role markers at the start of lines (``system:``, ``Assistant:``, ``### User:``);
+4. remove role markers at the start of lines (``system:``, ``Assistant:``, ``### User:``) and
+   role words alone on a line (what ``<|im_start|>system`` leaves behind);
 5. collapse runs of blank lines and cut to ``max_chars``.
 """
 
@@ -46,6 +47,8 @@ _ROLE_HEADER = re.compile(
     rf"^[ \t]*#+[ \t]*(?:{_ROLE_WORDS}|instruction|response|input)[ \t]*:?[ \t]*$",
     re.IGNORECASE | re.MULTILINE,
 )
+# A role word alone on a line: what remains of "<|im_start|>system\n" after token removal.
+_ROLE_LINE = re.compile(rf"^[ \t]*{_ROLE_WORDS}[ \t]*$\n?", re.IGNORECASE | re.MULTILINE)
 _BLANKS = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)+")
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
@@ -126,6 +129,7 @@ def sanitize_text(
     for _ in range(8):
         new = strip_control_tokens(text, extra_tokens)
         new = _ROLE_HEADER.sub("", new)
+        new = _ROLE_LINE.sub("", new)
         new = _ROLE_MARKER.sub("", new)
         if new == text:
             break
