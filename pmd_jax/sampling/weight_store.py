@@ -51,6 +51,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,7 @@ class TransferMetrics:
     bytes: int
     seconds: float
     write_or_read_seconds: float  # the data transfer part
-    checksum_seconds: float  # computing / verifying chunk digests
+    checksum_seconds: float  # computing / verifying digests (summed over threads)
     manifest_seconds: float
 
     @property
@@ -207,6 +208,13 @@ class WeightStore:
     ``gc_on_publish``). ``file_io_sync`` makes local writes durable (fsync) before the
     manifest is committed; without it a crash can leave a committed version whose chunks
     were lost, which the checksums then report.
+
+    ``direct_io`` (default: on for local stores): tensorstore writes each array's zarr3
+    metadata, but chunk files are read and written with plain file I/O straight from / into
+    the numpy buffers. With the ``bytes`` codec a zarr3 chunk file is exactly the chunk's
+    little-endian C-order bytes, so the result is the same zarr3 array (tensorstore reads it,
+    and this class reads tensorstore-written arrays); it saves tensorstore's intermediate
+    copies. gs:// stores always go through tensorstore.
     """
 
     def __init__(
@@ -219,6 +227,7 @@ class WeightStore:
         max_chunk_bytes: int = 64 << 20,
         file_io_sync: bool = True,
         concurrency: int = 8,
+        direct_io: bool | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> None:
@@ -233,6 +242,11 @@ class WeightStore:
         self.keep = keep
         self.gc_on_publish = gc_on_publish
         self.max_chunk_bytes = max_chunk_bytes
+        self.concurrency = max(1, concurrency)
+        self.file_io_sync = file_io_sync
+        self.direct_io = self.is_local if direct_io is None else bool(direct_io)
+        if self.direct_io and not self.is_local:
+            raise WeightStoreError("direct_io needs a local store")
         self._process_index = process_index
         self._process_count = process_count
         self.context = ts.Context(
@@ -398,6 +412,7 @@ class WeightStore:
                 "chunk_shape": chunk_shape,
                 "pieces": pieces,
                 "itemsize": itemsize,
+                "name": name,
             }
 
         t_write = time.perf_counter()
@@ -440,6 +455,7 @@ class WeightStore:
                     open_futs[name] = ts.open(spec, context=self.context)
         write_futs = []
         nbytes = 0
+        local_crcs: dict[str, dict[str, str]] = {}
         for name, p in plans.items():
             store = self._wait(open_futs[name], f"creating array {name!r}", deadline)
             p["host"] = []
@@ -447,19 +463,29 @@ class WeightStore:
                 host = np.asarray(data)
                 nbytes += host.nbytes
                 p["host"].append((idx, host))
-                write_futs.append(
-                    (name, store[idx].write(host, can_reference_source_data_indefinitely=True))
+                if not self.direct_io:
+                    write_futs.append(
+                        (name, store[idx].write(host, can_reference_source_data_indefinitely=True))
+                    )
+        t_crc = 0.0
+        if self.direct_io:
+            jobs = [(name, p, idx, host) for name, p in plans.items() for idx, host in p["host"]]
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                results = list(
+                    pool.map(lambda j: (j[0], self._direct_write_piece(version, *j[1:])), jobs)
                 )
-        # Checksums of this process's chunks, computed while tensorstore writes (both run
-        # outside the GIL).
-        t_crc = time.perf_counter()
-        local_crcs: dict[str, dict[str, str]] = {}
-        for name, p in plans.items():
-            for idx, host in p["host"]:
-                local_crcs.setdefault(name, {}).update(
-                    _piece_checksums(host, idx, p["chunk_shape"], p["shape"])
-                )
-        t_crc = time.perf_counter() - t_crc
+            for name, (crcs, secs) in results:
+                local_crcs.setdefault(name, {}).update(crcs)
+                t_crc += secs
+        else:
+            # Checksums of this process's chunks, computed while tensorstore writes.
+            t_crc = time.perf_counter()
+            for name, p in plans.items():
+                for idx, host in p["host"]:
+                    local_crcs.setdefault(name, {}).update(
+                        _piece_checksums(host, idx, p["chunk_shape"], p["shape"])
+                    )
+            t_crc = time.perf_counter() - t_crc
         for name, fut in write_futs:
             try:
                 self._wait(fut.commit, f"writing array {name!r}", deadline)
@@ -536,6 +562,85 @@ class WeightStore:
         if pidx == 0 and self.gc_on_publish:
             self.gc()
         return metrics
+
+    def _chunk_path(self, version: int, name: str, ci: tuple[int, ...]) -> str:
+        return os.path.join(
+            self.kvspec["path"], "data", _version_dir(version), name, *_chunk_key(ci).split("/")
+        )
+
+    def _direct_write_piece(
+        self, version: int, p: Mapping[str, Any], idx: tuple[slice, ...], host: np.ndarray
+    ) -> tuple[dict[str, str], float]:
+        """Write the chunks of one piece as plain files; returns (digests, checksum seconds)."""
+        shape, chunk_shape = p["shape"], p["chunk_shape"]
+        ranges = [
+            range(sl.start // c, -(-sl.stop // c)) for sl, c in zip(idx, chunk_shape, strict=True)
+        ]
+        crcs: dict[str, str] = {}
+        t_crc = 0.0
+        for ci in _product(ranges):
+            local = tuple(
+                slice(i * c - sl.start, min((i + 1) * c, d) - sl.start)
+                for i, c, sl, d in zip(ci, chunk_shape, idx, shape, strict=True)
+            )
+            region = np.require(host[local] if local else host, requirements="C")
+            t = time.perf_counter()
+            crcs[_chunk_key(ci)] = checksum(region)
+            t_crc += time.perf_counter() - t
+            if region.shape != tuple(chunk_shape):  # zarr3 stores edge chunks full size
+                full = np.zeros(chunk_shape, region.dtype)
+                full[tuple(slice(0, n) for n in region.shape)] = region
+                region = full
+            path = self._chunk_path(version, p["name"], ci)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(memoryview(region.reshape(-1).view(np.uint8)))
+                if self.file_io_sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        return crcs, t_crc
+
+    def _direct_read_array(
+        self, version: int, name: str, meta: Mapping[str, Any], verify: bool
+    ) -> tuple[np.ndarray, dict[str, str] | None, float]:
+        """Read one array from its chunk files; with ``verify`` also its chunk digests."""
+        shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunk_shape"])
+        t_crc = 0.0
+        dtype = _np_dtype(meta["dtype"])
+        out = np.empty(shape, dtype)
+        chunk_bytes = math.prod(chunk_shape) * dtype.itemsize
+        grid = _chunk_grid(shape, chunk_shape)
+        crcs: dict[str, str] | None = {} if verify else None
+        for ci in np.ndindex(*grid) if grid else [()]:
+            region = tuple(
+                slice(i * c, min((i + 1) * c, d))
+                for i, c, d in zip(ci, chunk_shape, shape, strict=True)
+            )
+            path = self._chunk_path(version, name, ci)
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                raise ValueError(f"chunk {_chunk_key(ci)} is missing ({path})") from None
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != chunk_bytes:
+                    raise ValueError(
+                        f"chunk {_chunk_key(ci)} has {size} bytes, expected {chunk_bytes}"
+                    )
+                target = out[region] if region else out[...]
+                if target.shape == chunk_shape and target.flags.c_contiguous:
+                    buf = target
+                else:
+                    buf = np.empty(chunk_shape, dtype)
+                if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != chunk_bytes:
+                    raise ValueError(f"chunk {_chunk_key(ci)} was truncated while reading")
+                if buf is not target:
+                    target[...] = buf[tuple(slice(0, n) for n in target.shape)]
+            if crcs is not None:
+                t = time.perf_counter()
+                crcs[_chunk_key(ci)] = checksum(out[region] if region else out)
+                t_crc += time.perf_counter() - t
+        return out, crcs, t_crc
 
     def _commit_manifest(self, version: int, payload: bytes, deadline: float) -> None:
         key = self._manifest_key(version)
@@ -621,8 +726,31 @@ class WeightStore:
                     f"{meta['shape']}/{meta['dtype']}"
                 )
                 continue
-            read_futs[name] = store.read()
+            if not self.direct_io:
+                read_futs[name] = store.read()
         out: dict[str, np.ndarray] = {}
+        pre_crcs: dict[str, dict[str, str]] = {}
+        worker_crc_s = 0.0  # checksum time inside the reader threads (overlaps the I/O)
+        if self.direct_io:
+            ok = [n for n in wanted if n not in errors]
+
+            def job(name: str) -> tuple[str, Any]:
+                try:
+                    return name, self._direct_read_array(
+                        version, name, manifest.arrays[name], verify
+                    )
+                except (OSError, ValueError) as e:
+                    return name, e
+
+            with ThreadPoolExecutor(self.concurrency) as pool:
+                for name, res in pool.map(job, ok):
+                    if isinstance(res, Exception):
+                        errors[name] = str(res)
+                    else:
+                        out[name], crcs, secs = res
+                        worker_crc_s += secs
+                        if crcs is not None:
+                            pre_crcs[name] = crcs
         for name, fut in read_futs.items():
             try:
                 out[name] = self._wait(fut, f"reading array {name!r}", deadline)
@@ -636,7 +764,9 @@ class WeightStore:
             for n, arr in out.items():
                 meta = manifest.arrays[n]
                 shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunk_shape"])
-                got = _piece_checksums(arr, tuple(slice(0, d) for d in shape), chunk_shape, shape)
+                got = pre_crcs.get(n) or _piece_checksums(
+                    arr, tuple(slice(0, d) for d in shape), chunk_shape, shape
+                )
                 grid = _chunk_grid(shape, chunk_shape)
                 keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
                 bad = [
@@ -646,7 +776,7 @@ class WeightStore:
                 ]
                 if bad or len(keys) != len(meta["checksums"]):
                     errors[n] = f"checksum mismatch against the manifest in chunks {bad[:4]}"
-        t_crc = time.perf_counter() - t_crc
+        t_crc = time.perf_counter() - t_crc + worker_crc_s
         # Deletion removes the manifest first: if it is still there, nothing we read was deleted.
         t_man = time.perf_counter()
         if not self._manifest_exists(version):
