@@ -243,3 +243,61 @@ def test_set_weights_calls_rpc_then_resets_prefix_cache(server):
         sampler(s.url).set_weights(9)
     with pytest.raises(SamplerError, match="store_url"):
         VLLMSampler(s.url, "m").set_weights(1)
+
+
+# ----------------------------------------------------------------------------- extension
+def test_worker_extension_imports_without_jax_and_loads_a_version(tmp_path):
+    """third_party/pmd_vllm runs in the server's venv (no jax): import it with jax blocked.
+
+    The method is driven here with a recording ``reload_weights`` in place of vLLM's worker;
+    the real worker is exercised in test_vllm_e2e.py.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ml_dtypes
+
+    from pmd_jax.sampling.weight_store import WeightStore
+
+    repo = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(0)
+    arrays = {
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((8, 4)).astype(np.float32),
+        "model.norm.weight": rng.standard_normal(4).astype(ml_dtypes.bfloat16),
+    }
+    WeightStore(tmp_path / "s").publish(arrays, version=5, step=50)
+    code = f"""
+import sys, json
+sys.modules["jax"] = None  # any `import jax` now fails
+sys.path.insert(0, {str(repo / "third_party")!r})
+import torch
+from pmd_vllm.worker_ext import TensorstoreWeightLoader
+
+class Worker(TensorstoreWeightLoader):
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        ts = dict(weights_iterator)
+        self.got = {{n: t.float().tolist() for n, t in ts.items()}}
+        self.dtypes = {{n: str(t.dtype) for n, t in ts.items()}}
+
+w = Worker()
+info = w.pmd_load_weights({str(tmp_path / "s")!r}, "latest", "30")
+print(json.dumps({{"info": info, "got": w.got, "dtypes": w.dtypes,
+                  "version": w.pmd_weights_version()}}))
+try:
+    w.pmd_load_weights({str(tmp_path / "s")!r}, "6", "30")
+except Exception as e:
+    print("ERR", type(e).__name__, e)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, err = res.stdout.strip().splitlines()[-2:]
+    out = json.loads(first)
+    assert out["info"]["version"] == 5 and out["info"]["step"] == 50
+    assert out["info"]["num_arrays"] == 2 and out["version"] == {"version": 5}
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(np.asarray(out["got"][k], np.float32), a.astype(np.float32))
+    assert out["dtypes"]["model.norm.weight"] == "torch.bfloat16"
+    assert out["dtypes"]["model.layers.0.self_attn.q_proj.weight"] == "torch.float32"
+    assert err.startswith("ERR") and "version 6 is not committed" in err

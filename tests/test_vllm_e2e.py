@@ -250,7 +250,7 @@ def test_reload_over_tensorstore_matches_hf(server, hf_model, base_weights, prom
     shutil.rmtree(store, ignore_errors=True)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_logprobs_are_at_the_sampling_temperature(server, hf_model, base_weights, prompts,
                                                   temperature):  # fmt: skip
     from pmd_jax.sampling.base import SamplingParams
@@ -260,13 +260,16 @@ def test_logprobs_are_at_the_sampling_temperature(server, hf_model, base_weights
                              strict=False)  # fmt: skip
     if smp.weights_version not in (None, 3):
         pytest.skip("served weights are not the original ones")
-    params = SamplingParams(n=2, temperature=temperature, max_tokens=16, seed=1234)
+    n = 1 if temperature == 0 else 2
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=16, seed=1234)
     rs = smp.generate(prompts[:3], params)
-    assert len(rs) == 6
+    assert len(rs) == 3 * n
     assert [(r.prompt_index, r.sample_index) for r in rs] == [(i, j) for i in range(3)
-                                                              for j in range(2)]  # fmt: skip
+                                                              for j in range(n)]  # fmt: skip
     for r in rs:
-        ref = hf_logprobs(hf_model, prompts[r.prompt_index], r.tokens.tolist(), temperature)
+        # greedy (T=0): the contract says logprobs at T=1
+        t_ref = temperature if temperature > 0 else 1.0
+        ref = hf_logprobs(hf_model, prompts[r.prompt_index], r.tokens.tolist(), t_ref)
         np.testing.assert_allclose(r.logprobs, ref, atol=2e-3, rtol=0)
     # seeded: the same request gives the same samples
     again = smp.generate(prompts[:3], params)
