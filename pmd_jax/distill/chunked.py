@@ -9,6 +9,12 @@ log-prob, KL, agreement, entropy) and drops them. The scan body is wrapped in
 ``jax.checkpoint``, so the backward pass recomputes each chunk's logits instead of storing
 them: forward and backward both keep O(B * chunk * V) logits alive, not O(B * T * V).
 
+Chunks run over sequence positions, not over the flattened batch, so a batch-sharded
+``[B, T, D]`` keeps its sharding (the scan axis is unsharded). Per-device live logits are
+about ``B_local * chunk * V * 4`` bytes per buffer: pick ``chunk`` from that budget (the
+default 256 gives 155 MB per buffer at ``B_local = 1``, ``V = 151936``). There is no vocab
+tiling: one ``[B_local, chunk, V]`` row block is small enough at these vocabularies.
+
 Hidden states must already be aligned to the response positions (``[B, R, D]`` from
 :func:`pmd_jax.distill.align.gather_response`): row ``t`` of the student and of the teacher
 both predict response token ``tokens[:, t]``.
