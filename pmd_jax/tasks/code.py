@@ -12,6 +12,7 @@ cut to 250 characters and the text to 2000.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import json
@@ -20,6 +21,7 @@ import os
 import pickle
 import re
 import secrets
+import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -206,9 +208,29 @@ def _site_paths() -> list[str]:
     return [p for p in paths if os.path.isdir(p)]
 
 
+MAX_WALL_S = 120.0
+
+
+def _harness(backend: str) -> tuple[str, dict[str, str | bytes]]:
+    """(main script, extra files) of the test harness for a backend."""
+    if sandbox.interpreter_for(backend) == sandbox.python_executable():
+        # same interpreter inside: ship the compiled harness, skip compiling it per program
+        return _RUNNER_LOADER, {"runner.bin": _runner_code()}
+    return _runner_source(), {}
+
+
+def make_pool(size: int, backend: str | None = None) -> sandbox.WarmPool:
+    """Pre-started harness sandboxes (the payload goes in on stdin)."""
+    b = backend or sandbox.detect_backend()
+    script, files = _harness(b)
+    return sandbox.WarmPool(script, files, sandbox.Limits(cpu_s=MAX_WALL_S, wall_s=MAX_WALL_S),
+                            size=size, backend=b)
+
+
 def run_tests(program: str, tests: dict, indices: Sequence[int], *,
               limits: sandbox.Limits | None = None, backend: str | None = None,
-              max_wall_s: float = 120.0) -> tuple[list[dict], sandbox.ExecResult | None]:
+              max_wall_s: float = MAX_WALL_S, pool: sandbox.WarmPool | None = None,
+              ) -> tuple[list[dict], sandbox.ExecResult | None]:
     """Run the selected tests of ``tests`` against ``program``; per-test records.
 
     Records carry test_idx, input, expected, actual, passed, kind. Never raises for program
@@ -235,15 +257,15 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     }
     wall = min(max_wall_s, len(inputs) * (t_lim + 0.3) + 5.0)
     out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
-    lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
-    files = {"payload.bin": marshal.dumps(payload)}
-    script = _runner_source()
-    b = backend or sandbox.detect_backend()
-    if sandbox.interpreter_for(b) == sandbox.python_executable():
-        # same interpreter inside: ship the compiled harness, skip compiling it per program
-        files["runner.bin"] = _runner_code()
-        script = _RUNNER_LOADER
-    res = sandbox.run_python(script, files=files, limits=lim, backend=b)
+    if pool is not None and limits is None:
+        lim = dataclasses.replace(pool.limits, wall_s=wall, output_bytes=out_cap)
+        res = pool.run(marshal.dumps(payload), lim)
+    else:
+        lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
+        b = backend or sandbox.detect_backend()
+        script, files = _harness(b)
+        files = {**files, "payload.bin": marshal.dumps(payload)}
+        res = sandbox.run_python(script, files=files, limits=lim, backend=b)
     raw: list[dict] = []
     for line in res.stdout.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce):
@@ -332,6 +354,28 @@ class CodeTask(BaseTask):
     max_workers: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
     backend: str | None = None
     load_errors: list[LoadError] = field(default_factory=list)
+    warm_pool: bool = True  # pre-start harness sandboxes (see sandbox.WarmPool)
+    _pool: sandbox.WarmPool | None = field(default=None, repr=False, compare=False)
+    _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
+                                       compare=False)
+
+    def pool(self) -> sandbox.WarmPool | None:
+        if not self.warm_pool:
+            return None
+        with self._pool_lock:
+            size = max(1, min(self.max_workers, 16))
+            if self._pool is None or self._pool.size != size:
+                if self._pool is not None:
+                    self._pool.close()
+                self._pool = make_pool(size, self.backend)
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the pre-started sandboxes (also done at interpreter exit)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
     def problems(self, split: str) -> list[Problem]:
         check_split(self.name, split, list(self.splits))
@@ -374,7 +418,7 @@ class CodeTask(BaseTask):
             return VerifyResult(0.0, FORMAT_FEEDBACK, "no_code_block", False)
         program = self.build_program(problem, code)
         idx = self.test_indices(problem, split)
-        records, res = run_tests(program, tests, idx, backend=self.backend)
+        records, res = run_tests(program, tests, idx, backend=self.backend, pool=self.pool())
         n_pass = sum(r["passed"] for r in records)
         details = {"passed": n_pass, "total": len(idx), "records": records,
                    "sandbox": res.reason if res else ""}
@@ -393,7 +437,7 @@ class CodeTask(BaseTask):
             )
         if not problems:
             return []
-        with ThreadPoolExecutor(max_workers=max(1, self.max_workers)) as ex:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, 16))) as ex:
             return list(ex.map(lambda pr: self.verify(pr[0], pr[1], split),
                                zip(problems, responses, strict=True)))
 

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,8 +113,7 @@ def _uid_base(pid: int) -> int:
     return 200_000 + (pid % 40_000) * _UID_SLOTS
 
 
-@contextlib.contextmanager
-def _lease_uid():
+def _acquire_uid() -> int:
     global _uid_owner, _uid_free
     with _uid_lock:
         if _uid_owner != os.getpid():  # first use, or we are a forked child
@@ -122,13 +122,13 @@ def _lease_uid():
             _uid_free = list(range(base, base + _UID_SLOTS))
         if not _uid_free:
             raise SandboxError(f"more than {_UID_SLOTS} concurrent sandbox runs in one process")
-        uid = _uid_free.pop()
-    try:
-        yield uid
-    finally:
-        with _uid_lock:
-            if _uid_owner == os.getpid():
-                _uid_free.append(uid)
+        return _uid_free.pop()
+
+
+def _release_uid(uid: int) -> None:
+    with _uid_lock:
+        if _uid_owner == os.getpid() and uid not in _uid_free:
+            _uid_free.append(uid)
 
 
 def _kill_uid(uid: int) -> int:
@@ -569,6 +569,93 @@ def backend_info() -> dict:
 # ----------------------------------------------------------------------------- running
 
 
+@dataclass
+class _Started:
+    """A sandboxed process that has been started and may still be waiting for its stdin."""
+
+    proc: subprocess.Popen
+    tmp: str
+    uid: int | None
+    cg: _Cgroup | None
+    backend: str
+    limits: Limits
+
+
+def _start(
+    script: str,
+    files: dict[str, str | bytes] | None,
+    args: list[str] | None,
+    limits: Limits,
+    backend: str,
+    python_flags: tuple[str, ...],
+) -> _Started:
+    tmp = tempfile.mkdtemp(prefix="pmd-sbx-")
+    uid: int | None = None
+    try:
+        code_dir = os.path.join(tmp, "code")
+        work_dir = os.path.join(tmp, "work")
+        os.mkdir(code_dir)
+        os.mkdir(work_dir)
+        all_files = {"main.py": script, **(files or {})}
+        for name, content in all_files.items():
+            if "/" in name or name.startswith("."):
+                raise SandboxError(f"bad sandbox file name {name!r}")
+            data = content.encode("utf-8") if isinstance(content, str) else content
+            with open(os.path.join(code_dir, name), "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(code_dir, name), 0o444)
+        os.chmod(code_dir, 0o555)
+        os.chmod(tmp, 0o755)
+        os.chmod(work_dir, 0o1777)
+        in_code = "/code" if backend == "bwrap" else code_dir
+        argv = [interpreter_for(backend), *python_flags, f"{in_code}/main.py", *(args or [])]
+        if not (backend == "rlimits" and os.geteuid() != 0):
+            uid = _acquire_uid()
+        cmd, cwd, env = _build_command(backend, argv, code_dir, work_dir, uid, limits)
+        cmd = _prlimit_args(limits) + cmd
+        cg = _Cgroup.for_uid(uid, limits) if uid is not None else None
+        if cg is not None:
+            # join the cgroup before exec, so nothing escapes it
+            joins = " && ".join(f'echo $$ > "{p}"' for p in cg.procs_files())
+            cmd = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *cmd]
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=cwd, env=env, start_new_session=True, close_fds=True,
+        )
+    except BaseException:
+        if uid is not None:
+            _release_uid(uid)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _Started(proc, tmp, uid, cg, backend, limits)
+
+
+def _cleanup(st: _Started) -> None:
+    """Kill whatever is left of a run and release its uid and files."""
+    _kill_tree(st.proc)
+    with contextlib.suppress(ChildProcessError, OSError):
+        if st.proc.returncode is None:
+            os.waitpid(st.proc.pid, 0)
+    for f in (st.proc.stdin, st.proc.stdout, st.proc.stderr):
+        with contextlib.suppress(OSError):
+            f.close()  # type: ignore[union-attr]
+    # nothing of the run may outlive it (daemons, stopped processes)
+    if st.cg is not None:
+        st.cg.kill_all()
+    elif st.uid is not None:
+        _kill_uid(st.uid)
+    if st.uid is not None:
+        _release_uid(st.uid)
+    shutil.rmtree(st.tmp, ignore_errors=True)
+
+
+def _finish(st: _Started, stdin: bytes, limits: Limits | None = None) -> ExecResult:
+    try:
+        return _communicate(st.proc, stdin, limits or st.limits, st.backend, st.cg)
+    finally:
+        _cleanup(st)
+
+
 def run_python(
     script: str,
     *,
@@ -586,62 +673,81 @@ def run_python(
     site-packages (a runner may add them to sys.path itself).
     """
     backend = backend or detect_backend()
-    tmp = tempfile.mkdtemp(prefix="pmd-sbx-")
-    code_dir = os.path.join(tmp, "code")
-    work_dir = os.path.join(tmp, "work")
-    os.mkdir(code_dir)
-    os.mkdir(work_dir)
     try:
-        all_files = {"main.py": script, **(files or {})}
-        for name, content in all_files.items():
-            if "/" in name or name.startswith("."):
-                raise SandboxError(f"bad sandbox file name {name!r}")
-            data = content.encode("utf-8") if isinstance(content, str) else content
-            with open(os.path.join(code_dir, name), "wb") as f:
-                f.write(data)
-            os.chmod(os.path.join(code_dir, name), 0o444)
-        os.chmod(code_dir, 0o555)
-        os.chmod(tmp, 0o755)
-        os.chmod(work_dir, 0o1777)
-        in_code = "/code" if backend == "bwrap" else code_dir
-        argv = [interpreter_for(backend), *python_flags, f"{in_code}/main.py", *(args or [])]
-        if backend == "rlimits" and os.geteuid() != 0:
-            uid_ctx: contextlib.AbstractContextManager = contextlib.nullcontext(None)
-        else:
-            uid_ctx = _lease_uid()
-        with uid_ctx as uid:
-            cmd, cwd, env = _build_command(backend, argv, code_dir, work_dir, uid, limits)
-            cmd = _prlimit_args(limits) + cmd
-            cg = _Cgroup.for_uid(uid, limits) if uid is not None else None
-            if cg is not None:
-                # join the cgroup before exec, so nothing escapes it
-                joins = " && ".join(f'echo $$ > "{p}"' for p in cg.procs_files())
-                cmd = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *cmd]
-            try:
-                return _communicate(cmd, cwd, env, stdin, limits, backend, cg)
-            finally:
-                # nothing of the run may outlive it (daemons, stopped processes)
-                if cg is not None:
-                    cg.kill_all()
-                elif uid is not None:
-                    _kill_uid(uid)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _communicate(
-    cmd: list[str], cwd: str | None, env: dict[str, str], stdin: bytes, limits: Limits,
-    backend: str, cg: _Cgroup | None,
-) -> ExecResult:
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=cwd, env=env, start_new_session=True, close_fds=True,
-        )
+        st = _start(script, files, args, limits, backend, python_flags)
     except OSError as e:
         return ExecResult("sandbox_error", None, b"", b"", f"sandbox failed to start: {e}",
                           0.0, backend)
+    return _finish(st, stdin)
+
+
+class WarmPool:
+    """Sandboxes started ahead of time, each waiting for its job on stdin.
+
+    Start-up (namespaces, interpreter, imports) overlaps with the previous job; isolation is
+    unchanged: every job still gets its own fresh sandbox, used once. ``limits.wall_s`` and
+    ``output_bytes`` can be set per job; the CPU and memory limits are the pool's.
+    """
+
+    def __init__(self, script: str, files: dict[str, str | bytes] | None, limits: Limits,
+                 size: int, backend: str | None = None,
+                 python_flags: tuple[str, ...] = ("-I", "-S")):
+        self.script, self.files, self.limits = script, dict(files or {}), limits
+        self.size = max(1, size)
+        self.backend = backend or detect_backend()
+        self.python_flags = python_flags
+        self._ready: list[_Started] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # stop the waiting sandboxes when the pool is collected or at interpreter exit
+        self._finalizer = weakref.finalize(self, _discard_all, self._ready, self._lock)
+
+    def _new(self) -> _Started:
+        return _start(self.script, self.files, None, self.limits, self.backend,
+                      self.python_flags)
+
+    def run(self, stdin: bytes, limits: Limits | None = None) -> ExecResult:
+        st = None
+        with self._lock:
+            while self._ready and st is None:
+                cand = self._ready.pop(0)
+                if cand.proc.poll() is None:
+                    st = cand
+                else:  # died while waiting (should not happen): discard
+                    _cleanup(cand)
+        try:
+            if st is None:
+                st = self._new()
+            self.fill()
+        except OSError as e:
+            if st is not None:
+                _cleanup(st)
+            return ExecResult("sandbox_error", None, b"", b"",
+                              f"sandbox failed to start: {e}", 0.0, self.backend)
+        return _finish(st, stdin, limits)
+
+    def fill(self) -> None:
+        with self._lock:
+            while not self._closed and len(self._ready) < self.size:
+                self._ready.append(self._new())
+
+    def close(self) -> None:
+        self._closed = True
+        self._finalizer()
+
+
+def _discard_all(ready: list[_Started], lock: threading.Lock) -> None:
+    with lock:
+        items = list(ready)
+        ready.clear()
+    for st in items:
+        _cleanup(st)
+
+
+def _communicate(
+    proc: subprocess.Popen, stdin: bytes, limits: Limits, backend: str, cg: _Cgroup | None,
+) -> ExecResult:
+    t0 = time.monotonic()
     out = bytearray()
     err = bytearray()
     cpu = 0.0
