@@ -69,15 +69,104 @@ def _tree_bytes(abstract_tree: Any, shardings: Any) -> int:
     )
 
 
+def opt_state_shardings(opt_shapes: Any, param_shardings: Any, mesh: Any) -> Any:
+    """Shardings for an optax state: a leaf whose tree path ends with a param's path (mu, nu,
+    ...) and has its shape gets that param's sharding; anything else (step counts) is
+    replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    by_path = {
+        tuple(str(k) for k in path): s
+        for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    }
+    depth = max(len(k) for k in by_path)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def pick(path: Any, leaf: Any) -> Any:
+        keys = tuple(str(k) for k in path)
+        for n in range(min(depth, len(keys)), 0, -1):
+            s = by_path.get(keys[-n:])
+            if s is not None and len(s.spec) <= len(leaf.shape):
+                return s
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_shapes)
+
+
 def next_token_loss(logits: Any, tokens: Any, mask: Any) -> Any:
-    """Mean next-token cross-entropy over real tokens (mask[b, t+1] = 1)."""
+    """Mean next-token cross-entropy where a real token predicts a real token."""
     import jax
     import jax.numpy as jnp
 
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    w = mask[:, 1:].astype(jnp.float32)
+    w = (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def _depth(cfg: Any, n: int) -> Any:
+    over: dict[str, Any] = {"num_layers": n}
+    if cfg.layer_types is not None:
+        over["layer_types"] = tuple(cfg.layer_types[-n:])
+    return cfg.replace(**over)
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax returns one dict per computation
+        cost = cost[0] if cost else {}
+    return float(dict(cost or {}).get("flops", float("nan")))
+
+
+def _compile_step(cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from pmd_jax import sharding as sh
+    from pmd_jax.models import decoder
+
+    axes = decoder.param_axes(cfg)
+    shapes = decoder.param_shapes(cfg)
+    p_shard = sh.tree_shardings(mesh, rules_obj, axes)
+    abstract_params = jax.tree.map(
+        lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd), shapes, p_shard
+    )
+    opt = optax.adamw(learning_rate, weight_decay=0.0)
+    opt_shapes = jax.eval_shape(opt.init, abstract_params)
+    o_shard = opt_state_shardings(opt_shapes, p_shard, mesh)
+    abstract_opt = jax.tree.map(
+        lambda a, shd: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shd), opt_shapes, o_shard
+    )
+    data_shard = sh.named_sharding(mesh, rules_obj, ("batch", "seq"))
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
+    msk = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
+
+    def train_step(params, opt_state, tokens, mask):
+        positions = decoder.positions_from_mask(mask)
+
+        def loss_fn(p):
+            logits, _ = decoder.forward(
+                p, tokens, positions, cfg, attn_mask=mask, remat=remat,
+                shard_ctx=(mesh, rules_obj), unroll=unroll,
+            )
+            return next_token_loss(logits, tokens, mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        train_step,
+        in_shardings=(p_shard, o_shard, data_shard, data_shard),
+        out_shardings=(p_shard, o_shard, None),
+        donate_argnums=(0, 1),
+    )
+    t0 = time.perf_counter()
+    lowered = step.lower(abstract_params, abstract_opt, tok, msk)
+    t_lower = time.perf_counter() - t0
+    return lowered.compile(), abstract_params, p_shard, abstract_opt, o_shard, t_lower
 
 
 def dry_run(
@@ -89,6 +178,7 @@ def dry_run(
     rules: Mapping[str, Any] | None = None,
     remat: str = "full",
     learning_rate: float = 1e-6,
+    count_flops: bool = True,
     verbose: bool = False,
 ) -> dict[str, Any]:
     """Compile one sharded AdamW train step of ``cfg`` on abstract inputs; return a report.
@@ -99,8 +189,6 @@ def dry_run(
     data x fsdp.
     """
     import jax
-    import jax.numpy as jnp
-    import optax
 
     from pmd_jax import sharding as sh
     from pmd_jax.models import decoder
@@ -128,56 +216,26 @@ def dry_run(
             f"(total size {n_batch})"
         )
 
-    p_shard = sh.tree_shardings(mesh, rules_obj, axes)
-    abstract_params = jax.tree.map(
-        lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd), shapes, p_shard
-    )
-    opt = optax.adamw(learning_rate, weight_decay=0.0)
     t0 = time.perf_counter()
-    init_compiled = jax.jit(opt.init).lower(abstract_params).compile()
-    o_shard = init_compiled.output_shardings
-    abstract_opt = jax.tree.map(
-        lambda a, shd: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shd),
-        jax.eval_shape(opt.init, abstract_params), o_shard,
-    )
-    data_shard = sh.named_sharding(mesh, rules_obj, ("batch", "seq"))
-    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
-    msk = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=data_shard)
-
-    def train_step(params, opt_state, tokens, mask):
-        positions = decoder.positions_from_mask(mask)
-
-        def loss_fn(p):
-            logits, _ = decoder.forward(
-                p, tokens, positions, cfg, attn_mask=mask, remat=remat,
-                shard_ctx=(mesh, rules_obj),
-            )
-            return next_token_loss(logits, tokens, mask)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(
-        train_step,
-        in_shardings=(p_shard, o_shard, data_shard, data_shard),
-        out_shardings=(p_shard, o_shard, None),
-        donate_argnums=(0, 1),
-    )
-    lowered = step.lower(abstract_params, abstract_opt, tok, msk)
-    t_lower = time.perf_counter() - t0
-    compiled = lowered.compile()
+    compiled, abstract_params, p_shard, abstract_opt, o_shard, t_lower = _compile_step(
+        cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll=1)
     t_compile = time.perf_counter() - t0 - t_lower
-
+    flops_note = "XLA cost analysis of the scanned step (loop body counted once)"
+    compiled_flops = _flops(compiled)
+    if count_flops:
+        # XLA's cost analysis counts a while-loop body once. Compile the same step with 1 and 2
+        # layers, scan unrolled, and extrapolate linearly in depth: f(L) = f1 + (L-1)(f2 - f1).
+        f1 = _flops(_compile_step(_depth(cfg, 1), mesh, rules_obj, batch, seq, remat,
+                                  learning_rate, unroll=True)[0])
+        f2 = _flops(_compile_step(_depth(cfg, 2), mesh, rules_obj, batch, seq, remat,
+                                  learning_rate, unroll=True)[0])
+        compiled_flops = f1 + (cfg.num_layers - 1) * (f2 - f1)
+        flops_note = ("XLA cost analysis, extrapolated over depth from unrolled 1- and "
+                      "2-layer compiles")
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older jax returns one dict per computation
-        cost = cost[0] if cost else {}
-    cost = dict(cost or {})
     n_dev = n_needed
     tokens_total = batch * seq
     flops_fwd = cfg.flops_per_token(seq)
-    compiled_flops = float(cost.get("flops", float("nan")))
     report: dict[str, Any] = {
         "model": cfg.family,
         "num_params": cfg.num_params(),
@@ -202,6 +260,7 @@ def dry_run(
         "model_flops_per_step_train": 3.0 * flops_fwd * tokens_total,
         "compiled_flops_per_device": compiled_flops,
         "compiled_flops_per_token": compiled_flops * n_dev / tokens_total,
+        "compiled_flops_note": flops_note,
         "lower_seconds": round(t_lower, 1),
         "compile_seconds": round(t_compile, 1),
     }
@@ -230,7 +289,7 @@ def format_report(r: Mapping[str, Any]) -> str:
         f"  total estimate   {pd['total_estimate'] / GiB:8.3f} GiB",
         f"model FLOPs/token: forward {r['model_flops_per_token_fwd'] / 1e9:.2f} GFLOP, "
         f"train (3x) {r['model_flops_per_token_train'] / 1e9:.2f} GFLOP",
-        f"compiled FLOPs/token (XLA cost analysis, incl. remat recompute and optimizer): "
+        f"compiled FLOPs/token ({r['compiled_flops_note']}; incl. remat recompute, optimizer): "
         f"{r['compiled_flops_per_token'] / 1e9:.2f} GFLOP "
         f"({r['compiled_flops_per_device'] / 1e12:.2f} TFLOP per device per step)",
         f"lower {r['lower_seconds']} s, compile {r['compile_seconds']} s",
@@ -240,12 +299,14 @@ def format_report(r: Mapping[str, Any]) -> str:
 
 def dry_run_subprocess(
     model: str, mesh: str, batch: int, seq: int, *, remat: str = "full",
-    num_layers: int | None = None, timeout: float | None = None,
+    num_layers: int | None = None, timeout: float | None = None, count_flops: bool = True,
 ) -> dict[str, Any]:
     """Run ``python -m pmd_jax.dry_run`` in a fresh interpreter (so the fake device count can
     be set) and return its JSON report."""
     cmd = [sys.executable, "-m", "pmd_jax.dry_run", f"--model={model}", f"--mesh={mesh}",
            f"--batch={batch}", f"--seq={seq}", f"--remat={remat}", "--json"]
+    if not count_flops:
+        cmd.append("--skip_flop_count")
     if num_layers is not None:
         cmd.append(f"--num_layers={num_layers}")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -265,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--param_dtype", default=None, help="override (e.g. float32 master weights)")
     ap.add_argument("--num_layers", type=int, default=None, help="override depth (tests)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    ap.add_argument("--skip_flop_count", action="store_true",
+                    help="skip the two extra unrolled compiles that correct XLA's FLOP count")
     args = ap.parse_args(argv)
 
     mesh_shape = parse_mesh(args.mesh)
@@ -285,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if over:
         cfg = cfg.replace(**over)
     batch = args.batch or mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
-    report = dry_run(cfg, mesh_shape, batch, args.seq, remat=args.remat)
+    report = dry_run(cfg, mesh_shape, batch, args.seq, remat=args.remat,
+                     count_flops=not args.skip_flop_count)
     report["preset"] = args.model
     if args.json:
         print(json.dumps(report))

@@ -271,13 +271,15 @@ def forward(
     return_hidden: bool = False,
     remat: str = "none",
     shard_ctx: ShardCtx | None = None,
+    unroll: int | bool = 1,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
     """Run the decoder.
 
     Returns ``(logits [B,T,V] float32, new_cache)``, or the hidden states after the final norm
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
     ``remat`` wraps the layer body in ``jax.checkpoint`` ("none", "full", "dots",
-    "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints.
+    "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
+    ``unroll`` is passed to the layer ``lax.scan``.
     """
     check_params(params, cfg)
     if tokens.ndim != 2:
@@ -384,7 +386,7 @@ def forward(
         x = _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
         return x, new_kv
 
-    x, new_kv = jax.lax.scan(_remat(body, remat), x, xs)
+    x, new_kv = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
     x = rms_norm(x, params["final_norm"], eps)
 
     new_cache = None
