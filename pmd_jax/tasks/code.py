@@ -259,7 +259,7 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
     if pool is not None and limits is None:
         lim = dataclasses.replace(pool.limits, wall_s=wall, output_bytes=out_cap)
-        res = pool.run(marshal.dumps(payload), lim)
+        res = pool.run(marshal.dumps(payload), lim, done_marker=nonce.encode())
     else:
         lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
         b = backend or sandbox.detect_backend()
