@@ -29,8 +29,16 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
     every process of that uid. No network isolation. Used only when nothing else works.
 
 Processes are confined to a pid namespace in the first two backends, so daemons (double
-fork, setsid) die with the namespace when the run ends. In every backend, when root, every
-leftover process of the run's uid is killed afterwards.
+fork, setsid) die with the namespace when the run ends. After every run, whatever is left in
+the run's cgroup (or, without cgroups, every process of the run's uid) is killed.
+
+``run_python`` starts one sandbox per call. ``WarmPool`` starts sandboxes ahead of time, each
+waiting for its job on stdin and used once; the code verifier uses it so that namespace and
+interpreter start-up overlap with the previous job.
+
+Not covered: this is not a defence against kernel exploits; the ``unshare`` and ``rlimits``
+fallbacks leave the host filesystem readable (by permissions) and ``rlimits`` leaves the
+network reachable (``backend_info()`` says so).
 """
 
 from __future__ import annotations
