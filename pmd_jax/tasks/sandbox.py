@@ -493,15 +493,32 @@ def _build_command(
     raise SandboxError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
 
 
+def _user_process_count(uid: int) -> int:
+    n = 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
 def _prlimit_args(limits: Limits) -> list[str]:
     cpu = max(1, int(limits.cpu_s + 0.999))
+    nproc = limits.nproc
+    if os.geteuid() != 0:
+        # no dedicated uid: RLIMIT_NPROC counts every process of this user, so the limit is
+        # set above what the user already runs (untested here: the dev machine runs as root)
+        nproc += _user_process_count(os.geteuid())
     return [
         _PRLIMIT or "prlimit",
         f"--cpu={cpu}:{cpu + 1}",
         f"--as={limits.memory_bytes}",
         f"--nofile={limits.nofile}",
         f"--fsize={limits.fsize_bytes}",
-        f"--nproc={limits.nproc}",
+        f"--nproc={nproc}",
         "--core=0",
         "--",
     ]
