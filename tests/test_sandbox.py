@@ -7,6 +7,7 @@ with a message rather than running an unbounded fork bomb on a shared machine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -421,3 +422,29 @@ def test_numpy_importable_in_code_runner():
     if BACKEND != "bwrap" and sandbox.interpreter_for(BACKEND) != sandbox.python_executable():
         pytest.skip("fallback interpreter without the host's site-packages")
     assert recs[0]["passed"], recs
+
+
+def test_warm_pool_sandboxes_are_single_use():
+    pool = sandbox.WarmPool("import sys\nexec(sys.stdin.read())", None, LIM, size=2)
+    try:
+        marker = f"pmd-daemon-{uuid.uuid4().hex}"
+        job1 = (
+            "import os, sys, time\nopen('left.txt', 'w').write('x')\n"
+            "open(os.environ.get('TMPDIR', '/tmp') + '/left2.txt', 'w').write('x')\n"
+            f"if os.fork() == 0:\n    os.setsid()\n    sys.argv.append({marker!r})\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)',"
+            f" {marker!r}])\nprint('job1')"
+        )
+        r1 = pool.run(job1.encode())
+        assert r1.ok and r1.stdout == b"job1\n", r1.reason
+        time.sleep(0.3)
+        assert procs_with(marker) == [], "a daemon of a pooled job outlived it"
+        r2 = pool.run(
+            b"import os\nprint(os.path.exists('left.txt'), "
+            b"os.path.exists(os.environ.get('TMPDIR', '/tmp') + '/left2.txt'))"
+        )
+        assert r2.ok and r2.stdout == b"False False\n"
+        r3 = pool.run(b"import time\ntime.sleep(30)", dataclasses.replace(LIM, wall_s=1.0))
+        assert r3.status == "timeout"
+    finally:
+        pool.close()
