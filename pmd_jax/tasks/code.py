@@ -266,18 +266,20 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
         script, files = _harness(b)
         files = {**files, "payload.bin": marshal.dumps(payload)}
         res = sandbox.run_python(script, files=files, limits=lim, backend=b)
-    raw: list[dict] = []
+    raw: list = []
     for line in res.stdout.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce):
             try:
-                raw = json.loads(line[len(nonce):])
+                got = json.loads(line[len(nonce):])
             except ValueError:
-                raw = []
+                got = []
+            raw = got if isinstance(got, list) else []
     records = []
     for j, idx in enumerate(indices):
         inp, exp = tests["inputs"][idx], tests["outputs"][idx]
         if j < len(raw):
-            r = raw[j]
+            r = raw[j] if isinstance(raw[j], dict) else {"status": "error",
+                                                         "error": "malformed harness record"}
             st = r.get("status")
             if st == "timeout":
                 records.append(_rec(idx, inp, exp, "Time out", False, "timeout"))
@@ -314,11 +316,12 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
                     actual = f"{actual} ({r['note']})"
             records.append(_rec(idx, inp, exp, actual, ok, "wrong"))
         else:
-            if raw or res.ok:
+            if raw:
                 why = "not run (stopped after an earlier timeout)"
                 records.append(_rec(idx, inp, exp, why, False, "skipped"))
             else:
-                why = f"the test harness was stopped: {res.reason}"
+                why = (f"the test harness was stopped: {res.reason}" if not res.ok
+                       else "the test harness produced no result")
                 if res.stderr:
                     why += "\n" + res.stderr.decode("utf-8", "replace").strip()[-300:]
                 kind_r = "timeout" if res.status == "timeout" else "error"
