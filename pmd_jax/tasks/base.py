@@ -57,8 +57,9 @@ class Task(Protocol):
 
     def prompt(self, problem: Problem) -> Messages: ...
 
-    def verify(self, problem: Problem, response_text: str, split: str = "train") -> VerifyResult:
-        ...
+    def verify(
+        self, problem: Problem, response_text: str, split: str = "train"
+    ) -> VerifyResult: ...
 
     def verify_batch(
         self, problems: Sequence[Problem], responses: Sequence[str], split: str = "train"

