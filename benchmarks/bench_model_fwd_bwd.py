@@ -91,7 +91,6 @@ def main() -> None:
 
     t_torch = time_it(torch_step, args.steps)
     params32 = jax.tree.map(jnp.asarray, to_params(model, cfg))
-    del model
     tok = jnp.asarray(tokens, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
@@ -106,11 +105,12 @@ def main() -> None:
 
     results = {"torch fp32 (" + args.attn + ")": t_torch}
     results["jax fp32"] = time_it(make_step(cfg), args.steps)
-    results["jax bf16 compute, fp32 params"] = time_it(make_step(cfg.replace(dtype="bfloat16")),
-                                                        args.steps)
+    bf16 = make_step(cfg.replace(dtype="bfloat16"))
+    results["jax bf16 compute, fp32 params"] = time_it(bf16, args.steps)
     print(f"SmolLM2-135M forward+backward, batch {B} x seq {T}, {args.steps} timed steps, "
           f"torch threads {torch.get_num_threads()}, jax {jax.__version__} on "
-          f"{jax.devices()[0].platform} ({jax.device_count()} device(s)), torch {torch.__version__}")
+          f"{jax.devices()[0].platform} ({jax.device_count()} device(s)), "
+          f"torch {torch.__version__}")
     for name, s in results.items():
         print(f"  {name:34s} {s * 1e3:9.1f} ms/step  {ntok / s:9.1f} tokens/s")
     for name in ("jax fp32", "jax bf16 compute, fp32 params"):

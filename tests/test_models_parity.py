@@ -343,3 +343,42 @@ def test_smollm2_real_weights_match_hf(smollm2_hf):
     assert err < TOL, f"SmolLM2 max abs logit diff {err}"
     # the model is real: it predicts " Paris" after "The capital of France is"
     assert tok.decode([int(ours[1, -1].argmax())]).strip() == "Paris"
+
+
+# config.json of allenai/Olmo-3-7B-Instruct (legacy rope keys; shapes as published)
+OLMO3_7B_CONFIG_JSON = {
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False,
+    "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 11008, "max_position_embeddings": 65536, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1,
+                     "factor": 8.0, "original_max_position_embeddings": 8192,
+                     "rope_type": "yarn"},
+    "rope_theta": 500000, "sliding_window": 4096, "tie_word_embeddings": False,
+    "vocab_size": 100278,
+}
+
+
+def test_olmo3_legacy_config_json_read_like_hf_and_equals_preset():
+    from pmd_jax.models.config import olmo3_7b
+
+    ours = from_hf_config(dict(OLMO3_7B_CONFIG_JSON))
+    hf = transformers.Olmo3Config(**{k: v for k, v in OLMO3_7B_CONFIG_JSON.items()
+                                     if k not in ("architectures", "model_type")})
+    via_hf = from_hf_config(hf.to_dict())
+    assert ours.layer_types == tuple(hf.layer_types) == via_hf.layer_types
+    for lt in ("full_attention", "sliding_attention"):
+        a, b = ours.rope_for(lt), via_hf.rope_for(lt)
+        assert (a.rope_type, a.theta, a.factor) == (b.rope_type, b.theta, b.factor), lt
+    assert ours.rope_for("sliding_attention").rope_type == "default"
+    preset = olmo3_7b()
+    assert ours.replace(dtype=preset.dtype, param_dtype=preset.param_dtype) == preset
+    # same RoPE tables as HF's rotary module builds for each layer type
+    from pmd_jax.models import rope as rope_lib
+
+    hf_rot = transformers.models.olmo3.modeling_olmo3.Olmo3RotaryEmbedding(hf)
+    for lt in ("full_attention", "sliding_attention"):
+        inv, scale = rope_lib.inv_freq_and_scaling(ours.rope_for(lt), ours.head_dim,
+                                                   ours.max_position_embeddings)
+        np.testing.assert_allclose(inv, getattr(hf_rot, f"{lt}_inv_freq").numpy(), rtol=1e-6)
+        assert scale == pytest.approx(getattr(hf_rot, f"{lt}_attention_scaling"))

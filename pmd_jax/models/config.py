@@ -205,6 +205,9 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             rope["sliding_attention"] = RopeConfig(theta=theta)
     if "full_attention" not in rope:
         rope["full_attention"] = RopeConfig(theta=theta)
+    if family == "olmo3" and "sliding_attention" not in rope:
+        # a flat rope dict (yarn) applies to full-attention layers only, as in HF / vLLM
+        rope["sliding_attention"] = RopeConfig(theta=rope["full_attention"].theta)
     layer_types = hf.get("layer_types")
     sliding = hf.get("sliding_window")
     if family == "olmo3" and layer_types is None and sliding:
