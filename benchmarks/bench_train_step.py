@@ -94,12 +94,20 @@ def _timeit(fn) -> float:
 
 
 # ------------------------------------------------------------------------------ jax
-def bench_jax(args, data) -> tuple[float, float]:
+def init_params():
+    import jax
+
+    from pmd_jax.models import decoder
+    from pmd_jax.models.config import preset
+
+    return decoder.init_params(preset("smollm2-135m"), jax.random.PRNGKey(0))
+
+
+def bench_jax(args, data, params) -> tuple[float, float]:
     import jax
 
     from pmd_jax.distill import step as st
     from pmd_jax.distill.config import default_distill_config
-    from pmd_jax.models import decoder
     from pmd_jax.models.config import preset
 
     cfg = preset("smollm2-135m")
@@ -122,24 +130,51 @@ def bench_jax(args, data) -> tuple[float, float]:
         batch[f"{side}_attn_mask"] = np.ones((b, t), np.int32)
     batch["response_mask"] = np.ones(data["responses"].shape, np.int32)
     batch["sd_mask"] = np.ones((b,), np.float32)
-    state = ts.init(decoder.init_params(cfg, jax.random.PRNGKey(0)), 0)
+    state = ts.init(params, 0)
     t0 = time.perf_counter()
     state, m = ts.step(state, batch)
     jax.block_until_ready(m)
     first = time.perf_counter() - t0
+    first_loss = float(m["loss"])
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         state, m = ts.step(state, batch)
         jax.block_until_ready((state.params, m))
         times.append(time.perf_counter() - t0)
-    print(f"  jax: compile+first step {first:.1f}s, loss {float(m['loss']):.5f}, "
+    print(f"  jax: compile+first step {first:.1f}s, first-step loss {first_loss:.6f}, "
           f"steps {[round(x, 2) for x in times]}")
-    return float(np.median(times)), float(m["loss"])
+    return float(np.median(times)), first_loss
 
 
 # ------------------------------------------------------------------------------ torch
-def bench_torch(args, data) -> tuple[float, float]:
+def load_into_torch(model, params, mc) -> None:
+    """Copy our param pytree (``decoder`` layout) into a HF LlamaForCausalLM."""
+    import torch
+
+    d, h, kv, hd = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
+
+    def t(x):
+        return torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
+
+    lp = params["layers"]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(t(params["embed"]))
+        model.model.norm.weight.copy_(t(params["final_norm"]))
+        for i, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            a.q_proj.weight.copy_(t(np.asarray(lp["q"][i]).reshape(d, h * hd).T))
+            a.k_proj.weight.copy_(t(np.asarray(lp["k"][i]).reshape(d, kv * hd).T))
+            a.v_proj.weight.copy_(t(np.asarray(lp["v"][i]).reshape(d, kv * hd).T))
+            a.o_proj.weight.copy_(t(np.asarray(lp["o"][i]).reshape(h * hd, d).T))
+            layer.mlp.gate_proj.weight.copy_(t(np.asarray(lp["gate"][i]).T))
+            layer.mlp.up_proj.weight.copy_(t(np.asarray(lp["up"][i]).T))
+            layer.mlp.down_proj.weight.copy_(t(np.asarray(lp["down"][i]).T))
+            layer.input_layernorm.weight.copy_(t(lp["attn_norm"][i]))
+            layer.post_attention_layernorm.weight.copy_(t(lp["mlp_norm"][i]))
+
+
+def bench_torch(args, data, params) -> tuple[float, float]:
     import copy
 
     import torch
@@ -159,6 +194,7 @@ def bench_torch(args, data) -> tuple[float, float]:
         attn_implementation="sdpa",
     )
     student = LlamaForCausalLM(hf).float()
+    load_into_torch(student, params, mc)
     student.train()
     teacher = copy.deepcopy(student).eval()
     for p in teacher.parameters():
@@ -208,19 +244,19 @@ def bench_torch(args, data) -> tuple[float, float]:
         with torch.no_grad():
             for pt, ps in zip(teacher.parameters(), student.parameters()):
                 pt.lerp_(ps, 0.05)
-        return float(loss)
+        return float(loss.detach())
 
     t0 = time.perf_counter()
-    loss = step()
+    first_loss = step()
     first = time.perf_counter() - t0
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        loss = step()
+        step()
         times.append(time.perf_counter() - t0)
-    print(f"  torch: first step {first:.1f}s, loss {loss:.5f}, "
+    print(f"  torch: first step {first:.1f}s, first-step loss {first_loss:.6f}, "
           f"steps {[round(x, 2) for x in times]}")
-    return float(np.median(times)), loss
+    return float(np.median(times)), first_loss
 
 
 def main() -> None:
@@ -237,16 +273,19 @@ def main() -> None:
     best_peak = max(peak.values())
     print(f"fp32 GEMM peak ({args.gemm_n}^3): numpy {peak['numpy']:.1f} GFLOP/s, "
           f"XLA {peak['xla']:.1f} GFLOP/s")
-    t_jax = t_torch = None
+    t_jax = t_torch = l_jax = l_torch = None
+    params = init_params()
     if not args.skip_jax:
-        t_jax, _ = bench_jax(args, data)
+        t_jax, l_jax = bench_jax(args, data, params)
         gf = flops / t_jax / 1e9
         print(f"pmd_jax: {t_jax:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of peak")
     if not args.skip_torch:
-        t_torch, _ = bench_torch(args, data)
+        t_torch, l_torch = bench_torch(args, data, params)
         gf = flops / t_torch / 1e9
         print(f"torch+HF: {t_torch:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of peak")
     if t_jax and t_torch:
+        print(f"same weights, same batch: first-step loss pmd_jax {l_jax:.6f} vs torch "
+              f"{l_torch:.6f} (rel. diff {abs(l_jax - l_torch) / max(abs(l_torch), 1e-12):.1e})")
         print(f"speed-up pmd_jax vs torch: {t_torch / t_jax:.2f}x")
 
 

@@ -227,6 +227,9 @@ def _run_worker(ck_dir: Path, out: Path, steps: int, delay: float, kill_after: i
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # one compile shared by the three runs (the cached executable is the same program)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(ck_dir.parent / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     cmd = [sys.executable, __file__, "--worker", str(ck_dir), str(out), str(steps), str(delay)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(REPO))
