@@ -33,6 +33,7 @@ VENV = Path(os.environ.get("PMD_VLLM_VENV", REPO / ".venv-vllm"))
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.timeout(1800),  # one server start (minutes on a busy 2-core box) + HF refs
     pytest.mark.skipif(
         not (VENV / "bin" / "python").exists(),
         reason=f"vLLM server venv not found at {VENV} (run launch/setup_vllm_venv.sh "
@@ -95,10 +96,15 @@ def base_weights(hf_dir) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def hf_model(hf_dir):
     torch.manual_seed(0)
+    # One intra-op thread: the vLLM server shares the CPU, and oversubscribed OpenMP threads
+    # make HF generate ~10x slower here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.fspath(hf_dir), torch_dtype=torch.float32, attn_implementation="eager"
+        os.fspath(hf_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return model
+    yield model
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
