@@ -377,3 +377,37 @@ def test_direct_io_and_tensorstore_paths_interoperate(tmp_path, writer_direct, r
         "kvstore": {"driver": "file", "path": str(tmp_path / "w/data/v000000000000/multi.chunk")},
     }
     np.testing.assert_array_equal(ts.open(spec).result().read().result(), arrays["multi.chunk"])
+
+
+def test_version_collected_mid_read_is_detected_and_retried(tmp_path):
+    """GC deletes the version a reader is in the middle of: never a torn or zero-filled read."""
+    writer = WeightStore(tmp_path / "w", keep=1)
+    writer.publish(version_arrays(0), version=0)
+
+    class CollectedMidRead(WeightStore):
+        fired = False
+
+        def _direct_read_array(self, version, name, meta, verify):
+            if not CollectedMidRead.fired:
+                CollectedMidRead.fired = True
+                writer.publish(version_arrays(1), version=1)  # keep=1: deletes version 0
+            return super()._direct_read_array(version, name, meta, verify)
+
+    reader = CollectedMidRead(tmp_path / "w", concurrency=1)
+    arrays, man = reader.read()  # latest: retried on version 1
+    assert man.version == 1
+    for k, a in version_arrays(1).items():
+        np.testing.assert_array_equal(arrays[k], a)
+    CollectedMidRead.fired = False
+    writer.gc_on_publish = False
+    writer.publish(version_arrays(2), version=2)
+
+    class CollectedMidRead2(CollectedMidRead):
+        def _direct_read_array(self, version, name, meta, verify):
+            if not CollectedMidRead.fired:
+                CollectedMidRead.fired = True
+                writer.gc(keep=1)  # deletes version 1 while it is read
+            return WeightStore._direct_read_array(self, version, name, meta, verify)
+
+    with pytest.raises(VersionVanishedError, match="version 1 was garbage-collected"):
+        CollectedMidRead2(tmp_path / "w", concurrency=1).read(1)
