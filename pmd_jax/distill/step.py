@@ -152,7 +152,8 @@ def check_batch(batch: Mapping[str, Any], mode: str) -> tuple[int, int, int, int
         raise BatchError(f"batch has unknown arrays {unknown}")
 
     def shape(k: str) -> tuple[int, ...]:
-        return tuple(np.shape(batch[k]))
+        x = batch[k]
+        return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
 
     s_shape = shape("student_tokens")
     if len(s_shape) != 2:
@@ -191,8 +192,10 @@ def check_batch(batch: Mapping[str, Any], mode: str) -> tuple[int, int, int, int
     if ts < 2 or (mode != "grpo" and tt < 2):
         raise BatchError(f"sequences too short: student {ts}, teacher {tt} (need >= 2)")
     for k in ("student_tokens", "teacher_tokens", "responses", "student_index", "teacher_index"):
-        if k in batch and not jnp.issubdtype(jnp.asarray(batch[k]).dtype, jnp.integer):
-            raise BatchError(f"{k} must be an integer array, got {jnp.asarray(batch[k]).dtype}")
+        if k in batch:
+            dt = getattr(batch[k], "dtype", None) or np.asarray(batch[k]).dtype
+            if not jnp.issubdtype(dt, jnp.integer):
+                raise BatchError(f"{k} must be an integer array, got {dt}")
     return b, ts, tt, r
 
 
@@ -257,6 +260,11 @@ class StepOptions:
     @property
     def needs_teacher(self) -> bool:
         return self.mode != "grpo"
+
+    @property
+    def keeps_teacher(self) -> bool:
+        """A teacher tree lives in the state (not for grpo, nor for the live teacher)."""
+        return self.needs_teacher and tlib.keeps_copy(self.rule)
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -417,7 +425,7 @@ class TrainStep:
                 self.optimizer, lambda _, s: s, abstract.opt_state, p_sh,
                 transform_non_params=lambda _: rep,
             )
-            teacher_sh = p_sh if tlib.keeps_copy(self.opts.rule) else {}
+            teacher_sh = p_sh if self.opts.keeps_teacher else {}
             self._state_shardings = TrainState(
                 step=rep, params=p_sh, opt_state=opt_sh, teacher=teacher_sh, rng=rep
             )
@@ -441,7 +449,9 @@ class TrainStep:
     # ------------------------------------------------------------- init
     def _init_host(self, params: Any, rng: Array) -> TrainState:
         master = _cast(params, self.opts.storage_dtype)
-        teacher = tlib.init_teacher(self.opts.rule, params, jnp.dtype(self.opts.teacher_dtype))
+        teacher = None
+        if self.opts.keeps_teacher:
+            teacher = tlib.init_teacher(self.opts.rule, params, jnp.dtype(self.opts.teacher_dtype))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=master,
@@ -473,7 +483,7 @@ class TrainStep:
         params = optax.apply_updates(state.params, updates)
         params = _cast(params, o.storage_dtype)
         teacher = state.teacher
-        if tlib.keeps_copy(o.rule):
+        if o.keeps_teacher:
             teacher = tlib.update_teacher(o.rule, state.teacher, params, o.rate)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if o.skip_nonfinite:
