@@ -37,7 +37,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (after warm-up)")
     p.add_argument("--loss", choices=("jsd_top100", "rkl_full"), default="jsd_top100")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--remat", choices=("none", "full"), default="none")
+    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="none")
     p.add_argument("--chunk", type=int, default=64, help="response tokens per loss chunk")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
@@ -116,7 +116,9 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     c.optim.warmup_steps = 0
     c.loss.chunk_size = args.chunk
     c.loss.rollout_is_threshold = None
-    c.precision.remat = args.remat == "full"
+    c.precision.remat = args.remat != "none"
+    if args.remat != "none":
+        c.precision.remat_policy = args.remat
     if args.loss == "jsd_top100":
         c.loss.alpha, c.loss.topk, c.loss.add_tail = 0.5, 100, True
     else:

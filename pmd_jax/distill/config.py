@@ -24,6 +24,7 @@ from pmd_jax.distill.optim import OptimConfig
 LOSS_MODES = ("sdpo", "grpo", "hybrid")
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
 DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("full", "dots", "dots_no_batch")
 
 
 class DistillConfigError(ValueError):
@@ -88,7 +89,11 @@ def default_distill_config() -> ml_collections.ConfigDict:
     precision.param_dtype = "float32"  # compute dtype of the params in the forward
     # keep fp32 master weights (and fp32 optimizer state) when param_dtype is bfloat16
     precision.master_weights = True
-    precision.remat = True  # rematerialise the per-chunk loss in the backward pass
+    # rematerialise decoder layers in the backward pass (policy: "full" saves only layer
+    # inputs; "dots" / "dots_no_batch" also keep matmul outputs); the chunked loss always
+    # recomputes its per-chunk logits.
+    precision.remat = True
+    precision.remat_policy = "full"
     c.precision = precision
     return c
 
@@ -167,6 +172,9 @@ def validate_distill_config(c: ml_collections.ConfigDict, vocab_size: int | None
     cs = c.loss.chunk_size
     if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
         raise _err("loss.chunk_size", f"must be a positive int, got {cs!r}")
+    if c.precision.remat_policy not in REMAT_POLICIES:
+        raise _err("precision.remat_policy",
+                   f"{c.precision.remat_policy!r} is not one of {REMAT_POLICIES}")
     for key, val in (("precision.param_dtype", c.precision.param_dtype),
                      ("teacher.dtype", c.teacher.dtype)):
         if val not in DTYPES:

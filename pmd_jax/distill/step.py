@@ -222,7 +222,7 @@ class StepOptions:
     chunk: int
     param_dtype: str
     master_weights: bool
-    remat: bool
+    remat: str
     skip_nonfinite: bool
     optim: doptim.OptimConfig
 
@@ -246,7 +246,7 @@ class StepOptions:
             chunk=int(c.loss.chunk_size),
             param_dtype=c.precision.param_dtype,
             master_weights=bool(c.precision.master_weights),
-            remat=bool(c.precision.remat),
+            remat=c.precision.remat_policy if c.precision.remat else "none",
             skip_nonfinite=bool(c.optim.skip_nonfinite),
             optim=dconfig.optim_config(c),
         )
@@ -282,7 +282,7 @@ def make_loss_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = Non
     Exposed for tests (teacher gradients are zero) and for custom loops.
     """
     compute_dtype = jnp.dtype(opts.param_dtype)
-    remat = "full" if opts.remat else "none"
+    remat = opts.remat
 
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
         h, _ = decoder.forward(
