@@ -204,9 +204,7 @@ class VLLMSampler:
                     raise KeyError("logprobs.token_logprobs")
                 reason = c.get("finish_reason")
             except (KeyError, TypeError, ValueError, IndexError) as e:
-                raise VLLMServerError(
-                    f"choice {j} from {where} lacks {e}: {_excerpt(c)}"
-                ) from e
+                raise VLLMServerError(f"choice {j} from {where} lacks {e}: {_excerpt(c)}") from e
             if len(lp) != len(tokens):
                 raise VLLMServerError(
                     f"choice {j} from {where}: {len(tokens)} tokens but {len(lp)} logprobs"
@@ -218,9 +216,7 @@ class VLLMSampler:
                     prompt_index=idx // params.n,
                     sample_index=idx % params.n,
                     tokens=np.asarray(tokens, np.int32),
-                    logprobs=np.asarray(
-                        [np.nan if x is None else x for x in lp], np.float32
-                    ),
+                    logprobs=np.asarray([np.nan if x is None else x for x in lp], np.float32),
                     finish_reason=reason,
                 )
             )
