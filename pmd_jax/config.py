@@ -95,6 +95,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite_in_a_row = 3
     c.train.export_hf = True
+    # Measure KL(policy || initial) on the step's rollouts every N steps (one extra forward
+    # of the initial model; 0 = never).
+    c.train.kl_initial_every = 1
 
     c.eval = ml_collections.ConfigDict()
     c.eval.n = 4

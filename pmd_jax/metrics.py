@@ -146,7 +146,12 @@ _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("val_accuracy.png", "Memory-free validation accuracy", ("accuracy",), "eval"),
     ("reward.png", "Rollout reward (train)", ("reward_mean", "success_group_fraction"), "train"),
     ("loss.png", "Training loss", ("loss",), "train"),
-    ("kl.png", "KL divergences", ("kl_student_teacher", "kl_policy_initial"), "train"),
+    (
+        "kl.png",
+        "KL(student || teacher) and KL(policy || initial)",
+        ("kl", "kl_policy_initial"),
+        "train",
+    ),
     (
         "memory_size.png",
         "Memory size by level",

@@ -231,6 +231,10 @@ class Trainer:
                 self.nonfinite_in_a_row = 0
             with _timed(times, "publish"):
                 self._publish(step + 1)
+        if self._kl_due(step):
+            with _timed(times, "kl_initial"):
+                train_metrics["kl_policy_initial"] = wiring.kl_to_initial(
+                    cfg, self.model, self.state, batch)
         times["time_step"] = time.perf_counter() - t_step
         rewards = sb.rewards
         out: dict[str, Any] = {
@@ -250,6 +254,10 @@ class Trainer:
         }
         self.metrics.write("train", step, out)
         return out
+
+    def _kl_due(self, step: int) -> bool:
+        every = self.cfg.train.kl_initial_every
+        return every > 0 and ((step + 1) % every == 0 or step == 0)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, Any]:

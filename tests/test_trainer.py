@@ -110,7 +110,7 @@ def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
     a, b = _train_records(clean_run), _train_records(run_dir)
     assert [r["step"] for r in b] == [0, 1, 2], "a step was lost or repeated"
     for ra, rb in zip(a, b, strict=True):
-        for k in ("reward_mean", "loss", "kl_student_teacher", "grad_norm",
+        for k in ("reward_mean", "loss", "kl", "kl_policy_initial", "grad_norm",
                   "memory_experiences", "memory_insights", "reprompt_sample_fraction"):
             if k in ra:
                 assert ra[k] == rb[k], (k, ra["step"], ra[k], rb[k])
