@@ -1,0 +1,75 @@
+"""JaxSampler on 8 fake CPU devices (batch over data/fsdp, params per rules) == unsharded."""
+
+import os
+
+# 8 fake CPU devices; must be set before jax initialises its backend.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pmd_jax import sharding as sh  # noqa: E402
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import ModelConfig  # noqa: E402
+from pmd_jax.sampling.base import SamplingParams  # noqa: E402
+from pmd_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8,
+    reason="needs 8 devices: jax was initialised before XLA_FLAGS could be set "
+    "(run this file alone or set XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+)
+
+CFG = ModelConfig(
+    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11],
+           [30, 31, 32, 33, 34]]
+SAMPLING = [
+    SamplingParams(n=2, temperature=0.0, max_tokens=12),
+    SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.9, max_tokens=12, seed=4,
+                   stop_token_ids=(7, 9)),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = decoder.init_params(CFG, jax.random.PRNGKey(0))
+    s = JaxSampler(CFG, params, max_len=128)
+    return params, [s.generate(PROMPTS, sp) for sp in SAMPLING]
+
+
+@pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 8}])
+def test_sharded_equals_unsharded(reference, shape):
+    params, ref = reference
+    mesh = sh.make_mesh(shape)
+    rules = sh.ShardingRules.from_mapping()
+    s = JaxSampler(CFG, params, mesh=mesh, rules=rules, max_len=128)
+    # params really are laid out per the rules
+    q = s.params["layers"]["q"]
+    assert q.sharding.spec == rules.spec(decoder.param_axes(CFG)["layers"]["q"])
+    assert len(q.addressable_shards) == 8
+    assert q.addressable_shards[0].data.shape != q.shape
+    for sp, want in zip(SAMPLING, ref):
+        got = s.generate(PROMPTS, sp)
+        assert len(got) == len(want) == 8
+        for g, w in zip(got, want):
+            assert (g.prompt_index, g.sample_index) == (w.prompt_index, w.sample_index)
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+            assert g.finish_reason == w.finish_reason
+
+
+def test_set_params_with_sharded_arrays_does_not_copy(reference):
+    params, ref = reference
+    mesh = sh.make_mesh({"fsdp": 8})
+    rules = sh.ShardingRules.from_mapping()
+    placed = sh.shard_tree(params, mesh, rules, decoder.param_axes(CFG))
+    s = JaxSampler(CFG, placed, mesh=mesh, rules=rules, max_len=128)
+    assert s.params["layers"]["gate"] is placed["layers"]["gate"]
+    got = s.generate(PROMPTS, SAMPLING[0])
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in ref[0]]
