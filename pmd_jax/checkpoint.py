@@ -314,6 +314,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._pending: list[int] = []
         self._max_to_keep = max_to_keep
+        if jax.process_index() == 0:  # directory-slot copies left by a killed run
+            for stale in self.directory.glob(".pmd-stage-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         self._mgr = self._make_manager()
 
     def _make_manager(self) -> ocp.CheckpointManager:
