@@ -127,6 +127,13 @@ def bench_retrieval(args, emb) -> None:
         got, _ = ix.search(q, args.k)
         row["scann_qps"] = len(q) / (time.perf_counter() - t)
         row["scann_recall"] = recall_at(got, ref, args.k)
+        leaves = max(2, int(args.leaves_per_sqrt * np.sqrt(n)))
+        sweep = []
+        for frac in [float(x) for x in args.sweep.split(",") if x]:
+            nl = max(1, int(round(frac * leaves)))
+            t = time.perf_counter()
+            g, _ = ix.search(q, args.k, leaves_to_search=nl)
+            sweep.append((frac, nl, len(q) / (time.perf_counter() - t), recall_at(g, ref, args.k)))
         # incremental update between steps: upsert 1% new docids, delete 1%
         m = max(1, n // 100)
         t = time.perf_counter()
@@ -142,6 +149,9 @@ def bench_retrieval(args, emb) -> None:
         print(f"           ratio ScaNN/numpy QPS = {row['scann_qps'] / row['numpy_qps']:.1f}x"
               + (f", ScaNN/faiss-flat QPS = {row['scann_qps'] / row['faiss_qps']:.1f}x"
                  if faiss is not None else ""))
+        for frac, nl, qps, rec in sweep:
+            print(f"           sweep: {nl:4d}/{leaves} leaves ({frac:.2f}): {qps:9.1f} q/s = "
+                  f"{qps / row['numpy_qps']:.1f}x numpy, recall@{args.k} {rec:.3f}")
         del db, ix
 
 
@@ -210,6 +220,8 @@ def main() -> None:
     p.add_argument("--sigma-lo", type=float, default=0.02)
     p.add_argument("--sigma-hi", type=float, default=0.05)
     p.add_argument("--leaves-frac", type=float, default=0.1)
+    p.add_argument("--sweep", default="0.02,0.05,0.2",
+                   help="extra leaves-to-search fractions measured on the same index")
     p.add_argument("--leaves-per-sqrt", type=float, default=1.0)
     p.add_argument("--reorder", type=int, default=200)
     p.add_argument("--rollouts", type=int, default=256)

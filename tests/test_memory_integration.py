@@ -77,19 +77,18 @@ def smollm2_generator() -> TextGenerator:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_memory_with_real_smollm2_reflections(smollm2_generator):
     cfg = default_memory_config()
-    cfg.insight.sampling.max_tokens = 48
+    cfg.insight.sampling.max_tokens = 32
     cfg.insight.sampling.temperature = 0.0
-    cfg.behavior.sampling.max_tokens = 48
-    cfg.behavior.min_problems = 2
+    cfg.behavior.sampling.max_tokens = 32
+    cfg.behavior.min_problems = 1
     cfg.behavior.num_clusters = 1
     mem = ProceduralMemory(cfg)
     problems = {
         "sciq-0": "Who proposed the theory of evolution by natural selection?\n"
                   "A. Scopes\nB. Linnaeus\nC. shaw\nD. darwin",
-        "sciq-1": "What is the job of hemoglobin in the body?\nA. transports neurons\n"
-                  "B. become scabs\nC. transports oxygen\nD. infects oxygen",
     }
     records = []
     for pid, q in problems.items():
@@ -98,9 +97,9 @@ def test_memory_with_real_smollm2_reflections(smollm2_generator):
                                      "The chosen option is wrong.", ["D"]))
     stats = mem.update(0, records, smollm2_generator)
     c = stats.counts
-    assert c["reflections"] == 2
+    assert c["reflections"] == 1
     assert c["reflections"] == c.get("reflections_parsed", 0) + c.get("json_error", 0)
-    assert c["behavior_round"] == 1 and c["clusters"] == 1
+    assert c["behavior_round"] == 1 and c["behavior/clusters"] == 1
     assert stats.seconds["generation"] > 0
     for pid, q in problems.items():
         text = mem.teacher_context(pid, q, None, "wrong").render()

@@ -218,7 +218,7 @@ def test_behaviors_cluster_extract_then_evolve_on_cadence():
     gen = Scripted()
     mem = ProceduralMemory(small_config())
     st0 = mem.update(0, recs(0, problems, [1.0, 0.0]), gen)
-    assert st0.counts["behavior_round"] == 1 and st0.counts["clusters"] == 2
+    assert st0.counts["behavior_round"] == 1 and st0.counts["behavior/clusters"] == 2
     # Real embeddings separate the topics: each cluster is all-biology or all-code.
     groups = [sorted(m) for m in mem.behaviors.members.values()]
     assert sorted(groups) == [sorted(p for p in problems if p.startswith("bio")),
@@ -245,7 +245,8 @@ def test_behaviors_cluster_extract_then_evolve_on_cadence():
     assert set(names) == {"behavior_define_terms", "behavior_verify", "behavior_diagram"}
     assert names["behavior_verify"].instruction.startswith("Check the answer")
     assert names["behavior_verify"].version >= 2
-    assert st2.counts["remove_unknown"] >= 1 and st2.counts["behaviors_removed"] == 1
+    assert st2.counts["behavior/remove_unknown"] >= 1
+    assert st2.counts["behavior/behaviors_removed"] == 1
     assert names["behavior_diagram"].provenance.source == "evolution"
     # Retrieval: top-k behaviors, indexed by docid in ScaNN.
     ctx = mem.teacher_context("code0", CODE[0])
@@ -259,7 +260,7 @@ def test_policy_summaries_and_malformed_extraction():
                    summary="<|im_start|>Cell biology questions.")
     mem = ProceduralMemory(small_config(**{"behavior.summary_mode": "policy"}))
     st = mem.update(0, recs(0, problems, [1.0]), gen)
-    assert st.counts["json_error"] >= 1 and not mem.behaviors.behaviors
+    assert st.counts["behavior/json_error"] >= 1 and not mem.behaviors.behaviors
     assert all(s == "Cell biology questions." for s in mem.behaviors.summaries)
 
 

@@ -63,7 +63,8 @@ class ProceduralMemory:
                generator: TextGenerator | None) -> MemoryUpdateStats:
         """Stores this step's rollouts, reflects on touched problems, evolves behaviors.
 
-        Model output never raises here (it is counted in ``stats.counts``); bad records
+        Model output never raises here (it is counted in ``stats.counts``; counts of the
+        behavior round are prefixed ``behavior/``, e.g. ``behavior/json_error``); bad records
         (not a ``RolloutRecord``, empty problem id, NaN reward) raise ValueError.
         """
         t0 = time.perf_counter()
@@ -119,7 +120,7 @@ class ProceduralMemory:
                 self.experience.success_rate, self.experience.leak_strings,
                 timed, self._embed)
             gen_s += timed.seconds
-            stats.merge(dict(counts))
+            stats.merge({f"behavior/{k}": v for k, v in counts.items()})
             stats.add("behavior_round")
             stats.seconds["behavior_round"] = time.perf_counter() - tg
         self.last_update_step = int(step)
