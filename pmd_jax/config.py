@@ -64,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.max_train_problems = 0  # 0 = all
     c.task.max_eval_problems = 200
     c.task.eval_split = "validation"
+    # Multiple choice: "reasoning" (SciKnowEval/SDPO prompt) or "direct" (answer tag only;
+    # ours, for small CPU models).
+    c.task.prompt_style = "reasoning"
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.sampler = "jax"
@@ -173,6 +176,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
             os.path.isdir(src),
             f"model.source={src!r} is neither 'smollm2' nor an existing HF checkpoint folder",
         )
+    need(c.task.prompt_style in ("reasoning", "direct"),
+         f"task.prompt_style={c.task.prompt_style!r} is not 'reasoning' or 'direct'")
     if c.task.name in ("sciknoweval", "livecodebench"):
         need(bool(c.task.path), f"task.name={c.task.name!r} needs task.path (a JSONL file)")
         need(not c.task.path or os.path.exists(c.task.path), f"task.path={c.task.path!r} missing")

@@ -97,6 +97,7 @@ class Trainer:
         self.stream = ProblemStream(self.train_problems, seed=cfg.seed)
         self.ckpt = wiring.build_checkpointer(cfg, self.run_dir)
         self.nonfinite_in_a_row = 0
+        self.skipped_long_prompts = 0
         self.step = 0
         log.info("set-up took %.1fs", time.perf_counter() - t0)
 
@@ -168,17 +169,38 @@ class Trainer:
         )
 
     def sample(self, step: int) -> StepBatch:
+        from pmd_jax.wiring import response_prefix
+
         cfg = self.cfg
-        problems = self.stream.next_batch(cfg.rollout.problems_per_step)
-        prompts = [self.model.encode_chat(self.task.prompt(p)) for p in problems]
-        too_long = [i for i, p in enumerate(prompts) if len(p) > cfg.rollout.max_prompt_tokens]
-        for i in too_long:  # left-truncate: keep the end of the prompt (the question)
-            prompts[i] = prompts[i][-cfg.rollout.max_prompt_tokens:]
+        problems: list[Any] = []
+        prefixes: list[str] = []
+        prompts: list[list[int]] = []
+        skipped = 0
+        while len(problems) < cfg.rollout.problems_per_step:
+            for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
+                pre = response_prefix(self.task, p)
+                ids = self.model.encode_prompt(self.task.prompt(p), pre)
+                if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
+                    skipped += 1
+                    self.skipped_long_prompts += 1
+                    if skipped > 100 * cfg.rollout.problems_per_step:
+                        raise TrainingError(
+                            "almost every prompt is longer than rollout.max_prompt_tokens="
+                            f"{cfg.rollout.max_prompt_tokens}: raise it"
+                        )
+                    continue
+                problems.append(p)
+                prefixes.append(pre)
+                prompts.append(ids)
+        if skipped:
+            log.warning("step %d: skipped %d problems whose prompts exceed "
+                        "rollout.max_prompt_tokens", step, skipped)
         sp = self._sampling_params(step)
         rollouts = _retry(
             lambda: self.sampler.generate(prompts, sp), "rollout generation", cfg.rollout.retries
         )
-        texts = [self.model.decode(r.tokens.tolist()) for r in rollouts]
+        texts = [prefixes[r.prompt_index] + self.model.decode(r.tokens.tolist())
+                 for r in rollouts]
         return StepBatch(problems, prompts, rollouts, texts, np.zeros(0), [])
 
     def verify(self, sb: StepBatch) -> None:
@@ -244,6 +266,7 @@ class Trainer:
             ),
             "format_ok_fraction": float(np.mean([r.ok for r in sb.results])),
             "response_tokens_mean": float(np.mean([len(r.tokens) for r in sb.rollouts])),
+            "skipped_long_prompts": float(self.skipped_long_prompts),
             "truncated_fraction": float(
                 np.mean([r.finish_reason == "length" for r in sb.rollouts])
             ),

@@ -40,6 +40,7 @@ def build_task(cfg: Any):
         kw["path"] = cfg.task.path
     if cfg.task.name in ("sciq", "mmlu_science", "sciknoweval"):
         kw["seed"] = int(cfg.seed)
+        kw["prompt_style"] = cfg.task.prompt_style
     return get_task(cfg.task.name, **kw)
 
 
@@ -54,6 +55,12 @@ class ModelBundle:
     def encode_chat(self, messages: Messages, enable_thinking: bool = False) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
                                           enable_thinking=enable_thinking)
+
+    def encode_prompt(self, messages: Messages, prefix: str = "",
+                      enable_thinking: bool = False) -> list[int]:
+        """Chat prompt with the generation prompt, then the task's response prefix (if any)."""
+        ids = self.encode_chat(messages, enable_thinking=enable_thinking)
+        return ids + self.tokenizer.encode(prefix) if prefix else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)
@@ -181,6 +188,11 @@ def update_memory(cfg: Any, memory: Any, step: int, sb: Any, task: Any,
     return out
 
 
+def response_prefix(task: Any, problem: Any) -> str:
+    fn = getattr(task, "response_prefix", None)
+    return fn(problem) if fn is not None else ""
+
+
 def _user_text(messages: Messages) -> str:
     users = [m["content"] for m in messages if m["role"] == "user"]
     if not users:
@@ -251,8 +263,9 @@ def build_train_batch(cfg: Any, model: ModelBundle, task: Any, memory: Any,
         src = {"sibling": 0, "memory": 0}
         for k, (ctx, r) in enumerate(zip(ctxs, sb.rollouts, strict=True)):
             text = ctx.render(model.count_tokens, budget)
-            msgs = teacher_messages(task.prompt(sb.problems[r.prompt_index]), text)
-            teachers.append(model.encode_chat(msgs, enable_thinking=False))
+            prob = sb.problems[r.prompt_index]
+            msgs = teacher_messages(task.prompt(prob), text)
+            teachers.append(model.encode_prompt(msgs, response_prefix(task, prob)))
             sd[k] = float(ctx.has_signal)
             if ctx.successful_attempt_source in src:
                 src[ctx.successful_attempt_source] += 1
@@ -423,9 +436,18 @@ def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:
 # ----------------------------------------------------------------------------- evaluation
 def make_generate_fn(
     cfg: Any, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
-    pid_by_text: dict[str, str] | None = None,
+    pid_by_text: dict[str, str] | None = None, prefix_by_text: dict[str, str] | None = None,
 ) -> Callable[[list[Messages], int, int], list[list[str]]]:
+    """``generate(conversations, n, seed) -> n texts each`` for tasks.evaluation (memory-free
+    unless ``memory`` is given). A task's response prefix is appended to the prompt and
+    prepended to each text, as in training."""
     e = cfg.eval
+    prefixes = prefix_by_text or {}
+    gen = TextGenerator(
+        textgen.sampler,
+        lambda conv: model.encode_prompt(conv, prefixes.get(_user_text(conv), "")),
+        textgen.decode,
+    )
 
     def generate(convs: list[Messages], n: int, seed: int) -> list[list[str]]:
         if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
@@ -439,7 +461,10 @@ def make_generate_fn(
         out: list[list[str]] = []
         bs = max(1, cfg.rollout.max_batch // max(1, n))
         for s in range(0, len(convs), bs):
-            out.extend(textgen.generate_texts(convs[s: s + bs], sp))
+            chunk = convs[s: s + bs]
+            texts = gen.generate_texts(chunk, sp)
+            out.extend([prefixes.get(_user_text(c), "") + t for t in ts]
+                       for c, ts in zip(chunk, texts, strict=True))
         return out
 
     return generate
@@ -450,8 +475,10 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
     from pmd_jax.tasks import evaluation
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    prefix_by_text = {_user_text(task.prompt(p)): response_prefix(task, p) for p in problems}
     res = evaluation.evaluate(
-        task, make_generate_fn(cfg, model, textgen), split=cfg.task.eval_split, k=cfg.eval.n,
+        task, make_generate_fn(cfg, model, textgen, prefix_by_text=prefix_by_text),
+        split=cfg.task.eval_split, k=cfg.eval.n,
         seeds=tuple(cfg.eval.seeds), problems=problems, out_path=out_dir / "results.jsonl",
         name=out_dir.name, n_boot=2000,
     )
@@ -462,7 +489,8 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
         rm = evaluation.evaluate(
             task,
             make_generate_fn(cfg, model, textgen, memory,
-                             {_user_text(task.prompt(p)): str(p.id) for p in problems}),
+                             {_user_text(task.prompt(p)): str(p.id) for p in problems},
+                             prefix_by_text),
             split=cfg.task.eval_split,
             k=cfg.eval.n, seeds=tuple(cfg.eval.seeds), problems=problems,
             out_path=out_dir / "results_with_memory.jsonl", name=out_dir.name + "_mem",

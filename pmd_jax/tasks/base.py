@@ -126,9 +126,14 @@ def _bad(errors: list[LoadError], source: str, line: int, reason: str) -> None:
 
 
 class BaseTask:
-    """Default ``verify_batch``: sequential map of ``verify``."""
+    """Default ``verify_batch``: sequential map of ``verify``; no response prefix."""
 
     name: str
+
+    def response_prefix(self, problem: Problem) -> str:
+        """Text the assistant turn starts with (appended after the generation prompt and
+        prepended to the response before verification); "" for none."""
+        return ""
 
     def verify(self, problem: Problem, response_text: str, split: str = "train") -> VerifyResult:
         raise NotImplementedError

