@@ -402,3 +402,24 @@ def test_state_dict_exact_restore_and_export(tmp_path):
     assert "<script>" not in page and "Strategies" in page
     with pytest.raises(ValueError, match="version"):
         mem2.load_state_dict({**state, "version": 99})
+
+
+def test_insight_cap_evicts_least_recently_confirmed():
+    mem = ProceduralMemory(small_config(**{"levels.behavior": False,
+                                           "insight.max_strategies_per_problem": 2}))
+    texts = ["First strategy about units.", "Second strategy about signs.",
+             "Third strategy about limits."]
+    for step, t in enumerate(texts):
+        gen = Scripted(reflection=lambda conv, t=t: json.dumps(
+            {"strategies": [t, texts[0]] if step == 2 else [t], "lessons": []}))
+        mem.update(step, recs(step, {"p": PHYS[1]}, [1.0]), gen)
+    # Step 2 re-confirmed the first strategy, so the second (last seen at step 1) went.
+    assert sorted(mem.insights.texts("p", "strategy")) == sorted([texts[0], texts[2]])
+    assert len(mem.insights.index) == len(mem.insights.items) == 2
+
+
+def test_feedback_only_without_solution():
+    mem = ProceduralMemory(small_config(**{"context.feedback_only_without_solution": True}))
+    with_demo = mem.teacher_context("p", "Q?", "A demo.", "Some feedback.")
+    assert with_demo.feedback is None and with_demo.successful_attempt == "A demo."
+    assert mem.teacher_context("p", "Q?", None, "Some feedback.").feedback == "Some feedback."
