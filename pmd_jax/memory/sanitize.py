@@ -16,6 +16,7 @@ Every string the memory stores or puts in a teacher prompt passes ``sanitize_tex
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -54,7 +55,14 @@ _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
 
 def _token_regex(tokens: Iterable[str]) -> re.Pattern[str]:
+    return _token_regex_cached(tuple(tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def _token_regex_cached(tokens: tuple[str, ...]) -> re.Pattern[str]:
     toks = sorted({t for t in tokens if t}, key=len, reverse=True)
+    if not toks:
+        return re.compile(r"(?!x)x")  # matches nothing
     return re.compile("|".join(re.escape(t) for t in toks), re.IGNORECASE)
 
 
