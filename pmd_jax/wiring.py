@@ -316,6 +316,11 @@ def init_train_state(cfg: Any, model: ModelBundle) -> TrainBundle:
 def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, float]:
     import jax
 
+    sh = bundle.step_fn.batch_shardings(batch)
+    if sh is not None and jax.process_count() > 1:
+        # Every process holds the same global host batch; jit refuses numpy inputs with
+        # shardings that span processes, so place them first (each process its own shards).
+        batch = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
     bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
     return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
