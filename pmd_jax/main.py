@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             os.environ["XLA_FLAGS"] = (
                 f"{flags_env} --xla_force_host_platform_device_count={_DRY_RUN_DEVICES.value}"
             ).strip()
-        from pmd_jax.dry_run import dry_run_from_config
+        from pmd_jax.dry_run_step import dry_run_from_config
 
         dry_run_from_config(cfg)
         return 0

@@ -1,0 +1,131 @@
+"""``python -m pmd_jax.main --config=configs/X.py --dry_run``: full-size compile, no weights.
+
+Two compiles on abstract arrays for a simulated mesh (``--dry_run_devices`` fake CPU devices):
+
+1. ``pmd_jax.dry_run.dry_run``: forward + backward + AdamW of the model (next-token loss), for
+   the params / optimizer / activation bytes per device and FLOPs per token;
+2. the real distillation step of the config (``distill.step.TrainStep``: student forward and
+   backward, teacher forward(s) per the teacher rule, chunked top-K / full-vocab divergence,
+   optimizer, EMA update) with student sequence = prompt + response and teacher sequence =
+   teacher prompt + response, one sequence per data x fsdp device unless told otherwise.
+   Its ``memory_analysis()`` shows whether per-device memory stays bounded at the config's
+   response length (the logits are never materialised as [B, T, V]).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("pmd_jax")
+GiB = 1024**3
+
+
+def _mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
+    shape = {"data": int(cfg.mesh.data), "fsdp": int(cfg.mesh.fsdp),
+             "tensor": int(cfg.mesh.tensor)}
+    known = 1
+    for v in shape.values():
+        if v != -1:
+            known *= v
+    for k, v in shape.items():
+        if v == -1:
+            shape[k] = n_devices // known
+    return shape
+
+
+def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
+                   response_len: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    b = {
+        "student_tokens": sds((batch, student_len), jnp.int32),
+        "student_positions": sds((batch, student_len), jnp.int32),
+        "student_attn_mask": sds((batch, student_len), jnp.bool_),
+        "student_index": sds((batch, response_len), jnp.int32),
+        "teacher_tokens": sds((batch, teacher_len), jnp.int32),
+        "teacher_positions": sds((batch, teacher_len), jnp.int32),
+        "teacher_attn_mask": sds((batch, teacher_len), jnp.bool_),
+        "teacher_index": sds((batch, response_len), jnp.int32),
+        "responses": sds((batch, response_len), jnp.int32),
+        "response_mask": sds((batch, response_len), jnp.float32),
+        "sd_mask": sds((batch,), jnp.float32),
+        "sampler_logp": sds((batch, response_len), jnp.float32),
+        "old_logp": sds((batch, response_len), jnp.float32),
+        "rewards": sds((batch,), jnp.float32),
+    }
+    if step_fn.opts.mode == "grpo":
+        b = {k: v for k, v in b.items() if not k.startswith("teacher_")}
+    sh = step_fn.batch_shardings(b)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in b.items()}
+
+
+def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: int,
+                        student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
+    from pmd_jax.distill.step import TrainStep
+
+    ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules)
+    state = ts.abstract_state()
+    ab = abstract_batch(ts, batch, student_len, teacher_len, response_len)
+    t0 = time.perf_counter()
+    compiled = ts.lower(state, ab).compile()
+    ma = compiled.memory_analysis()
+    out = {
+        "what": "distillation step (TrainStep)",
+        "batch": batch, "student_len": student_len, "teacher_len": teacher_len,
+        "response_len": response_len, "vocab": model_cfg.vocab_size,
+        "loss_mode": cfg.distill.loss.mode, "teacher_rule": cfg.distill.teacher.rule,
+        "topk": cfg.distill.loss.topk, "chunk_size": cfg.distill.loss.chunk_size,
+        "compile_seconds": round(time.perf_counter() - t0, 1),
+    }
+    if ma is not None:
+        for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                  "generated_code_size_in_bytes"):
+            v = getattr(ma, k, None)
+            if v is not None:
+                out[k.replace("_in_bytes", "_gib")] = round(v / GiB, 3)
+        full_logits = batch * response_len * model_cfg.vocab_size * 4 / mesh.size
+        out["one_fp32_logits_tensor_per_device_gib"] = round(full_logits / GiB, 3)
+    return out
+
+
+def dry_run_from_config(cfg: Any) -> dict[str, Any]:
+    import jax
+
+    from pmd_jax.dry_run import dry_run
+    from pmd_jax.models.config import ConfigError, preset
+    from pmd_jax.sharding import ShardingRules, make_mesh
+
+    if not cfg.model.preset:
+        raise ConfigError("--dry_run needs model.preset (e.g. 'olmo3-7b', 'qwen3-8b')")
+    mc = preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
+                                           param_dtype=cfg.model.param_dtype)
+    n = jax.device_count()
+    shape = _mesh_shape(cfg, n)
+    rules_map = cfg.mesh.rules.to_dict() if cfg.mesh.rules else None
+    rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
+    seq = int(cfg.rollout.max_prompt_tokens) + int(cfg.rollout.max_tokens)
+    per_dev = max(1, shape["data"] * shape["fsdp"])
+    log.info("dry run: %s on %d simulated devices %s", cfg.model.preset, n, shape)
+    report: dict[str, Any] = {"model": cfg.model.preset, "mesh": shape,
+                              "params": mc.num_params(),
+                              "flops_per_token_fwd": mc.flops_per_token(seq)}
+    t0 = time.perf_counter()
+    report["forward_backward"] = dry_run(mc, shape, per_dev, seq, rules=rules_map)
+    log.info("forward+backward compiled in %.0fs", time.perf_counter() - t0)
+    mesh = make_mesh(shape)
+    rules = ShardingRules.from_mapping(rules_map)
+    response = int(cfg.rollout.max_tokens)
+    report["distill_step"] = distill_step_report(
+        cfg, mc, mesh, rules, per_dev, seq,
+        int(cfg.teacher_prompt.max_tokens) + response, response,
+    )
+    report["rollout_rows_per_step"] = rows
+    print(json.dumps(report, indent=2, default=str))
+    return report
