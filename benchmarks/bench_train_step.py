@@ -37,7 +37,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (after warm-up)")
     p.add_argument("--loss", choices=("jsd_top100", "rkl_full"), default="jsd_top100")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="none")
+    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
+                   default="dots_no_batch", help="decoder remat (none: B=16 needs >9 GB)")
     p.add_argument("--chunk", type=int, default=64, help="response tokens per loss chunk")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
