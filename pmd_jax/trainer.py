@@ -125,7 +125,14 @@ class Trainer:
             "memory": self.memory.state_dict() if self.memory is not None else None,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
-        self.ckpt.save(self.step, self.state, extras)
+        try:
+            self.ckpt.save(self.step, self.state, extras)
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            prev = self.ckpt.latest_committed()
+            raise TrainingError(
+                f"checkpoint write at step {self.step} failed ({type(e).__name__}: {e}); "
+                f"the previous checkpoint (step {prev}) is intact"
+            ) from e
 
     def _publish(self, version: int) -> None:
         from pmd_jax import wiring

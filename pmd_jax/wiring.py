@@ -405,6 +405,7 @@ class RunCheckpointer:
                         "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0))},
             "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
         }
+        self.ckpt.wait()  # surface a failed background write before starting the next one
         self.ckpt.save(int(step), bundle.state, slots=slots)
 
     def restore_latest(self, bundle: TrainBundle):
@@ -429,6 +430,12 @@ class RunCheckpointer:
             "memory": pickle.loads(mem) if mem else None,
         }
         return bundle, extras
+
+    def latest_committed(self) -> int | None:
+        try:
+            return self.ckpt.latest_step()
+        except Exception:  # noqa: BLE001 - only used in an error message
+            return None
 
     def wait(self) -> None:
         self.ckpt.wait()
