@@ -47,7 +47,10 @@ def _cmd(run_dir: Path, *extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
+    # The run must see this machine's real devices: other test modules set a fake device
+    # count in XLA_FLAGS, and a distributed run's PMD_* variables must not leak in either.
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith("PMD_")}
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 

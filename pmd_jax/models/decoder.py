@@ -351,13 +351,18 @@ def forward(
         "window": jnp.asarray(windows),
         "rope": jnp.asarray(rope_idx),
     }
-    if cache is not None:
-        xs["ck"], xs["cv"] = cache["k"], cache["v"]
 
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
 
-    def body(x: jnp.ndarray, xs: dict[str, Any]):
+    # With a cache, the stacked [L, B, S, KV, hd] buffers ride in the scan carry and each layer
+    # writes its new keys/values in place (a scanned output would copy the whole cache on
+    # every decode step).
+    def body(carry: Any, xs: dict[str, Any]):
+        if cache is not None:
+            x, ck_all, cv_all, li = carry
+        else:
+            x = carry
         p = jax.tree.map(lambda a: a.astype(dt), xs["p"])
         cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
         sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
@@ -378,12 +383,12 @@ def forward(
         q = rope_lib.apply_rope(q, cos, sin)
         k = rope_lib.apply_rope(k, cos, sin)
         if cache is not None:
-            k = jax.lax.dynamic_update_slice(xs["ck"], k.astype(xs["ck"].dtype), (0, idx, 0, 0))
-            v = jax.lax.dynamic_update_slice(xs["cv"], v.astype(xs["cv"].dtype), (0, idx, 0, 0))
-            new_kv = (k, v)
-            k, v = k.astype(dt), v.astype(dt)
-        else:
-            new_kv = None
+            ck_all = jax.lax.dynamic_update_slice(
+                ck_all, k.astype(ck_all.dtype)[None], (li, 0, idx, 0, 0))
+            cv_all = jax.lax.dynamic_update_slice(
+                cv_all, v.astype(cv_all.dtype)[None], (li, 0, idx, 0, 0))
+            k = jax.lax.dynamic_index_in_dim(ck_all, li, 0, keepdims=False).astype(dt)
+            v = jax.lax.dynamic_index_in_dim(cv_all, li, 0, keepdims=False).astype(dt)
         a = attention(q, k, v, mask)
         a = jnp.einsum("bthk,hkd->btd", a, p["o"])
         if cfg.attention_bias:
@@ -401,14 +406,18 @@ def forward(
         if cfg.norm_placement == "post":
             m = rms_norm(m, p["mlp_norm"], eps)
         x = _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
-        return x, new_kv
-
-    x, new_kv = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
-    x = rms_norm(x, params["final_norm"], eps)
+        if cache is not None:
+            return (x, ck_all, cv_all, li + 1), None
+        return x, None
 
     new_cache = None
     if cache is not None:
-        new_cache = {"k": new_kv[0], "v": new_kv[1], "mask": new_mask, "index": idx + T}
+        carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
+        (x, ck_new, cv_new, _), _ = jax.lax.scan(_remat(body, remat), carry0, xs, unroll=unroll)
+        new_cache = {"k": ck_new, "v": cv_new, "mask": new_mask, "index": idx + T}
+    else:
+        x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
+    x = rms_norm(x, params["final_norm"], eps)
     if return_hidden:
         return x, new_cache
     return logits_from_hidden(x, params, cfg), new_cache
