@@ -66,11 +66,7 @@ def system_prompt(n_options: int) -> str:
     """SDPO's SciKnowEval system prompt, with the option count and letters adapted."""
     if n_options == 4:
         return SYSTEM_PROMPT_4
-    letters = list(LETTERS[:n_options])
-    listed = (
-        ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(letters)
-    )
-    word = _NUMBER_WORDS.get(n_options, str(n_options))
+    listed, word = _option_words(n_options)
     return SYSTEM_PROMPT_4.replace("four options", f"{word} options").replace(
         "(A, B, C, or D)", f"({listed})"
     )
@@ -83,12 +79,17 @@ def user_prompt(question: str, options: Sequence[str], style: str = "reasoning")
     return f"{question}\n\n{lines}\nPlease reason step by step."
 
 
-def direct_system_prompt(n_options: int) -> str:
+def _option_words(n_options: int) -> tuple[str, str]:
+    """("A, B, or C", "three"): the option letters and count named in system prompts."""
     letters = list(LETTERS[:n_options])
-    listed = ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(
-        letters
+    listed = (
+        ", ".join(letters[:-1]) + f", or {letters[-1]}" if n_options > 2 else " or ".join(letters)
     )
-    word = _NUMBER_WORDS.get(n_options, str(n_options))
+    return listed, _NUMBER_WORDS.get(n_options, str(n_options))
+
+
+def direct_system_prompt(n_options: int) -> str:
+    listed, word = _option_words(n_options)
     return DIRECT_SYSTEM_PROMPT.format(word=word, listed=listed)
 
 
