@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,123 @@ def make_optimizer(cfg: OptimConfig | None = None) -> optax.GradientTransformati
         )
     )
     return optax.chain(*parts)
+
+
+class FusedUpdate(NamedTuple):
+    params: Any
+    opt_state: Any
+    teacher: Any
+    grad_norm: jax.Array  # global L2 norm of the gradient, before clipping
+    finite: jax.Array  # bool scalar: loss and gradient norm finite (update applied)
+
+
+def _adam_states(cfg: OptimConfig, opt_state: Any) -> tuple[Any, Any]:
+    """``(ScaleByAdamState, ScaleByScheduleState)`` of a :func:`make_optimizer` state."""
+    adamw = opt_state[-1]
+    if (len(opt_state) != (2 if cfg.grad_clip is not None else 1) or len(adamw) != 3
+            or not isinstance(adamw[0], optax.ScaleByAdamState)
+            or not isinstance(adamw[2], optax.ScaleByScheduleState)):
+        raise ValueError("opt_state is not the state of make_optimizer(cfg) "
+                         f"(grad_clip={cfg.grad_clip}): {jax.tree.structure(opt_state)}")
+    return adamw[0], adamw[2]
+
+
+def fused_update(
+    cfg: OptimConfig,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    loss: jax.Array | None = None,
+    skip_nonfinite: bool = True,
+    ema_teacher: Any = None,
+    ema_rate: float | None = None,
+) -> FusedUpdate:
+    """Clip + AdamW (+ EMA teacher) + non-finite skip in one pass over each parameter.
+
+    The same numbers as ``make_optimizer(cfg).update`` then ``optax.apply_updates`` (same
+    expressions in the same order, on the same optimizer-state pytree) followed by
+    :func:`pmd_jax.distill.teacher.ema_update` of the new params, and, with
+    ``skip_nonfinite``, ``where(finite, new, old)`` on every leaf. The difference is the
+    memory traffic on XLA:CPU: the optax chain is a sequence of tree maps whose elementwise
+    producers XLA duplicates into each output's fusion (the new mu / nu / params / teacher
+    each recompute the moments from the *old* buffers), so the donated state buffers cannot
+    be updated in place and XLA copies params, mu and nu first (~1.6 GB of extra traffic per
+    step at 135M parameters), and the gradient norm was reduced twice. Here the gradient
+    norm is reduced once, the new moments and the new params are materialised
+    (``optimization_barrier``) before their consumers, so each stage reads only buffers it
+    does not overwrite and every donated buffer is updated in place.
+    """
+    cfg = cfg.validate()
+    adam, sched = _adam_states(cfg, opt_state)
+    g_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(g_norm)
+    if loss is not None:
+        finite = finite & jnp.isfinite(loss)
+
+    def keep(new: jax.Array, old: jax.Array) -> jax.Array:
+        return jnp.where(finite, new, old) if skip_nonfinite else new
+
+    if cfg.grad_clip is not None:
+        max_norm = cfg.grad_clip
+        trigger = jnp.squeeze(g_norm < max_norm)
+
+        def clip(g: jax.Array) -> jax.Array:
+            return lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * max_norm)
+    else:
+        def clip(g: jax.Array) -> jax.Array:
+            return g
+
+    b1, b2, eps, wd = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
+    count_inc = optax.safe_increment(adam.count)
+    bc1 = 1 - b1**count_inc
+    bc2 = 1 - b2**count_inc
+    step_size = -1 * warmup_constant_schedule(cfg.lr, cfg.warmup_steps)(sched.count)
+
+    # stage 1: the new moments (in place over the old ones)
+    def moments(g: jax.Array, mu: jax.Array, nu: jax.Array) -> tuple[jax.Array, jax.Array]:
+        g = clip(g)
+        mu1 = (1 - b1) * (g**1) + b1 * mu
+        nu1 = (1 - b2) * (g**2) + b2 * nu
+        return keep(mu1.astype(mu.dtype), mu), keep(nu1.astype(nu.dtype), nu)
+
+    mn = jax.tree.map(moments, grads, adam.mu, adam.nu)
+    mu_new = jax.tree.map(lambda _, x: x[0], adam.mu, mn)
+    nu_new = jax.tree.map(lambda _, x: x[1], adam.nu, mn)
+    mu_new, nu_new = lax.optimization_barrier((mu_new, nu_new))
+
+    # stage 2: the new params from the materialised moments (in place over the old params)
+    def param(p: jax.Array, mu: jax.Array, nu: jax.Array) -> jax.Array:
+        mu_hat = mu / bc1.astype(mu.dtype)
+        nu_hat = nu / bc2.astype(nu.dtype)
+        u = mu_hat / (jnp.sqrt(nu_hat + 0.0) + eps)
+        if wd != 0.0:
+            u = u + wd * p
+        u = jnp.array(step_size, dtype=u.dtype) * u
+        return keep(jnp.asarray(p + u).astype(p.dtype), p)
+
+    new_params = jax.tree.map(param, params, mu_new, nu_new)
+
+    # stage 3: the EMA teacher from the materialised new params
+    teacher = ema_teacher
+    if ema_teacher is not None:
+        if ema_rate is None:
+            raise ValueError("ema_teacher needs ema_rate")
+        new_params = lax.optimization_barrier(new_params)
+        a = jnp.float32(ema_rate)
+
+        def ema(t: jax.Array, p: jax.Array) -> jax.Array:
+            t32 = t.astype(jnp.float32)
+            return keep((t32 + a * (p.astype(jnp.float32) - t32)).astype(t.dtype), t)
+
+        teacher = jax.tree.map(ema, ema_teacher, new_params)
+
+    adam_new = optax.ScaleByAdamState(count=keep(count_inc, adam.count), mu=mu_new, nu=nu_new)
+    sched_new = optax.ScaleByScheduleState(
+        count=keep(optax.safe_increment(sched.count), sched.count))
+    adamw_new = (adam_new, opt_state[-1][1], sched_new)
+    new_opt = (opt_state[0], adamw_new) if len(opt_state) == 2 else (adamw_new,)
+    return FusedUpdate(new_params, new_opt, teacher, g_norm, finite)
 
 
 def learning_rate_at(cfg: OptimConfig, step: Any) -> Any:

@@ -478,24 +478,20 @@ class TrainStep:
         o = self.opts
         grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
         (loss, metrics), grads = grad_fn(state.params, state.teacher, batch)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = _cast(params, o.storage_dtype)
-        teacher = state.teacher
-        if o.keeps_teacher:
-            teacher = tlib.update_teacher(o.rule, state.teacher, params, o.rate)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if o.skip_nonfinite:
-            def keep(new: Any, old: Any) -> Any:
-                return jax.tree.map(lambda n, p: jnp.where(finite, n, p), new, old)
-
-            params = keep(params, state.params)
-            opt_state = keep(opt_state, state.opt_state)
-            teacher = keep(teacher, state.teacher)
-            skipped = 1.0 - finite.astype(jnp.float32)
-        else:
-            skipped = jnp.float32(0.0)
+        # clip + AdamW + EMA teacher + non-finite skip in one pass per parameter (optim.py:
+        # the optax chain made XLA:CPU copy params and moments before updating them)
+        ema = o.keeps_teacher and o.rule == "ema"
+        upd = doptim.fused_update(
+            o.optim, grads, state.opt_state, state.params, loss=loss,
+            skip_nonfinite=o.skip_nonfinite,
+            ema_teacher=state.teacher if ema else None,
+            ema_rate=tlib.check_rate(o.rate, o.rule) if ema else None,
+        )
+        params = _cast(upd.params, o.storage_dtype)
+        opt_state = upd.opt_state
+        teacher = upd.teacher if ema else state.teacher
+        grad_norm, finite = upd.grad_norm, upd.finite
+        skipped = (1.0 - finite.astype(jnp.float32)) if o.skip_nonfinite else jnp.float32(0.0)
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, teacher=teacher,
