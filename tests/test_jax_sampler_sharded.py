@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 from pmd_jax import sharding as sh  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
@@ -50,8 +51,9 @@ def test_sharded_equals_unsharded(reference, shape):
     rules = sh.ShardingRules.from_mapping()
     s = JaxSampler(CFG, params, mesh=mesh, rules=rules, max_len=128)
     # params really are laid out per the rules
-    q = s.params["layers"]["q"]
-    assert q.sharding.spec == rules.spec(decoder.param_axes(CFG)["layers"]["q"])
+    q = s.params["layers"][1]["q"]  # per-layer arrays (unstack_layers), layers axis dropped
+    want = NamedSharding(mesh, rules.spec(decoder.param_axes(CFG)["layers"]["q"][1:]))
+    assert q.sharding.is_equivalent_to(want, q.ndim)
     assert len(q.addressable_shards) == 8
     assert q.addressable_shards[0].data.shape != q.shape
     for sp, want in zip(SAMPLING, ref):
@@ -64,12 +66,17 @@ def test_sharded_equals_unsharded(reference, shape):
             assert g.finish_reason == w.finish_reason
 
 
-def test_set_params_with_sharded_arrays_does_not_copy(reference):
+@pytest.mark.parametrize("unstack", [False, True])
+def test_set_params_with_sharded_arrays_does_not_copy(reference, unstack):
     params, ref = reference
     mesh = sh.make_mesh({"fsdp": 8})
     rules = sh.ShardingRules.from_mapping()
     placed = sh.shard_tree(params, mesh, rules, decoder.param_axes(CFG))
-    s = JaxSampler(CFG, placed, mesh=mesh, rules=rules, max_len=128)
-    assert s.params["layers"]["gate"] is placed["layers"]["gate"]
+    s = JaxSampler(CFG, placed, mesh=mesh, rules=rules, max_len=128, unstack_layers=unstack)
+    assert s.params["embed"] is placed["embed"]
+    if unstack:  # per-layer copies of the stacked arrays, the rest used as placed
+        assert len(s.params["layers"]) == CFG.num_layers
+    else:
+        assert s.params["layers"]["gate"] is placed["layers"]["gate"]
     got = s.generate(PROMPTS, SAMPLING[0])
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in ref[0]]

@@ -187,19 +187,25 @@ def test_olmo3_sliding_window_matters():
     assert np.abs(with_window - no_window)[:, :5].max() < 1e-5  # inside the window: same
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
 @pytest.mark.parametrize("case", ["llama", "qwen3_tied", "olmo3"])
-def test_cache_prefill_and_decode_equal_full_forward(case):
+def test_cache_prefill_and_decode_equal_full_forward(case, per_layer):
     kind, kw = CASES[case]
     _, cfg, params = make_hf(kind, **kw)
     rng = np.random.default_rng(2)
     T, P = 14, 6
     tokens, mask, positions = left_padded_batch(rng, cfg.vocab_size, [14, 9], T)
-    full = _fwd(params, tokens, positions, cfg, mask)
+    full = _fwd(params, tokens, positions, cfg, mask)  # stacked scan, checked against HF above
+    if per_layer:
+        params = decoder.unstack_layers(params)
+        # the per-layer loop without a cache is the same function too
+        err = np.abs(_fwd(params, tokens, positions, cfg, mask) - full)[mask.astype(bool)].max()
+        assert err < TOL
 
     step = jax.jit(
         lambda p, t, pos, m, c: decoder.forward(p, t, pos, cfg, attn_mask=m, cache=c)
     )
-    cache = decoder.init_cache(cfg, batch=2, max_len=20, dtype=jnp.float32)
+    cache = decoder.init_cache(cfg, batch=2, max_len=20, dtype=jnp.float32, per_layer=per_layer)
     out, cache = step(params, tokens[:, :P], positions[:, :P], mask[:, :P], cache)
     outs = [np.asarray(out)]
     for i in range(P, T):
@@ -211,6 +217,23 @@ def test_cache_prefill_and_decode_equal_full_forward(case):
     real = mask.astype(bool)
     err = np.abs(cached - full)[real].max()
     assert err < TOL, f"{case}: cache path differs from full forward by {err}"
+
+
+def test_layout_mismatch_and_unstack_roundtrip():
+    _, cfg, params = make_hf("llama")
+    split = decoder.unstack_layers(params)
+    assert len(split["layers"]) == cfg.num_layers
+    decoder.check_params(split, cfg)
+    back = decoder.stack_layers(split)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tok = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="layouts differ"):
+        decoder.forward(split, tok, tok, cfg, cache=decoder.init_cache(cfg, 1, 4))
+    with pytest.raises(decoder.ParamError, match=r"layers\[1\]/q"):
+        bad = dict(split, layers=tuple(
+            dict(lp, q=lp["q"][:, :1]) if i == 1 else lp for i, lp in enumerate(split["layers"])))
+        decoder.check_params(bad, cfg)
 
 
 def test_hidden_and_logits_from_hidden_agree():

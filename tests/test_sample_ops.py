@@ -138,3 +138,38 @@ def test_traced_needs_filter_skips_sort():
     t2, l2 = f(x, keys, jnp.array(False))
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2))
+
+
+@pytest.mark.parametrize("v,block", [(1000, 256), (49152, 256), (37, 8)])
+def test_inverse_cdf_matches_numpy_searchsorted(v, block):
+    # reference: the float64 CDF, first index whose cumulative mass exceeds u * total
+    rng = np.random.default_rng(v)
+    logp = rng.normal(scale=3.0, size=(6, v)).astype(np.float32)
+    logp[:, rng.choice(v, size=v // 3, replace=False)] = -np.inf
+    u = rng.uniform(size=(6, 64))
+    p = np.where(np.isfinite(logp), np.exp(logp.astype(np.float64) - logp.max(-1, keepdims=True)),
+                 0.0)
+    cdf = np.cumsum(p, -1) / p.sum(-1, keepdims=True)
+    fn = jax.jit(lambda lp, uu: sample_ops.inverse_cdf_sample(lp, uu, block=block))
+    checked = 0
+    for c in range(u.shape[1]):
+        got = np.asarray(fn(jnp.asarray(logp), jnp.asarray(u[:, c], jnp.float32)))
+        for r in range(6):
+            uu = float(np.float32(u[r, c]))
+            want = int(np.searchsorted(cdf[r], uu, side="right"))
+            assert p[r, got[r]] > 0  # never an excluded token
+            if np.min(np.abs(cdf[r] - uu)) > 1e-5:  # away from float32 rounding at a boundary
+                assert got[r] == want, (r, c, got[r], want)
+                checked += 1
+    assert checked > 300
+
+
+def test_inverse_cdf_extremes_never_pick_excluded():
+    logp = np.full((3, 600), -np.inf, np.float32)
+    logp[0, 0] = 0.0          # only the first token
+    logp[1, 599] = 0.0        # only the last token (in the padded last block)
+    logp[2, [10, 300]] = [0.0, -30.0]  # a tiny second mass in another block
+    for uu in (0.0, 0.5, np.nextafter(np.float32(1.0), np.float32(0.0))):
+        got = np.asarray(sample_ops.inverse_cdf_sample(
+            jnp.asarray(logp), jnp.full((3,), uu, jnp.float32)))
+        assert got[0] == 0 and got[1] == 599 and got[2] in (10, 300)

@@ -4,7 +4,9 @@ Params are an explicit pytree (``param_shapes`` / ``param_axes`` give its shapes
 axis names); the layers are stacked on a leading ``layers`` axis and the forward runs
 ``jax.lax.scan`` over them, so compile time does not grow with depth. Everything that differs
 between layers (sliding window or not, which RoPE table) is a per-layer array scanned with the
-weights, never a Python branch over layers.
+weights, never a Python branch over layers. For decoding, ``unstack_layers`` splits the
+stacked arrays into per-layer arrays and the forward then loops over layers in Python (larger
+program, but every weight is read in place; see ``unstack_layers``).
 
 Param layout (HF name in brackets)::
 
@@ -121,7 +123,22 @@ def param_shapes(cfg: ModelConfig) -> Params:
 def check_params(params: Params, cfg: ModelConfig) -> None:
     """Raise ParamError naming the first tensor that is missing, extra or mis-shaped."""
     want = _raw_shapes(cfg)
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if isinstance(layers, (list, tuple)):
+        if len(layers) != cfg.num_layers:
+            raise ParamError(
+                f"params/layers has {len(layers)} per-layer entries, expected {cfg.num_layers}")
+        one = {k: s[1:] for k, s in want["layers"].items()}
+        want = {**want, "layers": {}}
+        rest = {**params, "layers": {}}
+        for i, lp in enumerate(layers):
+            _walk_shapes(lp, one, f"/layers[{i}]")
+        _walk_shapes(rest, want, "")
+        return
+    _walk_shapes(params, want, "")
 
+
+def _walk_shapes(params: Any, want: Any, where: str) -> None:
     def walk(p: Any, w: Any, path: str) -> None:
         if isinstance(w, dict):
             if not isinstance(p, dict):
@@ -139,7 +156,35 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
         if shape != w:
             raise ParamError(f"params{path} has shape {shape}, expected {w}")
 
-    walk(params, want, "")
+    walk(params, want, where)
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same params with ``layers`` split into a tuple of per-layer dicts.
+
+    ``forward`` then runs a Python loop over layers instead of a scan. Decoding is bandwidth
+    bound, and a scan reads each layer's weights through a dynamic slice of the stacked
+    arrays, which XLA:CPU materialises as a copy (the whole model copied once per token);
+    separate per-layer arrays are read in place. Costs one extra copy of the layer weights.
+    Sharded arrays keep their sharding (minus the layers axis).
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    out = dict(params)
+    out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
+    return out
+
+
+def stack_layers(params: Params) -> Params:
+    """Inverse of :func:`unstack_layers`."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        return params
+    out = dict(params)
+    out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    return out
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
@@ -189,21 +234,32 @@ def logits_from_hidden(hidden: jnp.ndarray, params: Params, cfg: ModelConfig) ->
 
 # --------------------------------------------------------------------------- KV cache
 def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None
-) -> dict[str, jnp.ndarray]:
-    """Empty KV cache: k/v [L, B, S, KV, hd], key mask [B, S], write index (scalar)."""
+    cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None, *, per_layer: bool = False
+) -> dict[str, Any]:
+    """Empty KV cache: k/v [L, B, KV, S, hd] (or, ``per_layer``, a tuple of L arrays
+    [B, KV, S, hd], for params split by :func:`unstack_layers`), key mask [B, S], write index.
+
+    Keys/values are stored heads-major so attention reads them without a transpose.
+    """
     dt = _dtype(cfg.dtype) if dtype is None else jnp.dtype(dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    one = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    if per_layer:
+        k: Any = tuple(jnp.zeros(one, dt) for _ in range(cfg.num_layers))
+        v: Any = tuple(jnp.zeros(one, dt) for _ in range(cfg.num_layers))
+    else:
+        k = jnp.zeros((cfg.num_layers, *one), dt)
+        v = jnp.zeros((cfg.num_layers, *one), dt)
     return {
-        "k": jnp.zeros(shape, dt),
-        "v": jnp.zeros(shape, dt),
+        "k": k,
+        "v": v,
         "mask": jnp.zeros((batch, max_len), jnp.bool_),
         "index": jnp.zeros((), jnp.int32),
     }
 
 
-def cache_axes(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
-    kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+def cache_axes(cfg: ModelConfig, *, per_layer: bool = False) -> dict[str, Any]:
+    one = ("batch", "kv_heads", "cache_seq", "head_dim")
+    kv: Any = tuple(one for _ in range(cfg.num_layers)) if per_layer else ("layers", *one)
     return {"k": kv, "v": kv, "mask": ("batch", "cache_seq"), "index": ()}
 
 
@@ -226,19 +282,19 @@ def _rms_norm_heads(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
 def attention(
     q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray
 ) -> jnp.ndarray:
-    """Softmax attention with GQA grouping. q [B,T,H,hd], k/v [B,S,KV,hd], mask [B,T,S] bool.
+    """Softmax attention with GQA grouping. q [B,T,H,hd], k/v [B,KV,S,hd], mask [B,T,S] bool.
 
     Scores and softmax in float32; rows with no visible key give a uniform average (they are
     padding queries and are never used).
     """
     B, T, H, hd = q.shape
-    KV = k.shape[2]
+    KV = k.shape[1]
     qg = q.reshape(B, T, KV, H // KV, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = s * (hd ** -0.5)
     s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
+    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v)
     return o.reshape(B, T, H, hd)
 
 
@@ -313,6 +369,11 @@ def forward(
     dt = _dtype(cfg.dtype)
     eps = cfg.rms_norm_eps
     kmask_new = jnp.ones((B, T), jnp.bool_) if attn_mask is None else attn_mask.astype(jnp.bool_)
+    per_layer = isinstance(params["layers"], (list, tuple))
+    if cache is not None and isinstance(cache["k"], (list, tuple)) != per_layer:
+        raise ValueError(
+            "params and cache layouts differ: use init_cache(..., per_layer=True) with params "
+            "split by unstack_layers, and a stacked cache with stacked params")
 
     # ---- masks over slots
     if cache is None:
@@ -324,11 +385,14 @@ def forward(
         idx = None
         new_mask = None
     else:
-        S = cache["k"].shape[2]
-        if cache["k"].shape != (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim):
+        k0 = cache["k"][0]
+        S = k0.shape[2]
+        want = (B, cfg.num_kv_heads, S, cfg.head_dim)
+        n_layers = len(cache["k"]) if per_layer else cache["k"].shape[0]
+        if tuple(k0.shape) != want or n_layers != cfg.num_layers:
             raise ValueError(
-                f"cache['k'] shape {cache['k'].shape} does not match config/batch "
-                f"{(cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)}"
+                f"cache['k'] ({n_layers} layers of {tuple(k0.shape)}) does not match "
+                f"config/batch ({cfg.num_layers} layers of {want})"
             )
         if isinstance(cache_index, int) and cache_index + T > S:
             raise ValueError(f"cache_index {cache_index} + {T} tokens exceeds cache length {S}")
@@ -339,36 +403,21 @@ def forward(
         base = (k_idx[None, :] <= q_idx[:, None])[None] & new_mask[:, None, :]
     rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
 
-    # ---- per-layer scanned arrays
+    # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
     cos_all, sin_all = rope_lib.cos_sin(positions, jnp.asarray(inv_freq), jnp.asarray(scaling))
     windows = np.array(
         [cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else _BIG_WINDOW
          for i in range(cfg.num_layers)], np.int32,
     )
-    xs: dict[str, Any] = {
-        "p": params["layers"],
-        "window": jnp.asarray(windows),
-        "rope": jnp.asarray(rope_idx),
-    }
 
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
 
-    # With a cache, the stacked [L, B, S, KV, hd] buffers ride in the scan carry and each layer
-    # writes its new keys/values in place (a scanned output would copy the whole cache on
-    # every decode step).
-    def body(carry: Any, xs: dict[str, Any]):
-        if cache is not None:
-            x, ck_all, cv_all, li = carry
-        else:
-            x = carry
-        p = jax.tree.map(lambda a: a.astype(dt), xs["p"])
-        cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
-        sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
-        mask = base & (rel < xs["window"])[None]
-
-        # attention
+    def layer(x, p, cos, sin, mask, kv_update):
+        """One decoder layer. ``kv_update(k, v)`` (k/v [B,KV,T,hd]) writes the new keys and
+        values into the cache and returns the layer's full cached k/v; None without a cache."""
+        p = jax.tree.map(lambda a: a.astype(dt), p)
         h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
         q = jnp.einsum("btd,dhk->bthk", h, p["q"])
         k = jnp.einsum("btd,dhk->bthk", h, p["k"])
@@ -382,13 +431,9 @@ def forward(
         q = _constrain(q, ("batch", "seq", "heads", "head_dim"), shard_ctx)
         q = rope_lib.apply_rope(q, cos, sin)
         k = rope_lib.apply_rope(k, cos, sin)
-        if cache is not None:
-            ck_all = jax.lax.dynamic_update_slice(
-                ck_all, k.astype(ck_all.dtype)[None], (li, 0, idx, 0, 0))
-            cv_all = jax.lax.dynamic_update_slice(
-                cv_all, v.astype(cv_all.dtype)[None], (li, 0, idx, 0, 0))
-            k = jax.lax.dynamic_index_in_dim(ck_all, li, 0, keepdims=False).astype(dt)
-            v = jax.lax.dynamic_index_in_dim(cv_all, li, 0, keepdims=False).astype(dt)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        if kv_update is not None:
+            k, v = kv_update(k, v)
         a = attention(q, k, v, mask)
         a = jnp.einsum("bthk,hkd->btd", a, p["o"])
         if cfg.attention_bias:
@@ -405,18 +450,70 @@ def forward(
         m = jnp.einsum("btf,fd->btd", m, p["down"])
         if cfg.norm_placement == "post":
             m = rms_norm(m, p["mlp_norm"], eps)
-        x = _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
-        if cache is not None:
-            return (x, ck_all, cv_all, li + 1), None
-        return x, None
+        return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
 
     new_cache = None
-    if cache is not None:
-        carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
-        (x, ck_new, cv_new, _), _ = jax.lax.scan(_remat(body, remat), carry0, xs, unroll=unroll)
-        new_cache = {"k": ck_new, "v": cv_new, "mask": new_mask, "index": idx + T}
+    if per_layer:
+        # Python loop over separate per-layer arrays (see unstack_layers): every weight and
+        # cache buffer is read in place; the window and RoPE table of each layer are static.
+        ks: list[jnp.ndarray] = []
+        vs: list[jnp.ndarray] = []
+        layer_fn = _remat(layer, remat) if cache is None else layer
+        for i, p in enumerate(params["layers"]):
+            win = int(windows[i])
+            mask = base if win >= _BIG_WINDOW else base & (rel < win)[None]
+            cos, sin = cos_all[int(rope_idx[i])], sin_all[int(rope_idx[i])]
+            kv_update = None
+            if cache is not None:
+                def kv_update(k, v, i=i):
+                    ks.append(jax.lax.dynamic_update_slice(
+                        cache["k"][i], k.astype(cache["k"][i].dtype), (0, 0, idx, 0)))
+                    vs.append(jax.lax.dynamic_update_slice(
+                        cache["v"][i], v.astype(cache["v"][i].dtype), (0, 0, idx, 0)))
+                    return ks[-1].astype(dt), vs[-1].astype(dt)
+            if cache is None:
+                x = layer_fn(x, p, cos, sin, mask, None)
+            else:
+                x = layer(x, p, cos, sin, mask, kv_update)
+        if cache is not None:
+            new_cache = {"k": tuple(ks), "v": tuple(vs), "mask": new_mask, "index": idx + T}
     else:
-        x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
+        xs: dict[str, Any] = {
+            "p": params["layers"],
+            "window": jnp.asarray(windows),
+            "rope": jnp.asarray(rope_idx),
+        }
+
+        # With a cache, the stacked [L, B, KV, S, hd] buffers ride in the scan carry and each
+        # layer writes its new keys/values in place (a scanned output would copy the whole
+        # cache on every decode step).
+        def body(carry: Any, xs: dict[str, Any]):
+            cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
+            sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
+            mask = base & (rel < xs["window"])[None]
+            if cache is None:
+                return layer(carry, xs["p"], cos, sin, mask, None), None
+            x, ck_all, cv_all, li = carry
+            out: dict[str, jnp.ndarray] = {}
+
+            def kv_update(k, v):
+                out["k"] = jax.lax.dynamic_update_slice(
+                    ck_all, k.astype(ck_all.dtype)[None], (li, 0, 0, idx, 0))
+                out["v"] = jax.lax.dynamic_update_slice(
+                    cv_all, v.astype(cv_all.dtype)[None], (li, 0, 0, idx, 0))
+                return (jax.lax.dynamic_index_in_dim(out["k"], li, 0, keepdims=False).astype(dt),
+                        jax.lax.dynamic_index_in_dim(out["v"], li, 0, keepdims=False).astype(dt))
+
+            x = layer(x, xs["p"], cos, sin, mask, kv_update)
+            return (x, out["k"], out["v"], li + 1), None
+
+        if cache is not None:
+            carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
+            (x, ck_new, cv_new, _), _ = jax.lax.scan(
+                _remat(body, remat), carry0, xs, unroll=unroll)
+            new_cache = {"k": ck_new, "v": cv_new, "mask": new_mask, "index": idx + T}
+        else:
+            x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
     x = rms_norm(x, params["final_norm"], eps)
     if return_hidden:
         return x, new_cache

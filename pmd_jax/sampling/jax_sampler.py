@@ -87,6 +87,9 @@ class JaxSampler:
       weight_source: a ``weight_store.WeightStore`` (or its URL) for ``set_weights``.
       max_batch: largest number of rows per compiled batch; bigger requests are split.
       cache_dtype: KV cache dtype (default: the compute dtype).
+      unstack_layers: keep the weights as separate per-layer arrays and decode with a loop
+        over layers (default; about 1.5x faster decoding on CPU, one extra copy of the layer
+        weights); False keeps the stacked arrays and the layer scan (smaller compile).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class JaxSampler:
         *,
         max_batch: int = 64,
         cache_dtype: Any = None,
+        unstack_layers: bool = True,
     ) -> None:
         self.cfg = cfg
         self.max_len = int(max_len if max_len is not None else cfg.max_position_embeddings)
@@ -124,6 +128,7 @@ class JaxSampler:
             self._batch_div = math.prod(mesh.shape[a] for a in axes)
         self.max_batch = max(int(max_batch), self._batch_div)
         self._store = weight_source
+        self.unstack_layers = bool(unstack_layers)
         self.params: Params = None
         self.weights_version: int | None = None
         self.last_metrics = SamplerMetrics()
@@ -142,7 +147,9 @@ class JaxSampler:
             placed = shard_tree(params, self.mesh, self.rules, decoder.param_axes(self.cfg))
         else:
             placed = jax.tree.map(jnp.asarray, params)
-        self.params = placed
+        # Per-layer arrays: the decode loop reads each layer's weights in place instead of
+        # through a dynamic slice of the stacked arrays (a full copy per token on XLA:CPU).
+        self.params = decoder.unstack_layers(placed) if self.unstack_layers else placed
         self.weights_version = version
 
     def set_weights(self, version: int) -> None:
@@ -311,12 +318,14 @@ def _generate_batch(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prefill + decode one padded batch. Returns (tokens, logprobs, lengths, stopped)."""
     b, p_len = tokens.shape
-    cache = decoder.init_cache(cfg, b, cache_len, cache_dtype)
+    per_layer = isinstance(params["layers"], (list, tuple))
+    cache = decoder.init_cache(cfg, b, cache_len, cache_dtype, per_layer=per_layer)
     if shard_ctx is not None:
         mesh, rules = shard_ctx
         cache = jax.tree.map(
             lambda x, ax: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(ax))),
-            cache, decoder.cache_axes(cfg), is_leaf=lambda x: isinstance(x, jax.Array))
+            cache, decoder.cache_axes(cfg, per_layer=per_layer),
+            is_leaf=lambda x: isinstance(x, jax.Array))
     positions = decoder.positions_from_mask(mask)
     prompt_len = jnp.sum(mask, axis=-1, dtype=jnp.int32)
 

