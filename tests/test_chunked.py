@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,3 +244,37 @@ def test_memory_direct_path_for_comparison():
     temp = _compiled_temp_bytes(8192, 256, direct=True)
     print(f"\n[memory] direct (materialised logits) temp {temp / 2**30:.2f} GiB")
     assert temp > 8192 * BIG_V * 4
+
+
+@pytest.mark.parametrize("vocab_major,remat", [(True, True), (False, False), (True, False)])
+def test_vocab_major_unembed_and_no_remat_equal_default(vocab_major, remat):
+    """[V, D] unembedding (tied embedding table, no transposed copy) and the non-recomputing
+    chunk body give the default path's values and gradients (itself tested above against the
+    direct formulas)."""
+    hs, ht, hr, ws, wt, wr, tok, resp, sd, old = inputs(3)
+    cfg = CFGS[0]
+    kw = dict(ref_teacher_hidden=hr, trust_region_alpha=0.3)
+
+    def loss(hs, ws, ht, wt, *, major, rm):
+        t = (lambda w: w.T) if major else (lambda w: w)
+        return C.chunked_distill_loss(
+            hs, ht, t(ws), t(wt), tok, resp, sd, cfg, chunk=3, old_token_logp=old,
+            ref_teacher_unembed=t(wr), vocab_major=major, remat=rm, **kw,
+        )[0]
+
+    def logp(hs, ws, *, major, rm):
+        w = ws.T if major else ws
+        return jnp.sum(C.chunked_token_logprobs(hs, w, tok, 0.8, 3, vocab_major=major,
+                                                remat=rm) * resp)
+
+    args = (hs, ws, ht, wt)
+    for fn, n in ((loss, 4), (logp, 2)):
+        ref = jax.jit(jax.value_and_grad(partial(fn, major=False, rm=True),
+                                         argnums=tuple(range(n))))(*args[:n])
+        got = jax.jit(jax.value_and_grad(partial(fn, major=vocab_major, rm=remat),
+                                         argnums=tuple(range(n))))(*args[:n])
+        np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
+        for a, b in zip(got[1], ref[1], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"unembed must be \[V, D\]"):
+        C.chunked_token_logprobs(hs, ws, tok, vocab_major=True)  # [D, V] given as [V, D]

@@ -273,3 +273,44 @@ def test_batch_not_divisible_by_mesh(mesh):
 def test_bad_config_raises_before_compute(kw, match):
     with pytest.raises(DistillConfigError, match=match):
         st.TrainStep(TINY, _cfg(**kw))
+
+
+def test_tied_embedding_step_matches_full_logit_reference():
+    """Tied embeddings take the [V, D] (vocab-major) unembedding path in the chunked loss;
+    with and without loss-chunk remat the loss equals the unchunked SDPO loss on full decoder
+    logits, and the two give the same update."""
+    tied = ModelConfig(
+        family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
+        num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=True,
+    )
+    cfg = _cfg(loss__rollout_is_threshold=None)
+    batch = _batch(5)
+    p_s = decoder.init_params(tied, jax.random.PRNGKey(0))
+    p_t = decoder.init_params(tied, jax.random.PRNGKey(7))
+
+    def resp_logits(params, side):
+        logits, _ = decoder.forward(
+            params, jnp.asarray(batch[f"{side}_tokens"]),
+            jnp.asarray(batch[f"{side}_positions"]), tied,
+            attn_mask=jnp.asarray(batch[f"{side}_attn_mask"]),
+        )
+        idx = jnp.asarray(batch[f"{side}_index"])
+        return jnp.take_along_axis(logits, idx[..., None], axis=1)
+
+    outs = []
+    for remat in (True, False):
+        ts = st.TrainStep(tied, cfg, loss_chunk_remat=remat)
+        ref, _ = losses.self_distillation_loss(
+            resp_logits(p_s, "student"), resp_logits(p_t, "teacher"),
+            jnp.asarray(batch["responses"]), jnp.asarray(batch["response_mask"], jnp.float32),
+            jnp.asarray(batch["sd_mask"]), ts.opts.loss,
+        )
+        # copies: the step donates its state, and init keeps fp32 params as they are
+        state = ts.init(jax.tree.map(jnp.copy, p_s), 0).replace(
+            teacher=jax.tree.map(jnp.copy, p_t))
+        state, m = ts.step(state, batch)
+        np.testing.assert_allclose(float(m["loss"]), float(ref), rtol=1e-5, atol=1e-7)
+        assert float(m["grad_norm"]) > 0
+        outs.append(_np(state.params))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -39,20 +39,30 @@ Array = jax.Array
 DEFAULT_CHUNK = 256
 
 
-def project(hidden: Array, unembed: Array) -> Array:
-    """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``."""
-    return jnp.einsum("...d,dv->...v", hidden, unembed, preferred_element_type=jnp.float32)
+def project(hidden: Array, unembed: Array, vocab_major: bool = False) -> Array:
+    """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``.
+
+    ``vocab_major``: ``unembed`` is ``[V, D]`` (a tied embedding table) and is contracted on
+    its second axis, so no transposed ``[D, V]`` copy is ever made (XLA:CPU materialises a
+    loop-invariant ``embed.T`` before the chunk loop, and its gradient back, ~0.1 s each at a
+    50k x 576 table).
+    """
+    spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
+    return jnp.einsum(spec, hidden, unembed, preferred_element_type=jnp.float32)
 
 
-def _check_hidden(hidden: Array, unembed: Array, what: str) -> None:
+def _check_hidden(hidden: Array, unembed: Array, what: str, vocab_major: bool = False) -> None:
+    layout = "[V, D]" if vocab_major else "[D, V]"
     if hidden.ndim != 3:
         raise ValueError(f"{what} hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
     if unembed.ndim != 2:
-        raise ValueError(f"{what} unembed must be [D, V], got shape {tuple(unembed.shape)}")
-    if hidden.shape[-1] != unembed.shape[0]:
+        raise ValueError(f"{what} unembed must be {layout}, got shape {tuple(unembed.shape)}")
+    d_axis = 1 if vocab_major else 0
+    if hidden.shape[-1] != unembed.shape[d_axis]:
         raise ValueError(
-            f"{what}: hidden size {hidden.shape[-1]} does not match unembed rows "
-            f"{unembed.shape[0]} (unembed must be [D, V])"
+            f"{what}: hidden size {hidden.shape[-1]} does not match unembed "
+            f"{'columns' if vocab_major else 'rows'} {unembed.shape[d_axis]} (unembed must be "
+            f"{layout})"
         )
 
 
@@ -90,6 +100,8 @@ def chunked_distill_stats(
     ref_teacher_hidden: Array | None = None,
     ref_teacher_unembed: Array | None = None,
     trust_region_alpha: float | None = None,
+    vocab_major: bool = False,
+    remat: bool = True,
 ) -> dict[str, Array]:
     """Per-token distillation statistics, ``[B, T]`` each, computed chunk by chunk.
 
@@ -98,9 +110,14 @@ def chunked_distill_stats(
     ``teacher_hidden`` / ``teacher_unembed`` is the current teacher; with
     ``ref_teacher_hidden`` / ``ref_teacher_unembed`` and ``trust_region_alpha`` the teacher
     logits are ``lerp(ref, current, alpha)``.
+
+    ``vocab_major``: the unembedding matrices are ``[V, D]`` (see :func:`project`).
+    ``remat=False`` keeps each chunk's logits for the backward pass instead of recomputing
+    them (one more projection per chunk saved, ``B * T * V`` fp32 logits kept alive: only for
+    short responses / small vocabularies, e.g. the CPU benchmark).
     """
-    _check_hidden(student_hidden, student_unembed, "student")
-    _check_hidden(teacher_hidden, teacher_unembed, "teacher")
+    _check_hidden(student_hidden, student_unembed, "student", vocab_major)
+    _check_hidden(teacher_hidden, teacher_unembed, "teacher", vocab_major)
     chunk = _check_chunk(chunk)
     if teacher_hidden.shape != student_hidden.shape:
         raise ValueError(
@@ -108,7 +125,7 @@ def chunked_distill_stats(
             f"{tuple(teacher_hidden.shape)} must have the same [B, T, D] (teacher aligned to "
             "the response positions)"
         )
-    vocab = student_unembed.shape[1]
+    vocab = student_unembed.shape[0 if vocab_major else 1]
     if teacher_unembed.shape != student_unembed.shape:
         raise ValueError(
             f"student unembed {tuple(student_unembed.shape)} and teacher unembed "
@@ -123,7 +140,7 @@ def chunked_distill_stats(
     if has_ref:
         if ref_teacher_hidden is None or ref_teacher_unembed is None:
             raise ValueError("trust-region teacher needs both ref_teacher_hidden and _unembed")
-        _check_hidden(ref_teacher_hidden, ref_teacher_unembed, "reference teacher")
+        _check_hidden(ref_teacher_hidden, ref_teacher_unembed, "reference teacher", vocab_major)
         if ref_teacher_hidden.shape != teacher_hidden.shape:
             raise ValueError(
                 f"reference teacher hidden {tuple(ref_teacher_hidden.shape)} must match teacher "
@@ -150,14 +167,15 @@ def chunked_distill_stats(
 
     def body(carry: None, xs: tuple) -> tuple[None, dict[str, Array]]:
         hs, ht, hr, tok = xs
-        s_logits = project(hs, student_unembed)
-        t_logits = project(ht, w_t)
+        s_logits = project(hs, student_unembed, vocab_major)
+        t_logits = project(ht, w_t, vocab_major)
         if hr is not None:
-            r_logits = project(hr, w_r)
+            r_logits = project(hr, w_r, vocab_major)
             t_logits = r_logits + tr_alpha * (t_logits - r_logits)
         return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg)
 
-    body = jax.checkpoint(body, prevent_cse=False)
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
     xs = (
         _split(student_hidden, chunk),
         _split(sg(teacher_hidden), chunk),
@@ -184,6 +202,8 @@ def chunked_distill_loss(
     ref_teacher_hidden: Array | None = None,
     ref_teacher_unembed: Array | None = None,
     trust_region_alpha: float | None = None,
+    vocab_major: bool = False,
+    remat: bool = True,
 ) -> tuple[Array, dict[str, Array], dict[str, Array]]:
     """The SDPO loss from aligned hidden states: ``(loss, metrics, per_token_stats)``.
 
@@ -201,6 +221,8 @@ def chunked_distill_loss(
         ref_teacher_hidden=ref_teacher_hidden,
         ref_teacher_unembed=ref_teacher_unembed,
         trust_region_alpha=trust_region_alpha,
+        vocab_major=vocab_major,
+        remat=remat,
     )
     loss, metrics = losses.finalize_distill(
         stats,
@@ -221,13 +243,16 @@ def chunked_token_logprobs(
     chunk: int = DEFAULT_CHUNK,
     *,
     return_entropy: bool = False,
+    vocab_major: bool = False,
+    remat: bool = True,
 ) -> Array | tuple[Array, Array]:
     """``log_softmax(hidden @ unembed / T)[b, t, tokens[b, t]]`` as ``[B, T]`` fp32, chunked.
 
     Differentiable w.r.t. ``hidden`` and ``unembed`` with a chunked backward (remat). With
-    ``return_entropy`` also returns the (detached) entropy per token.
+    ``return_entropy`` also returns the (detached) entropy per token. ``vocab_major`` /
+    ``remat``: as in :func:`chunked_distill_stats`.
     """
-    _check_hidden(hidden, unembed, "model")
+    _check_hidden(hidden, unembed, "model", vocab_major)
     chunk = _check_chunk(chunk)
     if tuple(tokens.shape) != tuple(hidden.shape[:2]):
         raise ValueError(
@@ -241,7 +266,7 @@ def chunked_token_logprobs(
 
     def body(carry: None, xs: tuple) -> tuple[None, tuple[Array, Array]]:
         h, tok = xs
-        logp = losses.log_probs(project(h, unembed), t)
+        logp = losses.log_probs(project(h, unembed, vocab_major), t)
         tok_lp = losses.token_log_probs(logp, tok)
         if return_entropy:
             lp = lax.stop_gradient(logp)
@@ -250,7 +275,8 @@ def chunked_token_logprobs(
             ent = jnp.zeros_like(tok_lp)
         return carry, (tok_lp, ent)
 
-    body = jax.checkpoint(body, prevent_cse=False)
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
     _, (lp, ent) = lax.scan(body, None, (_split(hidden, chunk), _split(tokens, chunk)))
     lp = _merge(lp, t_len)
     if return_entropy:

@@ -275,14 +275,28 @@ def _masked_max(x: Array, mask: Array) -> Array:
     return jnp.max(jnp.where(mask > 0, x, 0.0), initial=0.0)
 
 
-def make_loss_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = None):
+def _unembed(params: Any, model_cfg: ModelConfig) -> Array:
+    """The unembedding for the chunked loss: the ``[V, D]`` embedding table itself when tied
+    (``vocab_major``; no transposed copy), else the ``[D, V]`` LM head."""
+    if model_cfg.tie_embeddings:
+        return params["embed"]
+    return decoder.unembed_matrix(params, model_cfg)
+
+
+def make_loss_fn(
+    model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = None, *,
+    loss_chunk_remat: bool = True,
+):
     """``loss_fn(params, teacher, batch) -> (loss, metrics)``; differentiate w.r.t. params.
 
     ``params``: the stored (master) params; ``teacher``: the teacher state of ``opts.rule``.
+    ``loss_chunk_remat=False`` keeps the per-chunk logits for the backward pass instead of
+    recomputing them (:func:`pmd_jax.distill.chunked.chunked_distill_stats`).
     Exposed for tests (teacher gradients are zero) and for custom loops.
     """
     compute_dtype = jnp.dtype(opts.param_dtype)
     remat = opts.remat
+    vocab_major = model_cfg.tie_embeddings
 
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
         h, _ = decoder.forward(
@@ -300,7 +314,7 @@ def make_loss_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = Non
     def loss_fn(params: Any, teacher: Any, batch: Mapping[str, Array]) -> tuple[Array, dict]:
         p = _cast(params, compute_dtype)
         s_h = fwd_hidden(p, "student", batch)
-        w_s = decoder.unembed_matrix(p, model_cfg)
+        w_s = _unembed(p, model_cfg)
         tokens = batch["responses"].astype(jnp.int32)
         rmask = batch["response_mask"].astype(jnp.float32)
         sd_mask = batch["sd_mask"].astype(jnp.float32)
@@ -319,18 +333,19 @@ def make_loss_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = Non
                 ref = trees[0]
                 kw = dict(
                     ref_teacher_hidden=fwd_hidden(ref, "teacher", batch),
-                    ref_teacher_unembed=decoder.unembed_matrix(ref, model_cfg),
+                    ref_teacher_unembed=_unembed(ref, model_cfg),
                     trust_region_alpha=opts.rate,
                 )
             stats = chunked.chunked_distill_stats(
-                s_h, t_h, w_s, decoder.unembed_matrix(cur, model_cfg), tokens, lc,
-                chunk=opts.chunk, **kw,
+                s_h, t_h, w_s, _unembed(cur, model_cfg), tokens, lc,
+                chunk=opts.chunk, vocab_major=vocab_major, remat=loss_chunk_remat, **kw,
             )
             token_logp = stats["student_logp"]
         else:
             stats = None
             token_logp = chunked.chunked_token_logprobs(
-                s_h, w_s, tokens, lc.temperature, opts.chunk
+                s_h, w_s, tokens, lc.temperature, opts.chunk, vocab_major=vocab_major,
+                remat=loss_chunk_remat,
             )
 
         rollout_w = None
@@ -395,6 +410,7 @@ class TrainStep:
         mesh: Mesh | None = None,
         rules: shd.ShardingRules | None = None,
         donate: bool = True,
+        loss_chunk_remat: bool = True,
     ):
         self.model_cfg = model_cfg
         self.opts = StepOptions.from_config(distill_cfg, model_cfg.vocab_size)
@@ -403,7 +419,8 @@ class TrainStep:
         self.donate = donate
         self.optimizer = doptim.make_optimizer(self.opts.optim)
         shard_ctx = (mesh, self.rules) if mesh is not None else None
-        self.loss_fn = make_loss_fn(model_cfg, self.opts, shard_ctx)
+        self.loss_fn = make_loss_fn(model_cfg, self.opts, shard_ctx,
+                                    loss_chunk_remat=loss_chunk_remat)
         self._compiled: dict[tuple, Any] = {}
         self._state_shardings: Any = None
 
