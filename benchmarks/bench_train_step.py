@@ -9,21 +9,44 @@ global-norm clip 1.0, AdamW (lr 1e-5, wd 0.01), and the EMA teacher update. The 
 computes logits only on the response positions too (hidden states of the base model gathered,
 then ``lm_head``), so neither side pays for prompt logits.
 
-The same run measures this CPU's fp32 GEMM peak (numpy and XLA matmul of large square
-matrices, best of both) and prints our achieved model GFLOP/s (6 N per trained token + 2 N
-per teacher token + attention, without counting remat recompute) as a fraction of it.
+The same run measures this CPU's fp32 GEMM peak (numpy, torch and XLA matmul of large square
+matrices, best of the three) and prints each side's achieved model GFLOP/s as a fraction of
+it. Model FLOPs per step (:func:`model_flops`; remat recompute not counted): per token of
+each sequence ``2 * N_body`` (N_body = the decoder's matmul weights without the LM head, 106M
+here) plus causal attention ``2 * q_size * T`` per layer, plus ``2 * V * D`` for the LM head
+on the R response positions only (neither side projects the prompt positions); the student
+(forward + backward) counts 3x, the teacher (forward only) 1x.
+
+It also times ``jnp.dot`` against ``torch.matmul`` on the step's matmul shapes (``--gemm-shapes``),
+which bounds what XLA:CPU can reach against MKL/oneDNN on this machine.
+
+Each side runs in its own child process (``spawn``), one after the other, so the first one's
+memory is released before the second starts and an out-of-memory kill of either is caught
+and reported (with the peak resident memory of each side) instead of ending the script.
 
     python benchmarks/bench_train_step.py                       # B=16, Ts=256, Tt=384
     python benchmarks/bench_train_step.py --batch 4 --steps 2   # a quick figure
 
+Defaults (chosen for B=16 at 135M on a 24 GiB CPU host): ``--remat dots_no_batch`` (keeps
+every weight matmul's output, recomputes only attention and elementwise ops: ~4% extra
+FLOPs) and no loss-chunk remat (the 49k-vocabulary logits of 192 response tokens fit).
+XLA's own memory analysis of the compiled step at B=16 (temporaries + 2 GiB of state):
+remat none 12.5 + 2 GiB (too close to this host's free memory next to other jobs),
+dots_no_batch 4.6 + 2 GiB, full 2.0 + 2 GiB (+33% FLOPs). The update is the fused
+clip + AdamW + EMA pass of :mod:`pmd_jax.distill.optim`.
+
 Threads: torch uses ``--threads`` (default 2) intra-op threads; XLA's CPU backend uses all
-cores of the machine.
+cores of the machine. The 1-minute load average is printed with each figure (shared hosts).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
+import resource
 import time
+import traceback
 
 import numpy as np
 
@@ -38,11 +61,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loss", choices=("jsd_top100", "rkl_full"), default="jsd_top100")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
-                   default="dots_no_batch", help="decoder remat (none: B=16 needs >9 GB)")
-    p.add_argument("--chunk", type=int, default=64, help="response tokens per loss chunk")
+                   default="dots_no_batch",
+                   help="decoder remat policy (none: no recompute, but B=16 Ts=256 Tt=384 "
+                        "then needs 12.5 GiB of XLA temporaries vs 4.6 GiB)")
+    p.add_argument("--chunk", type=int, default=96, help="response tokens per loss chunk")
+    p.add_argument("--chunk-remat", action="store_true",
+                   help="recompute each loss chunk's logits in the backward pass (the "
+                        "trainer default; off here: the 135M vocabulary's logits fit)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
     p.add_argument("--gemm-n", type=int, default=2048)
+    p.add_argument("--no-gemm-shapes", dest="gemm_shapes", action="store_false",
+                   help="skip the jnp.dot vs torch.matmul comparison on the step's shapes")
     return p.parse_args()
 
 
@@ -65,27 +95,64 @@ def make_data(args, vocab: int) -> dict[str, np.ndarray]:
 
 
 def model_flops(cfg, args) -> float:
-    b, ts, tt = args.batch, args.student_len, args.teacher_len
-    return 3.0 * b * ts * cfg.flops_per_token(ts) + b * tt * cfg.flops_per_token(tt)
+    """Model FLOPs of one step (see the module docstring); no remat recompute counted."""
+    b, ts, tt, r = args.batch, args.student_len, args.teacher_len, args.response_len
+    head = 2.0 * cfg.vocab_size * cfg.hidden_size  # LM head, per projected position
+
+    def fwd(t: int) -> float:  # forward FLOPs of one sequence of length t
+        return t * (cfg.flops_per_token(t) - head) + r * head
+
+    return b * (3.0 * fwd(ts) + fwd(tt))
+
+
+def load() -> str:
+    return "load avg {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # ------------------------------------------------------------------------------ peak
-def gemm_peak(n: int) -> dict[str, float]:
+def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3) -> dict[str, float]:
+    """GFLOP/s of an fp32 [m, k] x [k, n] matmul: numpy, torch.matmul, jitted jnp.dot."""
     import jax
     import jax.numpy as jnp
+    import torch
 
-    out = {}
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    bm = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
-    a @ bm
-    best = min(_timeit(lambda: a @ bm) for _ in range(3))
-    out["numpy"] = 2 * n**3 / best / 1e9
+    torch.set_num_threads(threads)
+    a = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
+    bm = np.random.default_rng(1).standard_normal((k, n), dtype=np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(bm)
     ja, jb = jnp.asarray(a), jnp.asarray(bm)
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(ja, jb).block_until_ready()
-    best = min(_timeit(lambda: mm(ja, jb).block_until_ready()) for _ in range(3))
-    out["xla"] = 2 * n**3 / best / 1e9
+    mm = jax.jit(jnp.dot)
+    fns = {
+        "numpy": lambda: a @ bm,
+        "torch": lambda: torch.matmul(ta, tb),
+        "xla": lambda: mm(ja, jb).block_until_ready(),
+    }
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        out[name] = 2.0 * m * k * n / min(_timeit(fn) for _ in range(reps)) / 1e9
     return out
+
+
+def gemm_peak(n: int, threads: int) -> dict[str, float]:
+    return _gemm_rates(n, n, n, threads)
+
+
+def step_gemm_shapes(cfg, args) -> list[tuple[str, tuple[int, int, int]]]:
+    """The step's matmuls (forward orientation) at the student's token count."""
+    m = args.batch * args.student_len
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [
+        ("q/o proj", (m, d, q)), ("k/v proj", (m, d, kv)), ("gate/up", (m, d, f)),
+        ("down", (m, f, d)), ("dW gate/up (bwd)", (d, m, f)),
+        ("LM head chunk", (args.batch * min(args.chunk, args.response_len), d,
+                           cfg.vocab_size)),
+    ]
 
 
 def _timeit(fn) -> float:
@@ -124,7 +191,7 @@ def bench_jax(args, data, params) -> tuple[float, float]:
         c.loss.alpha, c.loss.topk, c.loss.add_tail = 0.5, 100, True
     else:
         c.loss.alpha, c.loss.topk = 1.0, None
-    ts = st.TrainStep(cfg, c)
+    ts = st.TrainStep(cfg, c, loss_chunk_remat=args.chunk_remat)
     b = args.batch
     batch = dict(data)
     for side in ("student", "teacher"):
@@ -133,6 +200,7 @@ def bench_jax(args, data, params) -> tuple[float, float]:
         batch[f"{side}_attn_mask"] = np.ones((b, t), np.int32)
     batch["response_mask"] = np.ones(data["responses"].shape, np.int32)
     batch["sd_mask"] = np.ones((b,), np.float32)
+    batch = {k: jax.device_put(v) for k, v in batch.items()}
     state = ts.init(params, 0)
     t0 = time.perf_counter()
     state, m = ts.step(state, batch)
@@ -146,7 +214,8 @@ def bench_jax(args, data, params) -> tuple[float, float]:
         jax.block_until_ready((state.params, m))
         times.append(time.perf_counter() - t0)
     print(f"  jax: compile+first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]}")
+          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB)",
+          flush=True)
     return float(np.median(times)), first_loss
 
 
@@ -258,8 +327,54 @@ def bench_torch(args, data, params) -> tuple[float, float]:
         step()
         times.append(time.perf_counter() - t0)
     print(f"  torch: first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]}")
+          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB)",
+          flush=True)
     return float(np.median(times)), first_loss
+
+
+def _child(side: str, args: argparse.Namespace, q) -> None:
+    try:
+        from pmd_jax.models.config import preset
+
+        data = make_data(args, preset("smollm2-135m").vocab_size)
+        params = init_params()
+        fn = bench_jax if side == "jax" else bench_torch
+        if side == "torch":
+            import jax
+
+            params = jax.tree.map(np.asarray, params)  # host copies for the torch model
+        t, loss = fn(args, data, params)
+        q.put(("ok", t, loss, peak_rss_gib(), load()))
+    except BaseException as e:  # noqa: BLE001  (reported by the parent)
+        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+
+
+def run_side(side: str, args: argparse.Namespace) -> tuple[float, float, float, str] | None:
+    """Run one side in a spawned child; None (and a printed reason) if it failed or was
+    killed (e.g. by the kernel's OOM killer)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(side, args, q))
+    proc.start()
+    res = None
+    while proc.is_alive() or not q.empty():
+        try:
+            res = q.get(timeout=5)
+            break
+        except Exception:  # noqa: BLE001  (queue.Empty: keep waiting while the child lives)
+            continue
+    proc.join()
+    if res is None:
+        sig = -proc.exitcode if proc.exitcode and proc.exitcode < 0 else None
+        why = f"killed by signal {sig}" + (" (SIGKILL: most likely the OOM killer)"
+                                            if sig == 9 else "") if sig else \
+            f"exit code {proc.exitcode}"
+        print(f"{side}: FAILED, {why}; {load()}", flush=True)
+        return None
+    if res[0] == "error":
+        print(f"{side}: FAILED with {res[1]}", flush=True)
+        return None
+    return res[1], res[2], res[3], res[4]
 
 
 def main() -> None:
@@ -267,29 +382,41 @@ def main() -> None:
     from pmd_jax.models.config import preset
 
     cfg = preset("smollm2-135m")
-    data = make_data(args, cfg.vocab_size)
     flops = model_flops(cfg, args)
     print(f"SmolLM2-135M train step: B={args.batch} student T={args.student_len} teacher "
           f"T={args.teacher_len} response R={args.response_len} loss={args.loss} "
-          f"remat={args.remat}; {flops / 1e12:.2f} model TFLOP/step")
-    peak = gemm_peak(args.gemm_n)
+          f"remat={args.remat} chunk={args.chunk} chunk_remat={args.chunk_remat}; "
+          f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
+    peak = gemm_peak(args.gemm_n, args.threads)
     best_peak = max(peak.values())
-    print(f"fp32 GEMM peak ({args.gemm_n}^3): numpy {peak['numpy']:.1f} GFLOP/s, "
-          f"XLA {peak['xla']:.1f} GFLOP/s")
-    t_jax = t_torch = l_jax = l_torch = None
-    params = init_params()
-    if not args.skip_jax:
-        t_jax, l_jax = bench_jax(args, data, params)
-        gf = flops / t_jax / 1e9
-        print(f"pmd_jax: {t_jax:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of peak")
-    if not args.skip_torch:
-        t_torch, l_torch = bench_torch(args, data, params)
-        gf = flops / t_torch / 1e9
-        print(f"torch+HF: {t_torch:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of peak")
-    if t_jax and t_torch:
+    print(f"fp32 GEMM peak ({args.gemm_n}^3): numpy {peak['numpy']:.1f}, torch "
+          f"{peak['torch']:.1f}, XLA {peak['xla']:.1f} GFLOP/s -> peak {best_peak:.1f} GFLOP/s "
+          f"({load()})", flush=True)
+    if args.gemm_shapes:
+        print("the step's matmul shapes [m, k] x [k, n], GFLOP/s (jnp.dot vs torch.matmul):")
+        for name, (m, k, n) in step_gemm_shapes(cfg, args):
+            r = _gemm_rates(m, k, n, args.threads)
+            print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: XLA {r['xla']:6.1f}  torch "
+                  f"{r['torch']:6.1f}  numpy {r['numpy']:6.1f}", flush=True)
+    res = {}
+    for side in ("jax", "torch"):
+        if getattr(args, f"skip_{side}"):
+            continue
+        r = run_side(side, args)
+        if r is None:
+            continue
+        res[side] = r
+        t, _, rss, ld = r
+        gf = flops / t / 1e9
+        name = "pmd_jax" if side == "jax" else "torch+HF"
+        print(f"{name}: {t:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of the "
+              f"{best_peak:.1f} GFLOP/s GEMM peak; peak RSS {rss:.1f} GiB ({ld})", flush=True)
+    if "jax" in res and "torch" in res:
+        (t_jax, l_jax, *_), (t_torch, l_torch, *_) = res["jax"], res["torch"]
         print(f"same weights, same batch: first-step loss pmd_jax {l_jax:.6f} vs torch "
               f"{l_torch:.6f} (rel. diff {abs(l_jax - l_torch) / max(abs(l_torch), 1e-12):.1e})")
-        print(f"speed-up pmd_jax vs torch: {t_torch / t_jax:.2f}x")
+        print(f"speed-up pmd_jax vs torch: {t_torch / t_jax:.2f}x (aim >= 2x); pmd_jax at "
+              f"{flops / t_jax / 1e9 / best_peak:.0%} of the GEMM peak (aim >= 75%)")
 
 
 if __name__ == "__main__":
