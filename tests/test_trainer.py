@@ -2,13 +2,16 @@
 
 They run the real entry point in subprocesses: a clean run, and a run killed with SIGKILL
 after its first checkpoint and restarted with the same command, which must end bitwise equal
-(params, and the per-step rewards and losses it logged).
+(params, and the per-step rewards and losses it logged); a run whose second checkpoint write
+really fails (the OS refuses the write: RLIMIT_FSIZE, which binds root too) must stop naming
+that step, with the first checkpoint intact and resumable.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -38,6 +41,12 @@ TINY = [
     "--config.memory.behavior.sampling.max_tokens=16",
     "--config.teacher_prompt.max_tokens=768",
     "--config.distill.loss.topk=8",
+    # The random model never answers right, so without feedback no sample is reprompted and
+    # the loss is 0: feedback gives every sample a teacher signal, and a full learning rate
+    # from step 0 makes every update (and so every resume mismatch) visible.
+    "--config.teacher_prompt.include_feedback=True",
+    "--config.distill.optim.warmup_steps=0",
+    "--config.distill.optim.lr=1e-3",
 ]
 
 
@@ -69,13 +78,66 @@ def _final_params(run_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+_RUNS: dict[tuple[str, ...], Path] = {}
+
+
+def run_once(tmp_path_factory, name: str, *extra: str) -> Path:
+    """One complete run per set of extra flags per session (shared with
+    test_trainer_overlap.py, which compares against the clean run)."""
+    if extra not in _RUNS:
+        run_dir = tmp_path_factory.mktemp(name)
+        p = subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-4000:]
+        _RUNS[extra] = run_dir
+    return _RUNS[extra]
+
+
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("clean")
-    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)
+    return run_once(tmp_path_factory, "clean")
+
+
+def start_until_checkpoint(run_dir: Path, *extra: str, step: int = 1,
+                           stderr: Path | None = None) -> subprocess.Popen:
+    """Starts a run and returns once checkpoint ``step`` is committed (the run goes on)."""
+    err = open(stderr, "wb") if stderr is not None else subprocess.PIPE  # noqa: SIM115
+    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    marker = run_dir / "checkpoints" / str(step) / "pmd_commit.json"
+    t0 = time.time()
+    while not marker.exists():
+        if proc.poll() is not None:
+            msg = stderr.read_text() if stderr is not None else proc.stderr.read().decode()
+            raise AssertionError(msg[-4000:])
+        assert time.time() - t0 < 600, "no checkpoint after 600 s"
+        time.sleep(0.05)
+    return proc
+
+
+def kill9_and_resume(reference: Path, run_dir: Path, *extra: str) -> None:
+    """SIGKILL a run right after its first checkpoint, rerun the same command, and check that
+    it ends bitwise equal to ``reference`` (a clean run with the same flags)."""
+    proc = start_until_checkpoint(run_dir, *extra)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "final_hf").exists()
+    p = subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    return run_dir
+    assert "resumed from checkpoint" in p.stderr
+    a, b = _train_records(reference), _train_records(run_dir)
+    assert [r["step"] for r in b] == [0, 1, 2], "a step was lost or repeated"
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("reward_mean", "loss", "kl", "kl_policy_initial", "grad_norm",
+                  "memory_experiences", "memory_insights", "reprompt_sample_fraction",
+                  "logp_mismatch_mean", "rollout_staleness", "rollout_weights_version"):
+            if k in ra:
+                assert ra[k] == rb[k], (k, ra["step"], ra[k], rb[k])
+    pa, pb = _final_params(reference), _final_params(run_dir)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
 
 
 def test_run_writes_the_run_directory(clean_run: Path):
@@ -94,33 +156,46 @@ def test_run_writes_the_run_directory(clean_run: Path):
 
 
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    marker = run_dir / "checkpoints" / "1" / "pmd_commit.json"
-    t0 = time.time()
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-4000:]
-        assert time.time() - t0 < 600, "no checkpoint after 600 s"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill9_and_resume(clean_run, tmp_path / "killed")
+
+
+def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(
+        clean_run: Path, tmp_path: Path):
+    from pmd_jax.checkpoint import verify_step_dir
+
+    run_dir, log = tmp_path / "ckfail", tmp_path / "stderr.txt"
+    proc = start_until_checkpoint(run_dir, stderr=log)
+    # From now on the OS refuses to grow any file of the run past 2 MiB (EFBIG; Python ignores
+    # SIGXFSZ). Metrics and logs stay far below; each checkpoint's array files are ~12 MB, so
+    # the write of checkpoint 2 fails inside orbax's background writer, as on a full disk.
+    lim = 2 << 20
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (lim, lim))
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = log.read_text()
+    assert rc != 0, err[-4000:]
+    assert "checkpoint write at step 2 failed" in err, err[-4000:]
+    assert "the previous checkpoint (step 1) is intact" in err, err[-4000:]
+    assert "File too large" in err or "errno 27" in err.lower() or "EFBIG" in err, err[-4000:]
+    ckpts = run_dir / "checkpoints"
+    verify_step_dir(ckpts / "1", 1)  # every file of step 1 has its recorded size and CRC32
+    assert not (ckpts / "2" / "pmd_commit.json").exists()
     assert not (run_dir / "final_hf").exists()
-    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)
+    # The same command (2 steps, so it is quick) resumes from step 1 and reproduces the clean
+    # run's step 1 exactly: params, optimizer, memory and data cursor came back intact.
+    p = subprocess.run(_cmd(run_dir, "--config.train.steps=2"), cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "resumed from checkpoint" in p.stderr
+    assert "resumed from checkpoint at step 1" in p.stderr, p.stderr[-4000:]
     a, b = _train_records(clean_run), _train_records(run_dir)
-    assert [r["step"] for r in b] == [0, 1, 2], "a step was lost or repeated"
-    for ra, rb in zip(a, b, strict=True):
-        for k in ("reward_mean", "loss", "kl", "kl_policy_initial", "grad_norm",
-                  "memory_experiences", "memory_insights", "reprompt_sample_fraction"):
-            if k in ra:
-                assert ra[k] == rb[k], (k, ra["step"], ra[k], rb[k])
-    pa, pb = _final_params(clean_run), _final_params(run_dir)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    assert [r["step"] for r in b] == [0, 1]
+    for k in ("reward_mean", "loss", "kl", "kl_policy_initial", "grad_norm",
+              "memory_experiences", "memory_insights"):
+        if k in a[1]:
+            assert a[1][k] == b[1][k], (k, a[1][k], b[1][k])
 
 
 def test_bad_config_fails_before_compute(tmp_path: Path):
