@@ -19,11 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -91,12 +87,6 @@ def bench_hf(model, tok, prompts, new_tokens: int) -> float:
     return n / dt
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
@@ -105,50 +95,23 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def bench_vllm(hf_dir: Path, prompts, new_tokens: int) -> tuple[float | None, str]:
-    venv = Path(os.environ.get("PMD_VLLM_VENV", REPO / ".venv-vllm"))
-    if not (venv / "bin" / "python").exists():
-        return None, f"skipped: no vLLM venv at {venv} (run launch/setup_vllm_venv.sh)"
-    port = _free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "server.log"
-    env = dict(os.environ, PMD_VLLM_PORT=str(port), PMD_VLLM_DTYPE="float32",
-               PMD_VLLM_VENV=str(venv))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            ["bash", str(REPO / "launch" / "vllm_server.sh"), str(hf_dir),
-             "--max-model-len", "1024", "--seed", "0"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    from pmd_jax.sampling.local_vllm import LocalVllmServer, VllmServerError, venv_available
+
+    if not venv_available():
+        return None, "skipped: no vLLM venv (run launch/setup_vllm_venv.sh or set PMD_VLLM_VENV)"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_bytes()[-2000:].decode("utf-8", "replace")
-                return None, f"skipped: vLLM server did not start (rc={proc.poll()}): {tail}"
-            time.sleep(2)
-        body = {"model": str(hf_dir), "prompt": prompts, "max_tokens": new_tokens,
-                "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True,
-                "logprobs": 0, "seed": 0}
-        _post(base + "/v1/completions", dict(body, max_tokens=4), 600)  # warm-up
-        t0 = time.perf_counter()
-        out = _post(base + "/v1/completions", body, 900)
-        dt = time.perf_counter() - t0
-        n = int(out["usage"]["completion_tokens"])
-        return n / dt, f"fp32, one /v1/completions request of {len(prompts)} prompts"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        with LocalVllmServer(hf_dir, extra_args=["--max-model-len", "1024", "--seed", "0"]) as srv:
+            body = {"model": str(hf_dir), "prompt": prompts, "max_tokens": new_tokens,
+                    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True,
+                    "logprobs": 0, "seed": 0}
+            _post(srv.url + "/v1/completions", dict(body, max_tokens=4), 600)  # warm-up
+            t0 = time.perf_counter()
+            out = _post(srv.url + "/v1/completions", body, 900)
+            dt = time.perf_counter() - t0
+    except VllmServerError as e:
+        return None, f"skipped: {e}"
+    n = int(out["usage"]["completion_tokens"])
+    return n / dt, f"fp32, one /v1/completions request of {len(prompts)} prompts"
 
 
 def main() -> None:

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -83,12 +80,6 @@ def perturb_params(params):
     layers["down"] = layers["down"].at[:10].multiply(0.6)
     layers["q"] = layers["q"].at[3].multiply(1.7)
     return {**params, "layers": layers}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,52 +141,25 @@ def prompts(hf_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(hf_dir, tmp_path_factory):
+    from pmd_jax.sampling.local_vllm import LocalVllmServer, VllmServerError
     from pmd_jax.sampling.vllm_client import VLLMSampler
 
     tmp = tmp_path_factory.mktemp("vllm")
-    port = free_port()
-    log = open(tmp / "server.log", "wb")
-    env = dict(os.environ, PMD_VLLM_PORT=str(port), PMD_VLLM_DTYPE="float32")
-    proc = subprocess.Popen(
-        [
-            "bash",
-            os.fspath(REPO / "launch" / "vllm_server.sh"),
-            os.fspath(hf_dir),
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-            "--seed",
-            "0",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    srv = LocalVllmServer(hf_dir, log_path=tmp / "server.log",
+                          extra_args=["--max-model-len", "512", "--enforce-eager", "--seed", "0"])
+    try:
+        srv.start()
+    except VllmServerError as e:
+        pytest.fail(str(e))
     store = tmp / "store"
     smp = VLLMSampler(
-        f"http://127.0.0.1:{port}", os.fspath(hf_dir), store_url=os.fspath(store),
+        srv.url, os.fspath(hf_dir), store_url=os.fspath(store),
         timeout_s=300, vocab_size=49152, max_model_len=512,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 900
-        while not smp.health(timeout_s=5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                tail = (tmp / "server.log").read_bytes()[-4000:].decode("utf-8", "replace")
-                pytest.fail(f"vLLM server did not come up (rc={proc.poll()}):\n{tail}")
-            time.sleep(2)
         yield smp, store
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.close()
+        srv.stop()
 
 
 def hf_greedy(model, prompts, weights=None) -> list[list[int]]:
