@@ -64,9 +64,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.max_train_problems = 0  # 0 = all
     c.task.max_eval_problems = 200
     c.task.eval_split = "validation"
-    # Multiple choice: "reasoning" (SciKnowEval/SDPO prompt) or "direct" (answer tag only;
-    # ours, for small CPU models).
+    # Multiple choice: "reasoning" (SciKnowEval/SDPO prompt), "direct" (answer tag opened,
+    # the letter) or "direct_text" (answer tag opened, the option's text); the last two are
+    # ours, for small CPU models.
     c.task.prompt_style = "reasoning"
+    # SciQ only (ours): the held-out fraction of SciQ's 1000 questions (0.1 = the SDPO
+    # test_ratio), and whether the question's support passage opens the prompt.
+    c.task.valid_fraction = 0.1
+    c.task.include_support = False
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.sampler = "jax"
@@ -182,8 +187,13 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
             os.path.isdir(src),
             f"model.source={src!r} is neither 'smollm2' nor an existing HF checkpoint folder",
         )
-    need(c.task.prompt_style in ("reasoning", "direct"),
-         f"task.prompt_style={c.task.prompt_style!r} is not 'reasoning' or 'direct'")
+    need(c.task.prompt_style in ("reasoning", "direct", "direct_text"),
+         f"task.prompt_style={c.task.prompt_style!r} is not 'reasoning', 'direct' or "
+         "'direct_text'")
+    need(0.0 < c.task.valid_fraction < 1.0,
+         f"task.valid_fraction={c.task.valid_fraction} must be in (0, 1)")
+    need(not c.task.include_support or c.task.name == "sciq",
+         f"task.include_support needs task.name='sciq' (got {c.task.name!r})")
     if c.task.name in ("sciknoweval", "livecodebench"):
         need(bool(c.task.path), f"task.name={c.task.name!r} needs task.path (a JSONL file)")
         need(not c.task.path or os.path.exists(c.task.path), f"task.path={c.task.path!r} missing")

