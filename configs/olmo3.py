@@ -17,6 +17,8 @@ def get_config():
     c.model.preset = "olmo3-7b"  # used by --dry_run (no weights needed)
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "chunked"  # 8k responses: never build [T, S] scores or masks
+    c.model.attention_chunk = 512
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1

@@ -18,6 +18,8 @@ def get_config():
     c.model.preset = "qwen3-8b"
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16"
+    c.model.attention_impl = "chunked"  # 8k responses: never build [T, S] scores or masks
+    c.model.attention_chunk = 512
     c.task.name = "livecodebench"
     c.task.path = "data/lcb_v6.jsonl"
     c.rollout.sampler = "vllm"

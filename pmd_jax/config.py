@@ -51,6 +51,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.chat_template = "auto"  # auto | chatml | qwen3 | olmo3
     c.model.system_prompt = ""  # extra system prompt ("" = the task's own)
+    # "auto" | "dense" | "chunked": chunked (flash-style) attention never builds [T, S] scores
+    # or masks; auto uses it when T * S > 2048^2. attention_chunk: its query/key chunk size.
+    c.model.attention_impl = "auto"
+    c.model.attention_chunk = 512
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
@@ -173,6 +177,12 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         validate_memory_config(c.memory)
     except ValueError as e:
         errs.append(str(e))
+    from pmd_jax.models.config import ATTENTION_IMPLS
+
+    need(c.model.attention_impl in ATTENTION_IMPLS,
+         f"model.attention_impl={c.model.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+    need(c.model.attention_chunk >= 1,
+         f"model.attention_chunk must be >= 1, got {c.model.attention_chunk}")
     if c.model.random_init:
         from pmd_jax.models.config import PRESETS
 

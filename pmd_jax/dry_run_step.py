@@ -82,17 +82,38 @@ def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: 
         "response_len": response_len, "vocab": model_cfg.vocab_size,
         "loss_mode": cfg.distill.loss.mode, "teacher_rule": cfg.distill.teacher.rule,
         "topk": cfg.distill.loss.topk, "chunk_size": cfg.distill.loss.chunk_size,
+        "attention_impl": model_cfg.attention_impl,
+        "attention_chunk": model_cfg.attention_chunk,
         "compile_seconds": round(time.perf_counter() - t0, 1),
     }
     if ma is not None:
-        for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                  "generated_code_size_in_bytes"):
+        for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                  "temp_size_in_bytes", "peak_memory_in_bytes", "generated_code_size_in_bytes"):
             v = getattr(ma, k, None)
             if v is not None:
                 out[k.replace("_in_bytes", "_gib")] = round(v / GiB, 3)
+        if all(k in out for k in ("argument_size_gib", "output_size_gib", "temp_size_gib")):
+            # XLA:CPU reports no peak (0): arguments + outputs - donated/aliased + temp bounds it
+            out["total_estimate_gib"] = round(
+                out["argument_size_gib"] + out["output_size_gib"]
+                - out.get("alias_size_gib", 0.0) + out["temp_size_gib"], 3)
         full_logits = batch * response_len * model_cfg.vocab_size * 4 / mesh.size
         out["one_fp32_logits_tensor_per_device_gib"] = round(full_logits / GiB, 3)
     return out
+
+
+def format_step_memory(r: dict[str, Any]) -> str:
+    """One line: the distillation step's per-device memory from ``memory_analysis()``."""
+    def g(k: str) -> str:
+        v = r.get(k)
+        return "n/a" if v is None else f"{v:.2f} GiB"
+
+    return (f"distill step per device (attention={r.get('attention_impl')}, "
+            f"student {r['student_len']} / teacher {r['teacher_len']} tokens, "
+            f"response {r['response_len']}): temp {g('temp_size_gib')}, "
+            f"arguments {g('argument_size_gib')}, outputs {g('output_size_gib')} "
+            f"(aliased {g('alias_size_gib')}), total {g('total_estimate_gib')}"
+            + (f", XLA peak {g('peak_memory_gib')}" if r.get("peak_memory_gib") else ""))
 
 
 def dry_run_from_config(cfg: Any) -> dict[str, Any]:
@@ -104,8 +125,11 @@ def dry_run_from_config(cfg: Any) -> dict[str, Any]:
 
     if not cfg.model.preset:
         raise ConfigError("--dry_run needs model.preset (e.g. 'olmo3-7b', 'qwen3-8b')")
+    from pmd_jax.wiring import attention_options
+
     mc = preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
-                                           param_dtype=cfg.model.param_dtype)
+                                           param_dtype=cfg.model.param_dtype,
+                                           **attention_options(cfg))
     n = jax.device_count()
     shape = _mesh_shape(cfg, n)
     rules_map = cfg.mesh.rules.to_dict() if cfg.mesh.rules else None
@@ -128,4 +152,5 @@ def dry_run_from_config(cfg: Any) -> dict[str, Any]:
     )
     report["rollout_rows_per_step"] = rows
     print(json.dumps(report, indent=2, default=str))
+    print(format_step_memory(report["distill_step"]))
     return report

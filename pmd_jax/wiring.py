@@ -89,6 +89,12 @@ def build_mesh(cfg: Any):
     return mesh, rules
 
 
+def attention_options(cfg: Any) -> dict[str, Any]:
+    """The ModelConfig attention fields from the run config (model.attention_impl/_chunk)."""
+    return {"attention_impl": str(cfg.model.get("attention_impl", "auto")),
+            "attention_chunk": int(cfg.model.get("attention_chunk", 512))}
+
+
 def load_model(cfg: Any) -> ModelBundle:
     from pmd_jax.models import hf_io
     from pmd_jax.models.config import from_hf_config
@@ -99,7 +105,7 @@ def load_model(cfg: Any) -> ModelBundle:
     t0 = time.perf_counter()
     src = smollm2_hf_dir() if cfg.model.source == "smollm2" else Path(cfg.model.source)
     model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
-        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **attention_options(cfg)
     )
     if cfg.model.random_init:
         model_cfg, params = _random_model(cfg, mesh, rules)
@@ -125,7 +131,8 @@ def _random_model(cfg: Any, mesh: Any, rules: Any):
     from pmd_jax.sharding import shard_tree
 
     mc = preset(cfg.model.random_init).replace(dtype=cfg.model.dtype,
-                                               param_dtype=cfg.model.param_dtype)
+                                               param_dtype=cfg.model.param_dtype,
+                                               **attention_options(cfg))
     params = decoder.init_params(mc, jax.random.PRNGKey(int(cfg.seed)))
     return mc, shard_tree(params, mesh, rules, decoder.param_axes(mc))
 

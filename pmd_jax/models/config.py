@@ -13,6 +13,7 @@ from typing import Any, Literal
 Family = Literal["llama", "qwen3", "olmo3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen3", "olmo3")
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked")  # = models.attention's
 
 # HF architecture / model_type names we accept, mapped to our family.
 _HF_MODEL_TYPES = {
@@ -70,6 +71,12 @@ class ModelConfig:
     # Activations / params dtype for compute ("float32" | "bfloat16").
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Attention implementation: "dense" (materialised [B, KV, G, T, S] scores and [B, T, S]
+    # mask), "chunked" (flash-style, O(chunk^2) scores, masks from slot indices; see
+    # pmd_jax.models.attention) or "auto" (chunked when T * S > 2048^2). ``attention_chunk`` is
+    # the query and key chunk size of the chunked version.
+    attention_impl: str = "auto"
+    attention_chunk: int = 512
 
     def __post_init__(self) -> None:
         self.validate()
@@ -146,6 +153,11 @@ class ModelConfig:
                 )
         if "full_attention" not in dict(self.rope):
             raise ConfigError("model.rope must define 'full_attention'")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(
+                f"model.attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+        if self.attention_chunk < 1:
+            raise ConfigError(f"model.attention_chunk must be >= 1, got {self.attention_chunk}")
         for dt in (self.dtype, self.param_dtype):
             if dt not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"unsupported dtype {dt!r} (float32, bfloat16, float16)")

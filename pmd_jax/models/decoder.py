@@ -37,6 +37,7 @@ the cache's own ``index``) is where the T new tokens are written.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pmd_jax.models import attention as attn_lib
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
 
@@ -279,23 +281,7 @@ def _rms_norm_heads(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (w * (xf * jax.lax.rsqrt(var + eps))).astype(x.dtype)
 
 
-def attention(
-    q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray
-) -> jnp.ndarray:
-    """Softmax attention with GQA grouping. q [B,T,H,hd], k/v [B,KV,S,hd], mask [B,T,S] bool.
-
-    Scores and softmax in float32; rows with no visible key give a uniform average (they are
-    padding queries and are never used).
-    """
-    B, T, H, hd = q.shape
-    KV = k.shape[1]
-    qg = q.reshape(B, T, KV, H // KV, hd)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (hd ** -0.5)
-    s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v)
-    return o.reshape(B, T, H, hd)
+attention = attn_lib.dense_attention  # the dense reference (materialised [B, T, S] mask)
 
 
 def silu(x: jnp.ndarray) -> jnp.ndarray:
@@ -345,6 +331,7 @@ def forward(
     remat: str = "none",
     shard_ctx: ShardCtx | None = None,
     unroll: int | bool = 1,
+    attention_impl: str | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
     """Run the decoder.
 
@@ -352,7 +339,9 @@ def forward(
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
     ``remat`` wraps the layer body in ``jax.checkpoint`` ("none", "full", "dots",
     "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
-    ``unroll`` is passed to the layer ``lax.scan``.
+    ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` ("auto" | "dense" |
+    "chunked") overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
+    mask or score matrix (see :mod:`pmd_jax.models.attention`).
     """
     check_params(params, cfg)
     if tokens.ndim != 2:
@@ -377,13 +366,10 @@ def forward(
 
     # ---- masks over slots
     if cache is None:
-        q_idx = jnp.arange(T, dtype=jnp.int32)
-        k_idx = q_idx
-        base = (k_idx[None, :] <= q_idx[:, None])[None] & kmask_new[:, None, :]
-        if segment_ids is not None:
-            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        S = T
         idx = None
         new_mask = None
+        key_mask = kmask_new
     else:
         k0 = cache["k"][0]
         S = k0.shape[2]
@@ -397,11 +383,31 @@ def forward(
         if isinstance(cache_index, int) and cache_index + T > S:
             raise ValueError(f"cache_index {cache_index} + {T} tokens exceeds cache length {S}")
         idx = jnp.asarray(cache["index"] if cache_index is None else cache_index, jnp.int32)
-        q_idx = idx + jnp.arange(T, dtype=jnp.int32)
-        k_idx = jnp.arange(S, dtype=jnp.int32)
         new_mask = jax.lax.dynamic_update_slice(cache["mask"], kmask_new, (0, idx))
-        base = (k_idx[None, :] <= q_idx[:, None])[None] & new_mask[:, None, :]
-    rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
+        key_mask = new_mask
+    impl = attn_lib.resolve_impl(
+        cfg.attention_impl if attention_impl is None else attention_impl, T, S)
+    if impl == "dense":
+        q_idx = jnp.arange(T, dtype=jnp.int32) + (0 if idx is None else idx)
+        k_idx = jnp.arange(S, dtype=jnp.int32)
+        base = (k_idx[None, :] <= q_idx[:, None])[None] & key_mask[:, None, :]
+        if segment_ids is not None:
+            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
+
+    def attend_fn(window: Any) -> Callable:
+        """``(q, k, v) -> out`` for a layer with this sliding window (_BIG_WINDOW: none)."""
+        if impl == "chunked":
+            return functools.partial(
+                attn_lib.chunked_attention, key_mask=key_mask,
+                q_offset=0 if idx is None else idx, window=window,
+                q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk)
+        if isinstance(window, int) and window >= _BIG_WINDOW:
+            mask = base
+        else:
+            mask = base & (rel < window)[None]
+        return functools.partial(attn_lib.dense_attention, mask=mask)
 
     # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
@@ -414,9 +420,10 @@ def forward(
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
 
-    def layer(x, p, cos, sin, mask, kv_update):
+    def layer(x, p, cos, sin, attend, kv_update):
         """One decoder layer. ``kv_update(k, v)`` (k/v [B,KV,T,hd]) writes the new keys and
-        values into the cache and returns the layer's full cached k/v; None without a cache."""
+        values into the cache and returns the layer's full cached k/v; None without a cache.
+        ``attend(q, k, v)`` is the layer's masked attention (see ``attend_fn``)."""
         p = jax.tree.map(lambda a: a.astype(dt), p)
         h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
         q = jnp.einsum("btd,dhk->bthk", h, p["q"])
@@ -434,7 +441,7 @@ def forward(
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if kv_update is not None:
             k, v = kv_update(k, v)
-        a = attention(q, k, v, mask)
+        a = attend(q, k, v)
         a = jnp.einsum("bthk,hkd->btd", a, p["o"])
         if cfg.attention_bias:
             a = a + p["o_bias"]
@@ -458,10 +465,8 @@ def forward(
         # cache buffer is read in place; the window and RoPE table of each layer are static.
         ks: list[jnp.ndarray] = []
         vs: list[jnp.ndarray] = []
-        layer_fn = _remat(layer, remat) if cache is None else layer
         for i, p in enumerate(params["layers"]):
-            win = int(windows[i])
-            mask = base if win >= _BIG_WINDOW else base & (rel < win)[None]
+            attend = attend_fn(int(windows[i]))
             cos, sin = cos_all[int(rope_idx[i])], sin_all[int(rope_idx[i])]
             kv_update = None
             if cache is not None:
@@ -472,9 +477,11 @@ def forward(
                         cache["v"][i], v.astype(cache["v"][i].dtype), (0, 0, idx, 0)))
                     return ks[-1].astype(dt), vs[-1].astype(dt)
             if cache is None:
-                x = layer_fn(x, p, cos, sin, mask, None)
+                # (attend is a closure, not an array: close over it inside the remat)
+                x = _remat(lambda x, p, cos, sin, attend=attend: layer(x, p, cos, sin, attend,
+                                                                       None), remat)(x, p, cos, sin)
             else:
-                x = layer(x, p, cos, sin, mask, kv_update)
+                x = layer(x, p, cos, sin, attend, kv_update)
         if cache is not None:
             new_cache = {"k": tuple(ks), "v": tuple(vs), "mask": new_mask, "index": idx + T}
     else:
@@ -490,9 +497,9 @@ def forward(
         def body(carry: Any, xs: dict[str, Any]):
             cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
             sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
-            mask = base & (rel < xs["window"])[None]
+            attend = attend_fn(xs["window"])
             if cache is None:
-                return layer(carry, xs["p"], cos, sin, mask, None), None
+                return layer(carry, xs["p"], cos, sin, attend, None), None
             x, ck_all, cv_all, li = carry
             out: dict[str, jnp.ndarray] = {}
 
@@ -504,7 +511,7 @@ def forward(
                 return (jax.lax.dynamic_index_in_dim(out["k"], li, 0, keepdims=False).astype(dt),
                         jax.lax.dynamic_index_in_dim(out["v"], li, 0, keepdims=False).astype(dt))
 
-            x = layer(x, xs["p"], cos, sin, mask, kv_update)
+            x = layer(x, xs["p"], cos, sin, attend, kv_update)
             return (x, out["k"], out["v"], li + 1), None
 
         if cache is not None:

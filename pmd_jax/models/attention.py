@@ -1,0 +1,266 @@
+"""Softmax attention: dense, and a memory-bounded chunked (flash-style) version in pure JAX.
+
+Both take q [B, T, H, hd] and heads-major k/v [B, KV, S, hd] (GQA: query head h reads kv head
+h // (H // KV)), compute scores and softmax in float32 and return [B, T, H, hd].
+
+``dense_attention`` takes a materialised mask [B, T, S] and builds [B, KV, G, T, S] scores: for
+long sequences (the Qwen3-8B teacher sees 18k tokens) that is tens of GiB per layer.
+
+``chunked_attention`` never builds anything of size T x S. Queries are cut into chunks of
+``q_chunk`` and keys into chunks of ``k_chunk``; the mask of one (query chunk, key chunk) tile is
+computed from slot indices (query t sits at slot ``q_offset + t``, key j at slot j): causal
+(j <= i), sliding window (i - j < window), key padding ``key_mask`` [B, S] and optional packing
+``segment_ids``. The softmax is the online (running max / running sum) one of FlashAttention,
+and only key chunks that can be visible from a query chunk (by causality and the window) are
+visited, so causal attention does about half the dense work and a sliding-window layer only
+O(T x window). The backward pass is a ``jax.custom_vjp`` that recomputes each tile's
+probabilities from the saved log-sum-exp (FlashAttention-2's backward), so forward and
+backward both hold O(q_chunk x k_chunk) scores per head plus O(T) residuals (q, k, v, output,
+log-sum-exp), however long the sequence.
+
+Rows with no visible key (padding queries) give an average of the values they visited; they
+are never used (dense gives an average over all keys: both are finite garbage).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pmd_jax.models.config import ATTENTION_IMPLS, ConfigError
+
+# "auto" picks chunked when one row's score matrix T x S has more entries than this
+# (2048 x 2048): above it the dense [B, KV, G, T, S] float32 scores dominate memory.
+AUTO_CHUNKED_MIN_SCORES = 2048 * 2048
+_MIN = float(jnp.finfo(jnp.float32).min)
+
+
+def resolve_impl(impl: str, T: int, S: int) -> str:
+    """The implementation ``impl`` ("auto" | "dense" | "chunked") means for T queries, S keys."""
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
+    if impl == "auto":
+        return "chunked" if T * S > AUTO_CHUNKED_MIN_SCORES else "dense"
+    return impl
+
+
+def dense_attention(
+    q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray
+) -> jnp.ndarray:
+    """Softmax attention with GQA grouping. q [B,T,H,hd], k/v [B,KV,S,hd], mask [B,T,S] bool.
+
+    Scores and softmax in float32; rows with no visible key give a uniform average (they are
+    padding queries and are never used).
+    """
+    B, T, H, hd = q.shape
+    KV = k.shape[1]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (hd ** -0.5)
+    s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v)
+    return o.reshape(B, T, H, hd)
+
+
+def chunked_attention(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    key_mask: jnp.ndarray | None = None,
+    *,
+    q_offset: jnp.ndarray | int = 0,
+    window: jnp.ndarray | int | None = None,
+    q_segment_ids: jnp.ndarray | None = None,
+    k_segment_ids: jnp.ndarray | None = None,
+    q_chunk: int = 512,
+    k_chunk: int = 512,
+) -> jnp.ndarray:
+    """Memory-bounded causal attention; same result as :func:`dense_attention` with the mask
+    ``(j <= q_offset + t) & (q_offset + t - j < window) & key_mask[b, j]
+    (& q_segment_ids[b, t] == k_segment_ids[b, j])``.
+
+    q [B,T,H,hd], k/v [B,KV,S,hd], key_mask [B,S] bool (None: all keys real), ``q_offset``:
+    slot of the first query (the KV-cache write index; 0 without a cache), ``window``: sliding
+    window (None: unlimited; may be a traced per-layer scalar). Chunk sizes need not divide T
+    or S (the last chunk is padded).
+    """
+    B, T, H, hd = q.shape
+    if k.ndim != 4 or k.shape[0] != B or v.shape != k.shape or k.shape[-1] != hd:
+        raise ValueError(f"k/v must be [B, KV, S, hd] matching q {q.shape}; got {k.shape}, "
+                         f"{v.shape}")
+    KV, S = k.shape[1], k.shape[2]
+    if H % KV:
+        raise ValueError(f"{H} query heads are not a multiple of {KV} kv heads")
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"chunk sizes must be >= 1, got q_chunk={q_chunk} k_chunk={k_chunk}")
+    if (q_segment_ids is None) != (k_segment_ids is None):
+        raise ValueError("give both q_segment_ids and k_segment_ids, or neither")
+    km = jnp.ones((B, S), jnp.bool_) if key_mask is None else key_mask.astype(jnp.bool_)
+    win = jnp.asarray(2**30 if window is None else window, jnp.int32)
+    off = jnp.asarray(q_offset, jnp.int32)
+    if q_segment_ids is None:
+        qseg = kseg = None
+    else:
+        qseg = q_segment_ids.astype(jnp.int32)
+        kseg = k_segment_ids.astype(jnp.int32)
+    cq, ck = min(q_chunk, T), min(k_chunk, S)
+    return _flash(cq, ck, q, k, v, km, off, win, qseg, kseg)
+
+
+# --------------------------------------------------------------------------- internals
+def _pad_axis(x: jnp.ndarray, axis: int, to: int, value=0) -> jnp.ndarray:
+    n = x.shape[axis]
+    if n == to:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, to - n)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _layout(cq, ck, q, k, v, km, qseg, kseg):
+    """Pad and chunk: q -> [nq, B, cq, KV, G, hd]; k/v/key mask/segments padded to nk * ck."""
+    B, T, H, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    nq, nk = math.ceil(T / cq), math.ceil(S / ck)
+    qc = _pad_axis(q, 1, nq * cq).reshape(B, nq, cq, KV, H // KV, hd).swapaxes(0, 1)
+    kp, vp = _pad_axis(k, 2, nk * ck), _pad_axis(v, 2, nk * ck)
+    kmp = _pad_axis(km, 1, nk * ck, False)
+    qsc = ksp = None
+    if qseg is not None:
+        qsc = _pad_axis(qseg, 1, nq * cq, -1).reshape(B, nq, cq).swapaxes(0, 1)
+        ksp = _pad_axis(kseg, 1, nk * ck, -2)
+    return qc, kp, vp, kmp, qsc, ksp, nq, nk
+
+
+def _q_slots(i, cq, T, off):
+    """Slots of query chunk i (padded queries repeat the last real slot) and the range of key
+    chunks [lo, hi) that any of them can see."""
+    t = jnp.minimum(i * cq + jnp.arange(cq, dtype=jnp.int32), T - 1)
+    return off + t
+
+
+def _k_range(slots, win, ck, nk):
+    lo = jnp.clip((slots[0] - win + 1) // ck, 0, nk)
+    hi = jnp.clip(slots[-1] // ck + 1, 0, nk)
+    return lo, hi
+
+
+def _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale):
+    """Masked float32 scores [B, KV, G, cq, ck] of query chunk qc [B, cq, KV, G, hd] against
+    key chunk j, and that chunk's k, v [B, KV, ck, hd]."""
+    kc = jax.lax.dynamic_slice_in_dim(kp, j * ck, ck, axis=2)
+    vc = jax.lax.dynamic_slice_in_dim(vp, j * ck, ck, axis=2)
+    kmc = jax.lax.dynamic_slice_in_dim(kmp, j * ck, ck, axis=1)
+    s = jnp.einsum("bqkgd,bksd->bkgqs", qc, kc, preferred_element_type=jnp.float32) * scale
+    kslots = j * ck + jnp.arange(ck, dtype=jnp.int32)
+    rel = slots[:, None] - kslots[None, :]
+    vis = ((rel >= 0) & (rel < win))[None] & kmc[:, None, :]  # [B, cq, ck]
+    if qs is not None:
+        ksc = jax.lax.dynamic_slice_in_dim(ksp, j * ck, ck, axis=1)
+        vis = vis & (qs[:, :, None] == ksc[:, None, :])
+    s = jnp.where(vis[:, None, None], s, _MIN)
+    return s, kc, vc
+
+
+def _forward(cq, ck, q, k, v, km, off, win, qseg, kseg):
+    B, T, H, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    scale = hd ** -0.5
+    qc_all, kp, vp, kmp, qsc, ksp, nq, nk = _layout(cq, ck, q, k, v, km, qseg, kseg)
+
+    def q_step(_, xs):
+        i, qc, qs = xs
+        slots = _q_slots(i, cq, T, off)
+        lo, hi = _k_range(slots, win, ck, nk)
+
+        def k_step(j, carry):
+            m, den, acc = carry
+            s, _, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            corr = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            den = den * corr + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vc,
+                            preferred_element_type=jnp.float32)
+            return m_new, den, acc * corr[..., None] + pv
+
+        m0 = jnp.full((B, KV, G, cq), _MIN, jnp.float32)
+        l0 = jnp.zeros((B, KV, G, cq), jnp.float32)
+        a0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
+        m, den, acc = jax.lax.fori_loop(lo, hi, k_step, (m0, l0, a0))
+        den = jnp.where(den > 0, den, 1.0)
+        o = (acc / den[..., None]).astype(q.dtype)
+        lse = m + jnp.log(den)
+        return None, (o, lse)
+
+    idx = jnp.arange(nq, dtype=jnp.int32)
+    _, (o, lse) = jax.lax.scan(q_step, None, (idx, qc_all, qsc))
+    # o [nq, B, KV, G, cq, hd] -> [B, T, H, hd]
+    out = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * cq, H, hd)[:, :T]
+    return out, (o, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(cq, ck, q, k, v, km, off, win, qseg, kseg):
+    return _forward(cq, ck, q, k, v, km, off, win, qseg, kseg)[0]
+
+
+def _flash_fwd(cq, ck, q, k, v, km, off, win, qseg, kseg):
+    out, (o, lse) = _forward(cq, ck, q, k, v, km, off, win, qseg, kseg)
+    return out, (q, k, v, km, off, win, qseg, kseg, o, lse)
+
+
+def _flash_bwd(cq, ck, res, dout):
+    q, k, v, km, off, win, qseg, kseg, o, lse = res
+    B, T, H, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = H // KV
+    scale = hd ** -0.5
+    qc_all, kp, vp, kmp, qsc, ksp, nq, nk = _layout(cq, ck, q, k, v, km, qseg, kseg)
+    # dO in the layout of o: [nq, B, KV, G, cq, hd], float32 (zero on padded queries)
+    do = _pad_axis(dout.astype(jnp.float32), 1, nq * cq)
+    do = do.reshape(B, nq, cq, KV, G, hd).transpose(1, 0, 3, 4, 2, 5)
+    dsum = jnp.sum(do * o.astype(jnp.float32), axis=-1)  # [nq, B, KV, G, cq]
+    Sp = nk * ck
+
+    def q_step(carry, xs):
+        dk_acc, dv_acc = carry
+        i, qc, qs, doc, lse_c, d_c = xs
+        slots = _q_slots(i, cq, T, off)
+        lo, hi = _k_range(slots, win, ck, nk)
+        qf = qc.astype(jnp.float32)
+
+        def k_step(j, c):
+            dq, dk_acc, dv_acc = c
+            s, kc, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale)
+            p = jnp.exp(s - lse_c[..., None])  # [B, KV, G, cq, ck]
+            dv = jnp.einsum("bkgqs,bkgqd->bksd", p, doc)
+            dp = jnp.einsum("bkgqd,bksd->bkgqs", doc, vc.astype(jnp.float32))
+            ds = p * (dp - d_c[..., None]) * scale
+            dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kc.astype(jnp.float32))
+            dk = jnp.einsum("bkgqs,bqkgd->bksd", ds, qf)
+            start = (0, 0, j * ck, 0)
+            dk_acc = jax.lax.dynamic_update_slice(
+                dk_acc, jax.lax.dynamic_slice(dk_acc, start, dk.shape) + dk, start)
+            dv_acc = jax.lax.dynamic_update_slice(
+                dv_acc, jax.lax.dynamic_slice(dv_acc, start, dv.shape) + dv, start)
+            return dq, dk_acc, dv_acc
+
+        dq0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
+        dq, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, k_step, (dq0, dk_acc, dv_acc))
+        return (dk_acc, dv_acc), dq
+
+    zeros = jnp.zeros((B, KV, Sp, hd), jnp.float32)
+    idx = jnp.arange(nq, dtype=jnp.int32)
+    (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), (idx, qc_all, qsc, do, lse, dsum))
+    dq = dq.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * cq, H, hd)[:, :T]
+    return (dq.astype(q.dtype), dk[:, :, :S].astype(k.dtype), dv[:, :, :S].astype(v.dtype),
+            None, None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
