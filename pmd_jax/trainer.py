@@ -147,11 +147,13 @@ class Trainer:
         memory update, whose reflections also generate. Rather than a lock (which would make
         every reflection wait for the whole rollout batch, i.e. no overlap during the memory
         update), the in-process JAX sampler gets a second instance for the main thread: it
-        shares the compiled programs (cached per model config) and the very same weight
-        arrays (set_params does not copy), so it costs no memory or compilation, and the two
-        objects share no mutable state. The vLLM client holds none beyond the version
+        shares the compiled programs (cached per model config) and, from the first publish
+        on, the very same weight arrays (_publish hands it the rollout sampler's), so it
+        costs no compilation and no weights beyond the initial ones; the two objects share
+        no mutable state. The vLLM client holds none beyond the version
         number (one urllib request per call) and the server batches concurrent requests, so
-        it is shared as is.
+        it is shared as is. (If JaxSampler grew a public "share weights with another
+        instance" method, _publish should use it instead of assigning ``params``.)
         """
         import jax
 
@@ -238,7 +240,10 @@ class Trainer:
         # train state's buffers while the rollout thread is still reading the published ones.
         wiring.publish(self.cfg, self.sampler, self.state, version, copy=self.overlap)
         if self.reflect_sampler is not self.sampler:
-            self.reflect_sampler.set_params(self.sampler.params, version=int(version))
+            # Same class and config: share the rollout sampler's placed (possibly per-layer
+            # unstacked) arrays as they are, so the weights exist once for both.
+            self.reflect_sampler.params = self.sampler.params
+            self.reflect_sampler.weights_version = self.sampler.weights_version
         self.weights_version = int(version)
 
     # ------------------------------------------------------------------ the loop
