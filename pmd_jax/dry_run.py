@@ -105,6 +105,38 @@ def next_token_loss(logits: Any, tokens: Any, mask: Any) -> Any:
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+def chunked_next_token_loss(hidden: Any, params: Any, cfg: Any, tokens: Any, mask: Any,
+                            chunk: int = 1024, unroll: int | bool = 1) -> Any:
+    """:func:`next_token_loss` from the final hidden states [B, T, D], computing the logits
+    chunk by chunk over the sequence (``jax.checkpoint`` per chunk, so neither the forward
+    nor the backward holds more than one [B, chunk, V] float32 block). ``unroll`` goes to the
+    ``lax.scan`` over chunks (unrolled, XLA's cost analysis counts every chunk)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pmd_jax.models import decoder
+
+    B, T, D = hidden.shape
+    chunk = max(1, min(chunk, T - 1))
+    h, tgt = hidden[:, :-1], tokens[:, 1:].astype(jnp.int32)
+    w = (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)
+    n = -(-(T - 1) // chunk)
+    pad = n * chunk - (T - 1)
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
+    tgt = jnp.pad(tgt, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+    w = jnp.pad(w, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def block(hc, tc, wc):
+        lg = decoder.logits_from_hidden(hc, params, cfg)  # [B, chunk, V] float32
+        nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tc[..., None], -1)[..., 0]
+        return jnp.sum(nll * wc)
+
+    total, _ = jax.lax.scan(lambda c, xs: (c + block(*xs), None), jnp.float32(0), (h, tgt, w),
+                            unroll=unroll)
+    return total / jnp.maximum(jnp.sum(w), 1.0)
+
+
 def _depth(cfg: Any, n: int) -> Any:
     over: dict[str, Any] = {"num_layers": n}
     if cfg.layer_types is not None:
@@ -147,11 +179,12 @@ def _compile_step(cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll
         positions = decoder.positions_from_mask(mask)
 
         def loss_fn(p):
-            logits, _ = decoder.forward(
+            # the logits are never materialised as [B, T, V] (chunked over the sequence)
+            hidden, _ = decoder.forward(
                 p, tokens, positions, cfg, attn_mask=mask, remat=remat,
-                shard_ctx=(mesh, rules_obj), unroll=unroll,
+                shard_ctx=(mesh, rules_obj), unroll=unroll, return_hidden=True,
             )
-            return next_token_loss(logits, tokens, mask)
+            return chunked_next_token_loss(hidden, p, cfg, tokens, mask, unroll=unroll)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = opt.update(grads, opt_state, params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -76,6 +77,9 @@ def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: 
     t0 = time.perf_counter()
     compiled = ts.lower(state, ab).compile()
     ma = compiled.memory_analysis()
+    # Any array with two sequence-length axes ([.., T, S] scores or masks) in the optimised
+    # program: with chunked attention there is none.
+    seq_sq = seq_by_seq_shapes(compiled.as_text(), (student_len, teacher_len))
     out = {
         "what": "distillation step (TrainStep)",
         "batch": batch, "student_len": student_len, "teacher_len": teacher_len,
@@ -85,6 +89,7 @@ def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: 
         "attention_impl": model_cfg.attention_impl,
         "attention_chunk": model_cfg.attention_chunk,
         "compile_seconds": round(time.perf_counter() - t0, 1),
+        "seq_x_seq_shapes": seq_sq,
     }
     if ma is not None:
         for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
@@ -102,6 +107,18 @@ def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: 
     return out
 
 
+def seq_by_seq_shapes(hlo_text: str, lengths: tuple[int, ...]) -> list[str]:
+    """Distinct array shapes in an HLO text with at least two axes whose sizes are among
+    ``lengths`` (sequence lengths): the signature of a materialised attention matrix."""
+    lens = {int(n) for n in lengths}
+    found = set()
+    for m in re.finditer(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]", hlo_text):
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        if sum(d in lens for d in dims) >= 2:
+            found.add(f"{m.group(1)}[{m.group(2)}]")
+    return sorted(found)
+
+
 def format_step_memory(r: dict[str, Any]) -> str:
     """One line: the distillation step's per-device memory from ``memory_analysis()``."""
     def g(k: str) -> str:
@@ -113,7 +130,8 @@ def format_step_memory(r: dict[str, Any]) -> str:
             f"response {r['response_len']}): temp {g('temp_size_gib')}, "
             f"arguments {g('argument_size_gib')}, outputs {g('output_size_gib')} "
             f"(aliased {g('alias_size_gib')}), total {g('total_estimate_gib')}"
-            + (f", XLA peak {g('peak_memory_gib')}" if r.get("peak_memory_gib") else ""))
+            + (f", XLA peak {g('peak_memory_gib')}" if r.get("peak_memory_gib") else "")
+            + f"; arrays with two sequence axes: {r.get('seq_x_seq_shapes') or 'none'}")
 
 
 def dry_run_from_config(cfg: Any) -> dict[str, Any]:

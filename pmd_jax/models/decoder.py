@@ -33,6 +33,12 @@ j is visible from slot i iff j <= i and, on sliding layers, i - j < window). ``p
 given by the caller (for left padding: cumsum of the mask - 1). ``segment_ids`` (packing)
 restricts attention to equal ids. With a KV cache, slots are cache slots: ``cache_index`` (or
 the cache's own ``index``) is where the T new tokens are written.
+
+Attention implementations (``cfg.attention_impl`` or ``forward(..., attention_impl=)``):
+"dense" builds the [B, T, S] mask and [B, KV, G, T, S] float32 scores; "chunked"
+(:func:`pmd_jax.models.attention.chunked_attention`) computes each (query chunk, key chunk)
+tile's mask from slot indices and runs an online softmax, so no array has two sequence axes
+(forward and backward); "auto" picks chunked when T * S > 2048^2.
 """
 
 from __future__ import annotations
