@@ -344,3 +344,17 @@ def test_smollm2_greedy_equals_hf_generate_8x64(smollm2):
 def test_smollm2_from_hf_gguf_reader_16x128():
     _check_against_hf(*_smollm2(from_gguf=True), n_prompts=16, max_new=128,
                       temperature_check=True)
+
+
+def test_share_weights_uses_the_same_arrays(tiny, tiny_params):
+    other = JaxSampler(TINY, decoder.init_params(TINY, jax.random.PRNGKey(9)), max_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    assert [r.tokens.tolist() for r in other.generate([[1, 2, 3]], sp)] != [
+        r.tokens.tolist() for r in tiny.generate([[1, 2, 3]], sp)]
+    other.share_weights(tiny)
+    assert other.params is tiny.params and other.weights_version == tiny.weights_version
+    assert [r.tokens.tolist() for r in other.generate([[1, 2, 3]], sp)] == [
+        r.tokens.tolist() for r in tiny.generate([[1, 2, 3]], sp)]
+    stacked = JaxSampler(TINY, tiny_params, max_len=128, unstack_layers=False)
+    with pytest.raises(SamplerError, match="unstack_layers"):
+        stacked.share_weights(tiny)

@@ -152,6 +152,16 @@ class JaxSampler:
         self.params = decoder.unstack_layers(placed) if self.unstack_layers else placed
         self.weights_version = version
 
+    def share_weights(self, other: JaxSampler) -> None:
+        """Use ``other``'s placed weights and version as they are (no copy): for a second
+        sampler of the same model, e.g. one serving reflection calls on another thread."""
+        if other.cfg != self.cfg or other.mesh is not self.mesh:
+            raise SamplerError("share_weights needs a sampler of the same model config and mesh")
+        if other.unstack_layers != self.unstack_layers:
+            raise SamplerError("share_weights needs samplers with the same unstack_layers")
+        self.params = other.params
+        self.weights_version = other.weights_version
+
     def set_weights(self, version: int) -> None:
         """Load committed ``version`` from the weight store (HF-named arrays) and use it."""
         if self._store is None:
