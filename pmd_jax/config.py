@@ -80,6 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict()
     c.rollout.sampler = "jax"
     c.rollout.vllm_url = "http://127.0.0.1:8000"
+    c.rollout.vllm_model = ""  # served model name; "" = the one model the server serves
     c.rollout.weight_store = ""  # tensorstore URL for publishing to vLLM
     c.rollout.problems_per_step = 32  # B
     c.rollout.n = 8  # G rollouts per problem

@@ -152,8 +152,7 @@ class Trainer:
         costs no compilation and no weights beyond the initial ones; the two objects share
         no mutable state. The vLLM client holds none beyond the version
         number (one urllib request per call) and the server batches concurrent requests, so
-        it is shared as is. (If JaxSampler grew a public "share weights with another
-        instance" method, _publish should use it instead of assigning ``params``.)
+        it is shared as is.
         """
         import jax
 
@@ -242,8 +241,7 @@ class Trainer:
         if self.reflect_sampler is not self.sampler:
             # Same class and config: share the rollout sampler's placed (possibly per-layer
             # unstacked) arrays as they are, so the weights exist once for both.
-            self.reflect_sampler.params = self.sampler.params
-            self.reflect_sampler.weights_version = self.sampler.weights_version
+            self.reflect_sampler.share_weights(self.sampler)
         self.weights_version = int(version)
 
     # ------------------------------------------------------------------ the loop

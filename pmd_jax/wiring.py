@@ -155,7 +155,8 @@ def build_sampler(cfg: Any, model: ModelBundle):
                           max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch)
     from pmd_jax.sampling.vllm_client import VLLMSampler
 
-    return VLLMSampler(r.vllm_url, store_url=r.weight_store)
+    return VLLMSampler(r.vllm_url, r.vllm_model or None, store_url=r.weight_store,
+                       vocab_size=model.cfg.vocab_size, max_model_len=max_len)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -295,7 +296,11 @@ def build_train_batch(cfg: Any, model: ModelBundle, task: Any, memory: Any,
     logp = np.zeros((len(responses), rl), np.float32)
     for k, lp in enumerate(sampler_logp):
         logp[k, : len(lp)] = lp
-    batch = make_batch(db, sd_mask=sd, sampler_logp=logp, old_logp=logp,
+    # One update per rollout batch (METHOD 1.3): the old policy is the current one, so no
+    # old_logp (the step takes logp.detach(), ratio 1); the sampler/trainer gap is corrected
+    # by the truncated rollout IS weights from sampler_logp alone (passing the sampler's
+    # log-probs as old_logp too would apply that ratio twice).
+    batch = make_batch(db, sd_mask=sd, sampler_logp=logp,
                        rewards=sb.rewards.reshape(-1).astype(np.float32))
     stats["student_tokens_mean"] = float(np.mean([len(s) + len(x)
                                                   for s, x in zip(students, responses,

@@ -359,3 +359,40 @@ def test_logprobs_are_at_the_sampling_temperature(server, hf_model, base_weights
     # seeded: the same request gives the same samples
     again = smp.generate(prompts[:3], params)
     assert [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in rs]
+
+
+def test_trainer_runs_with_the_vllm_sampler(server, tmp_path):
+    """The real entry point with rollout.sampler=vllm: two SDPO steps of SmolLM2 whose rollouts
+    come from the running server, each step's weights published over tensorstore and reloaded
+    by the server; at step 0 (same weights) the trainer's log-probs equal vLLM's."""
+    import json
+    import subprocess
+    import sys
+
+    smp, _ = server
+    store = tmp_path / "store"  # its own store: versions 0, 1, 2 published by the trainer
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("PMD_")}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = [
+        sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
+        f"--config.run_dir={run_dir}", "--config.mode=sdpo",
+        "--config.rollout.sampler=vllm", f"--config.rollout.vllm_url={smp.base_url}",
+        f"--config.rollout.weight_store={store}", "--config.rollout.max_context=512",
+        "--config.rollout.problems_per_step=2", "--config.rollout.n=2",
+        "--config.rollout.max_tokens=8", "--config.train.steps=2",
+        "--config.train.eval_every=-1", "--config.train.eval_at_start=False",
+        "--config.train.checkpoint_every=100", "--config.task.max_eval_problems=2",
+        "--config.teacher_prompt.include_feedback=True",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [0, 1]
+    # step 0 samples with the served weights, which are the trainer's initial weights
+    assert train[0]["logp_mismatch_mean"] < 1e-3, train[0]
+    assert train[1]["rollout_weights_version"] == 1  # step 1 sampled after reloading v1
+    from pmd_jax.sampling.weight_store import WeightStore
+
+    assert WeightStore(os.fspath(store)).latest_version() == 2

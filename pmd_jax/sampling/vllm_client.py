@@ -53,7 +53,7 @@ class VLLMSampler:
     def __init__(
         self,
         base_url: str,
-        model: str,
+        model: str | None = None,
         store_url: str | None = None,
         *,
         timeout_s: float = 300.0,
@@ -66,7 +66,7 @@ class VLLMSampler:
         if not base_url.startswith(("http://", "https://")):
             raise SamplerError(f"VLLMSampler: base_url must be http(s)://..., got {base_url!r}")
         self.base_url = base_url.rstrip("/")
-        self.model = model
+        self.model = model or None  # None: the one model the server serves (GET /v1/models)
         self.store_url = store_url
         self.timeout_s = timeout_s
         self.reload_timeout_s = reload_timeout_s
@@ -143,6 +143,26 @@ class VLLMSampler:
             time.sleep(poll_s)
         raise VLLMServerError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
 
+    def served_models(self) -> list[str]:
+        """Model names the server serves (``GET /v1/models``)."""
+        out = self._request("GET", "/v1/models")
+        try:
+            return [str(m["id"]) for m in out["data"]]
+        except (KeyError, TypeError) as e:
+            raise VLLMServerError(
+                f"unexpected /v1/models answer from {self.base_url}: {_excerpt(out)}") from e
+
+    def model_name(self) -> str:
+        """The model name sent with each request; asks the server once when not given."""
+        if self.model is None:
+            names = self.served_models()
+            if len(names) != 1:
+                raise SamplerError(
+                    f"vLLM server at {self.base_url} serves {names}; set the model name "
+                    "(rollout.vllm_model) to one of them")
+            self.model = names[0]
+        return self.model
+
     # ------------------------------------------------------------------------- Sampler
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
         params.validate(self.vocab_size)
@@ -164,7 +184,7 @@ class VLLMSampler:
                 )
             clean.append(toks)
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model_name(),
             "prompt": clean if len(clean) > 1 else clean[0],
             "n": params.n,
             "max_tokens": params.max_tokens,
