@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.chat_template = "auto"  # auto | chatml | qwen3 | olmo3
     c.model.system_prompt = ""  # extra system prompt ("" = the task's own)
     # "auto" | "dense" | "chunked": chunked (flash-style) attention never builds [T, S] scores
-    # or masks; auto uses it when T * S > 2048^2. attention_chunk: its query/key chunk size.
+    # or masks; auto uses it when T * S > 1024^2. attention_chunk: its query/key chunk size.
     c.model.attention_impl = "auto"
     c.model.attention_chunk = 512
 

@@ -117,8 +117,8 @@ def test_bf16_inputs_close_to_dense():
 
 def test_resolve_and_validation():
     assert attn.resolve_impl("auto", 1, 100_000) == "dense"  # decoding
-    assert attn.resolve_impl("auto", 2048, 2048) == "dense"
-    assert attn.resolve_impl("auto", 4096, 4096) == "chunked"
+    assert attn.resolve_impl("auto", 1024, 1024) == "dense"
+    assert attn.resolve_impl("auto", 1024, 1025) == "chunked"
     assert attn.resolve_impl("dense", 10**5, 10**5) == "dense"
     with pytest.raises(ConfigError, match="attention_impl='flash'"):
         attn.resolve_impl("flash", 4, 4)

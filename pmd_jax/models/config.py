@@ -73,7 +73,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     # Attention implementation: "dense" (materialised [B, KV, G, T, S] scores and [B, T, S]
     # mask), "chunked" (flash-style, O(chunk^2) scores, masks from slot indices; see
-    # pmd_jax.models.attention) or "auto" (chunked when T * S > 2048^2). ``attention_chunk`` is
+    # pmd_jax.models.attention) or "auto" (chunked when T * S > 1024^2). ``attention_chunk`` is
     # the query and key chunk size of the chunked version.
     attention_impl: str = "auto"
     attention_chunk: int = 512

@@ -38,7 +38,7 @@ Attention implementations (``cfg.attention_impl`` or ``forward(..., attention_im
 "dense" builds the [B, T, S] mask and [B, KV, G, T, S] float32 scores; "chunked"
 (:func:`pmd_jax.models.attention.chunked_attention`) computes each (query chunk, key chunk)
 tile's mask from slot indices and runs an online softmax, so no array has two sequence axes
-(forward and backward); "auto" picks chunked when T * S > 2048^2.
+(forward and backward); "auto" picks chunked when T * S > 1024^2.
 """
 
 from __future__ import annotations
