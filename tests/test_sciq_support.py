@@ -93,6 +93,8 @@ def test_direct_text_style_on_real_sciq(raw):
         bullets = "\n".join(f"- {o}" for o in p.meta["options"])
         assert f"Options:\n{bullets}\nAnswer with the option text only" in user
         assert "\nA: " not in user and "letter" not in task.prompt(p)[0]["content"]
+        # the system prompt's example answer is a concrete word, not a copyable placeholder
+        assert "<answer>water</answer>" in task.prompt(p)[0]["content"]
         assert task.response_prefix(p) == "<answer>"
         # right: the raw record's correct answer, in any case, with a final period
         ok = task.verify(p, f"<answer> {d['correct_answer'].upper()}.</answer>")
@@ -104,6 +106,8 @@ def test_direct_text_style_on_real_sciq(raw):
             bad = task.verify(p, f"<answer>{dis}</answer>")
             assert (bad.reward, bad.reason, bad.ok) == (0.0, "wrong_answer", True)
             assert dis in bad.feedback
+        # copied with the bullet the options are listed with: still that option
+        assert task.verify(p, f"<answer>- {d['correct_answer']}</answer>").reward == 1.0
         # a letter is not an option text here
         assert task.verify(p, "<answer>A</answer>").reason == "invalid_answer"
         assert task.verify(p, d["correct_answer"]).reason == "no_answer_tag"

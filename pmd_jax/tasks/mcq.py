@@ -62,8 +62,10 @@ DIRECT_USER_SUFFIX = "Answer with the letter only, inside <answer></answer> tags
 # tag; reward 1 iff it equals the gold option's text (case, surrounding spaces, quotes and
 # periods ignored).
 DIRECT_TEXT_SYSTEM_PROMPT = """Given a question and {word} options, select the right answer. \
-Reply with only the text of the correct option inside answer tags, for example:
-<answer>the option text</answer>"""
+Reply with only the text of the correct option, copied exactly, inside answer tags. For \
+example, if the options are "iron", "oxygen", "water" and "salt" and "water" is correct, \
+reply:
+<answer>water</answer>"""
 DIRECT_TEXT_USER_SUFFIX = "Answer with the option text only, inside <answer></answer> tags."
 PROMPT_STYLES = ("reasoning", "direct", "direct_text")
 # SciQ's reading-comprehension setting (ours, off by default): the question's "support"
@@ -116,9 +118,13 @@ def direct_text_system_prompt(n_options: int) -> str:
 
 
 def normalize_option_text(s: str) -> str:
-    """Case-folded, inner spaces collapsed, surrounding spaces, quotes and periods dropped:
-    what "the same option text" means for the direct_text style."""
-    return " ".join(s.split()).strip("\"'. ").casefold()
+    """Case-folded, inner spaces collapsed, a leading "- " (the bullet options are shown
+    with), surrounding spaces, quotes and periods dropped: what "the same option text" means
+    for the direct_text style."""
+    s = " ".join(s.split())
+    if s.startswith("- "):
+        s = s[2:]
+    return s.strip("\"'. ").casefold()
 
 
 def score_mcq_text(response: str, gold_index: int, options: Sequence[str]) -> VerifyResult:
