@@ -81,5 +81,8 @@ def test_overlap_staleness_and_first_step(clean_run: Path, overlap_run: Path):
     assert probs_off and probs_on == probs_off
 
 
+# ~75 s: the default run keeps the non-overlap kill -9 test (test_trainer.py) and the overlap
+# staleness test; this one runs with -m slow.
+@pytest.mark.slow
 def test_overlap_kill9_resume_is_bitwise_identical(overlap_run: Path, tmp_path: Path):
     kill9_and_resume(overlap_run, tmp_path / "killed", *OVERLAP)
