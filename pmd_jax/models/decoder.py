@@ -170,10 +170,11 @@ def _walk_shapes(params: Any, want: Any, where: str) -> None:
 def unstack_layers(params: Params) -> Params:
     """The same params with ``layers`` split into a tuple of per-layer dicts.
 
-    ``forward`` then runs a Python loop over layers instead of a scan. Decoding is bandwidth
-    bound, and a scan reads each layer's weights through a dynamic slice of the stacked
-    arrays, which XLA:CPU materialises as a copy (the whole model copied once per token);
-    separate per-layer arrays are read in place. Costs one extra copy of the layer weights.
+    ``forward`` then runs a Python loop over layers instead of a scan. A scan reads each
+    layer's weights through a dynamic slice of the stacked arrays, which XLA:CPU materialises
+    as a copy (the whole model copied once per decoded token); separate per-layer arrays are
+    read in place. That matters most when memory bandwidth is contended. Costs one extra copy
+    of the layer weights.
     Sharded arrays keep their sharding (minus the layers axis).
     """
     layers = params["layers"]

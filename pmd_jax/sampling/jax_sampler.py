@@ -88,8 +88,10 @@ class JaxSampler:
       max_batch: largest number of rows per compiled batch; bigger requests are split.
       cache_dtype: KV cache dtype (default: the compute dtype).
       unstack_layers: keep the weights as separate per-layer arrays and decode with a loop
-        over layers (default; about 1.5x faster decoding on CPU, one extra copy of the layer
-        weights); False keeps the stacked arrays and the layer scan (smaller compile).
+        over layers (default; one extra copy of the layer weights). On a loaded 2-core CPU the
+        decode step was 3.6x faster this way (161 vs 586 ms at B=16), on a quiet one about
+        the same (125-163 vs 135-151 ms); False keeps the stacked arrays and the layer scan
+        (smaller compile).
     """
 
     def __init__(
