@@ -395,7 +395,11 @@ def publish(cfg: Any, sampler: Any, bundle: TrainBundle, step: int, copy: bool =
             import jax
             import jax.numpy as jnp
 
-            params = jax.tree.map(jnp.copy, params)
+            # A sampler that splits the layers (JaxSampler.unstack_layers) already makes new
+            # per-layer arrays; only the other leaves need their own copy.
+            skip = "layers" if getattr(sampler, "unstack_layers", False) else None
+            params = {k: v if k == skip else jax.tree.map(jnp.copy, v)
+                      for k, v in params.items()}
         sampler.set_params(params, version=int(step))
         return
     from pmd_jax.models.hf_io import iter_hf_tensors
