@@ -188,5 +188,6 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
     assert (r["student_len"], r["teacher_len"], r["response_len"]) == (10240, 18432, 8192)
     assert r["seq_x_seq_shapes"] == []
     # dense attention: 134 GiB temp per device (one [8, 4, 18432, 18432] float32 score tensor
-    # alone is 40.5 GiB); chunked: 54 GiB, 37 GiB of it the loss's top-k all-gather
-    assert r["temp_size_gib"] < 64
+    # alone is 40.5 GiB); chunked: 54 GiB, 37 GiB of it the loss's lax.top_k all-gather;
+    # with the vocab-sharded top-K (distill/sharded_topk.py): 19.0 GiB
+    assert r["temp_size_gib"] < 24

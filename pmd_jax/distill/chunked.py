@@ -102,6 +102,7 @@ def chunked_distill_stats(
     trust_region_alpha: float | None = None,
     vocab_major: bool = False,
     remat: bool = True,
+    topk_indices: losses.TopKIndices | None = None,
 ) -> dict[str, Array]:
     """Per-token distillation statistics, ``[B, T]`` each, computed chunk by chunk.
 
@@ -115,6 +116,9 @@ def chunked_distill_stats(
     ``remat=False`` keeps each chunk's logits for the backward pass instead of recomputing
     them (one more projection per chunk saved, ``B * T * V`` fp32 logits kept alive: only for
     short responses / small vocabularies, e.g. the CPU benchmark).
+    ``topk_indices``: the top-K index function (default ``lax.top_k``; on a mesh with a
+    sharded vocabulary use :func:`pmd_jax.distill.sharded_topk.make_topk_indices`, which does
+    not all-gather the logits chunk).
     """
     _check_hidden(student_hidden, student_unembed, "student", vocab_major)
     _check_hidden(teacher_hidden, teacher_unembed, "teacher", vocab_major)
@@ -172,7 +176,7 @@ def chunked_distill_stats(
         if hr is not None:
             r_logits = project(hr, w_r, vocab_major)
             t_logits = r_logits + tr_alpha * (t_logits - r_logits)
-        return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg)
+        return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg, topk_indices)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
@@ -204,6 +208,7 @@ def chunked_distill_loss(
     trust_region_alpha: float | None = None,
     vocab_major: bool = False,
     remat: bool = True,
+    topk_indices: losses.TopKIndices | None = None,
 ) -> tuple[Array, dict[str, Array], dict[str, Array]]:
     """The SDPO loss from aligned hidden states: ``(loss, metrics, per_token_stats)``.
 
@@ -223,6 +228,7 @@ def chunked_distill_loss(
         trust_region_alpha=trust_region_alpha,
         vocab_major=vocab_major,
         remat=remat,
+        topk_indices=topk_indices,
     )
     loss, metrics = losses.finalize_distill(
         stats,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,6 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 Array = jax.Array
+# (x, k) -> int indices of the k largest entries of x's last axis (lax.top_k order)
+TopKIndices = Callable[[Array, int], Array]
 
 # log(1 - sum p) is computed from a log-sum clamped below 0 by this much (verl's constant).
 TAIL_CLAMP = -1e-7
@@ -172,12 +175,16 @@ def renormalize(logp: Array) -> Array:
     return logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
 
 
-def topk_log_probs(student_logp: Array, teacher_logp: Array, k: int) -> tuple[Array, Array, Array]:
+def topk_log_probs(
+    student_logp: Array, teacher_logp: Array, k: int, topk_indices: TopKIndices | None = None
+) -> tuple[Array, Array, Array]:
     """Student and teacher full-vocab log-probs at the student's top-K indices.
 
     Both inputs are already normalised over the full vocabulary (``log_probs``), so the
     gathered values keep the full-vocab logsumexp, as in verl. Returns
-    ``(student_topk, teacher_topk, indices)``, each ``[..., K]``.
+    ``(student_topk, teacher_topk, indices)``, each ``[..., K]``. ``topk_indices(x, k)``
+    replaces ``lax.top_k(x, k)[1]`` (e.g. the vocab-sharded one of
+    :mod:`pmd_jax.distill.sharded_topk`); it must return the same indices.
     """
     _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
     vocab = student_logp.shape[-1]
@@ -187,20 +194,24 @@ def topk_log_probs(student_logp: Array, teacher_logp: Array, k: int) -> tuple[Ar
         raise ValueError(f"topk={k} must be in [1, vocab={vocab}]")
     # top_k is not differentiated through the indices; values are re-gathered so the
     # gradient flows through the student log-probs (incl. their logsumexp).
-    _, idx = lax.top_k(lax.stop_gradient(student_logp), int(k))
+    if topk_indices is None:
+        _, idx = lax.top_k(lax.stop_gradient(student_logp), int(k))
+    else:
+        idx = topk_indices(lax.stop_gradient(student_logp), int(k))
     s = jnp.take_along_axis(student_logp, idx, axis=-1)
     t = jnp.take_along_axis(teacher_logp, idx, axis=-1)
     return s, t, idx
 
 
 def distill_buckets(
-    student_logp: Array, teacher_logp: Array, topk: int | None, tail: bool
+    student_logp: Array, teacher_logp: Array, topk: int | None, tail: bool,
+    topk_indices: TopKIndices | None = None,
 ) -> tuple[Array, Array]:
     """The distributions the divergence is taken over: full vocab, or top-K (+ tail bucket)."""
     if topk is None:
         _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
         return student_logp, teacher_logp
-    s, t, _ = topk_log_probs(student_logp, teacher_logp, topk)
+    s, t, _ = topk_log_probs(student_logp, teacher_logp, topk, topk_indices)
     if tail:
         return add_tail(s), add_tail(t)
     return renormalize(s), renormalize(t)
@@ -273,7 +284,8 @@ def sampled_token_surrogate(student_token_logp: Array, teacher_token_logp: Array
 
 
 def token_distill_stats(
-    student_logits: Array, teacher_logits: Array, tokens: Array, cfg: DistillLossConfig
+    student_logits: Array, teacher_logits: Array, tokens: Array, cfg: DistillLossConfig,
+    topk_indices: TopKIndices | None = None,
 ) -> dict[str, Array]:
     """Per-token self-distillation quantities from student/teacher logits ``[..., V]``.
 
@@ -294,7 +306,7 @@ def token_distill_stats(
     s_tok = token_log_probs(s, tokens)
     t_tok = token_log_probs(t, tokens)
     if cfg.full_logit_distillation:
-        sb, tb = distill_buckets(s, t, cfg.topk, cfg.add_tail)
+        sb, tb = distill_buckets(s, t, cfg.topk, cfg.add_tail, topk_indices)
         loss = divergence(sb, tb, cfg.alpha)
     else:
         loss = sampled_token_surrogate(s_tok, t_tok)

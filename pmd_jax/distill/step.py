@@ -61,7 +61,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pmd_jax import sharding as shd
-from pmd_jax.distill import align, chunked, losses
+from pmd_jax.distill import align, chunked, losses, sharded_topk
 from pmd_jax.distill import config as dconfig
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import teacher as tlib
@@ -297,6 +297,9 @@ def make_loss_fn(
     compute_dtype = jnp.dtype(opts.param_dtype)
     remat = opts.remat
     vocab_major = model_cfg.tie_embeddings
+    # top-K over a tensor-sharded vocabulary without all-gathering each logits chunk
+    topk_indices = (sharded_topk.make_topk_indices(*shard_ctx) if shard_ctx is not None
+                    else None)
 
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
         h, _ = decoder.forward(
@@ -338,7 +341,8 @@ def make_loss_fn(
                 )
             stats = chunked.chunked_distill_stats(
                 s_h, t_h, w_s, _unembed(cur, model_cfg), tokens, lc,
-                chunk=opts.chunk, vocab_major=vocab_major, remat=loss_chunk_remat, **kw,
+                chunk=opts.chunk, vocab_major=vocab_major, remat=loss_chunk_remat,
+                topk_indices=topk_indices, **kw,
             )
             token_logp = stats["student_logp"]
         else:
