@@ -117,6 +117,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Measure KL(policy || initial) on the step's rollouts every N steps (one extra forward
     # of the initial model; 0 = never).
     c.train.kl_initial_every = 1
+    # SDPO/PMD: leave the rollouts whose teacher got no signal (sd_mask 0) out of the update
+    # batch; the loss and gradient are unchanged, the step is cheaper (ours).
+    c.train.drop_unsignaled_rows = True
 
     c.eval = ml_collections.ConfigDict()
     c.eval.n = 4

@@ -419,7 +419,13 @@ class Trainer:
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
             with _timed(times, "train"):
-                train_metrics = wiring.train_step(self.state, batch)
+                update, row_stats = wiring.rows_for_update(
+                    cfg, batch, self.state.step_fn.batch_divisor())
+                train_metrics = wiring.train_step(self.state, update)
+                if update is not batch:  # the step saw the signal rows only
+                    train_metrics["masked_sample_fraction"] = float(
+                        1.0 - batch["sd_mask"].mean())
+                train_metrics.update(row_stats)
             finite = bool(train_metrics.get("finite", True)) and math.isfinite(
                 float(train_metrics.get("loss", 0.0))
             )

@@ -547,15 +547,21 @@ class TrainStep:
             self._compiled[key] = fn
         return self._compiled[key]
 
-    def _check_batch_divisible(self, b: int) -> None:
+    def batch_divisor(self) -> int:
+        """The batch size must be a multiple of this (the mesh's batch axes; 1 unsharded)."""
         if self.mesh is None:
-            return
+            return 1
         spec = self.rules.spec(("batch",))[0]
         if spec is None:
-            return
+            return 1
         axes = (spec,) if isinstance(spec, str) else spec
-        n = int(np.prod([self.mesh.shape[a] for a in axes]))
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    def _check_batch_divisible(self, b: int) -> None:
+        n = self.batch_divisor()
         if b % n:
+            spec = self.rules.spec(("batch",))[0]
+            axes = (spec,) if isinstance(spec, str) else spec
             raise BatchError(
                 f"batch size {b} is not divisible by the mesh's batch axes {axes} (size {n})"
             )

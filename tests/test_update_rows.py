@@ -1,0 +1,153 @@
+"""Leaving rows without teacher signal out of the SDPO update (``wiring.rows_for_update``).
+
+Reference: the same train step on the full batch. Dropping rows whose self-distillation mask
+is 0 must not change the loss, the gradient norm or the updated params (token mean over the
+loss mask), including on an 8-device mesh, and a batch with no signal must update the
+params exactly as the full batch does (Adam keeps moving on its moments).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pmd_jax import sharding as shd  # noqa: E402
+from pmd_jax import wiring  # noqa: E402
+from pmd_jax.config import base_config  # noqa: E402
+from pmd_jax.distill import align  # noqa: E402
+from pmd_jax.distill import step as st  # noqa: E402
+from pmd_jax.distill.config import default_distill_config  # noqa: E402
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import ModelConfig  # noqa: E402
+
+TINY = ModelConfig(
+    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
+    num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=False,
+)
+B = 8
+
+
+def _dcfg():
+    c = default_distill_config()
+    c.teacher.rule = "frozen"
+    c.loss.topk = 8
+    c.loss.chunk_size = 5
+    c.optim.lr = 3e-3
+    c.optim.warmup_steps = 0
+    return c
+
+
+def _run_cfg(mode="pmd", loss_mode="sdpo"):
+    c = base_config()
+    c.mode = mode
+    c.distill.loss.mode = loss_mode
+    return c
+
+
+def _batch(sd, seed=0):
+    r = np.random.default_rng(seed)
+    # row 0 is the longest everywhere, so dropping it lets every axis shrink
+    sp = [r.integers(1, 48, 30 if i == 0 else r.integers(2, 6)) for i in range(B)]
+    tp = [r.integers(1, 48, 40 if i == 0 else r.integers(3, 10)) for i in range(B)]
+    rs = [r.integers(1, 48, 20 if i == 0 else r.integers(2, 7)) for i in range(B)]
+    db = align.build_distill_batch(sp, tp, rs, pad_id=0, pad_side="right", pad_to_multiple=16)
+    return st.make_batch(db, sd_mask=np.asarray(sd, np.float32),
+                         sampler_logp=np.full(db.responses.shape, -3.0, np.float32),
+                         rewards=r.random(B).astype(np.float32))
+
+
+def _state(step_fn, seed=0):
+    s = step_fn.init(decoder.init_params(TINY, jax.random.PRNGKey(seed)), 0)
+    return s.replace(teacher=jax.tree.map(lambda t, p: jax.device_put(p, t.sharding),
+                                          s.teacher, decoder.init_params(TINY,
+                                                                         jax.random.PRNGKey(7))))
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_select_rows_trims_padding_and_keeps_alignment():
+    batch = _batch(np.ones(B))
+    out = wiring.select_rows(batch, np.array([3, 5, 5]))
+    assert out["sd_mask"].shape == (3,)
+    assert out["student_tokens"].shape[1] < batch["student_tokens"].shape[1]
+    assert out["teacher_tokens"].shape[1] < batch["teacher_tokens"].shape[1]
+    assert out["responses"].shape[1] == 16 < batch["responses"].shape[1]
+    for k in ("student_tokens", "teacher_tokens", "responses"):
+        w = out[k].shape[1]
+        np.testing.assert_array_equal(out[k], batch[k][[3, 5, 5], :w])
+        assert not batch[k][[3, 5, 5], w:].any()  # only padding was cut
+    for side in ("student", "teacher"):
+        assert out[f"{side}_index"].max() + 1 < out[f"{side}_tokens"].shape[1]
+
+
+@pytest.mark.parametrize("sd", [[0, 1, 0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+def test_dropping_unsignaled_rows_keeps_the_update(sd):
+    batch = _batch(sd)
+    cfg = _run_cfg()
+    upd, stats = wiring.rows_for_update(cfg, batch)
+    n_sig = int(np.sum(sd))
+    assert stats["train_rows"] == {1: 1, 3: 4}[n_sig] < B
+    assert upd["sd_mask"].sum() == n_sig
+    step_fn = st.TrainStep(TINY, _dcfg())
+    s_full, m_full = step_fn.step(_state(step_fn), batch)
+    s_drop, m_drop = step_fn.step(_state(step_fn), upd)
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(float(m_drop[k]), float(m_full[k]), rtol=2e-5, err_msg=k)
+    assert float(m_full["loss"]) > 0
+    # Adam's first step is about lr * g / |g| per element, so float32 noise in a near-zero
+    # gradient entry shows up at up to lr (3e-3) in the params: compare at 1e-5 absolute.
+    for a, b in zip(_leaves(s_drop.params), _leaves(s_full.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_no_signal_batch_updates_like_the_full_batch():
+    """Second step without signal: zero gradient, but Adam's moments still move the params."""
+    step_fn = st.TrainStep(TINY, _dcfg())
+    s0, _ = step_fn.step(_state(step_fn), _batch(np.ones(B), seed=1))
+    empty = _batch(np.zeros(B), seed=2)
+    upd, stats = wiring.rows_for_update(_run_cfg(), empty)
+    assert stats["train_rows"] == 1.0 and upd["sd_mask"].tolist() == [0.0]
+    before = _leaves(s0.params)
+    s_full, _ = step_fn.step(jax.tree.map(np.array, s0), empty)
+    s_drop, _ = step_fn.step(jax.tree.map(np.array, s0), upd)
+    moved = False
+    for a, b, c in zip(_leaves(s_drop.params), _leaves(s_full.params), before):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        moved |= not np.allclose(a, c)
+    assert moved
+
+
+def test_mesh_buckets_are_multiples_of_the_batch_axes():
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    step_fn = st.TrainStep(TINY, _dcfg(), mesh=mesh, rules=shd.ShardingRules.from_mapping())
+    assert step_fn.batch_divisor() == 4
+    sd = [0, 1, 0, 0, 0, 0, 0, 0]
+    batch = _batch(sd)
+    upd, stats = wiring.rows_for_update(_run_cfg(), batch, step_fn.batch_divisor())
+    assert stats["train_rows"] == 4.0
+    plain = st.TrainStep(TINY, _dcfg())
+    _, m_full = plain.step(_state(plain), batch)
+    _, m_drop = step_fn.step(_state(step_fn), upd)
+    np.testing.assert_allclose(float(m_drop["loss"]), float(m_full["loss"]), rtol=1e-4)
+    np.testing.assert_allclose(float(m_drop["grad_norm"]), float(m_full["grad_norm"]),
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,loss_mode,flag", [("grpo", "grpo", True),
+                                                 ("pmd", "hybrid", True),
+                                                 ("pmd", "sdpo", False)])
+def test_batch_unchanged_when_rows_all_count(mode, loss_mode, flag):
+    cfg = _run_cfg(mode, loss_mode)
+    cfg.train.drop_unsignaled_rows = flag
+    batch = _batch([0, 1, 0, 0, 0, 0, 0, 0])
+    upd, stats = wiring.rows_for_update(cfg, batch)
+    assert upd is batch and stats["train_rows"] == B
