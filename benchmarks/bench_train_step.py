@@ -64,6 +64,8 @@ def parse() -> argparse.Namespace:
                    default="dots_no_batch",
                    help="decoder remat policy (none: no recompute, but B=16 Ts=256 Tt=384 "
                         "then needs 12.5 GiB of XLA temporaries vs 4.6 GiB)")
+    p.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan",
+                   help="distill.precision.layer_loop")
     p.add_argument("--chunk", type=int, default=96, help="response tokens per loss chunk")
     p.add_argument("--chunk-remat", action="store_true",
                    help="recompute each loss chunk's logits in the backward pass (the "
@@ -185,6 +187,7 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     c.loss.chunk_size = args.chunk
     c.loss.rollout_is_threshold = None
     c.precision.remat = args.remat != "none"
+    c.precision.layer_loop = args.layer_loop
     if args.remat != "none":
         c.precision.remat_policy = args.remat
     if args.loss == "jsd_top100":
@@ -385,7 +388,8 @@ def main() -> None:
     flops = model_flops(cfg, args)
     print(f"SmolLM2-135M train step: B={args.batch} student T={args.student_len} teacher "
           f"T={args.teacher_len} response R={args.response_len} loss={args.loss} "
-          f"remat={args.remat} chunk={args.chunk} chunk_remat={args.chunk_remat}; "
+          f"remat={args.remat} layer_loop={args.layer_loop} chunk={args.chunk} "
+          f"chunk_remat={args.chunk_remat}; "
           f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
     peak = gemm_peak(args.gemm_n, args.threads)
     best_peak = max(peak.values())

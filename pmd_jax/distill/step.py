@@ -223,6 +223,7 @@ class StepOptions:
     param_dtype: str
     master_weights: bool
     remat: str
+    unrolled_layers: bool
     skip_nonfinite: bool
     optim: doptim.OptimConfig
 
@@ -247,6 +248,7 @@ class StepOptions:
             param_dtype=c.precision.param_dtype,
             master_weights=bool(c.precision.master_weights),
             remat=c.precision.remat_policy if c.precision.remat else "none",
+            unrolled_layers=c.precision.layer_loop == "unrolled",
             skip_nonfinite=bool(c.optim.skip_nonfinite),
             optim=dconfig.optim_config(c),
         )
@@ -302,6 +304,8 @@ def make_loss_fn(
                     else None)
 
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
+        if opts.unrolled_layers:  # per-layer slices (gradients concatenated back)
+            params = decoder.unstack_layers(params)
         h, _ = decoder.forward(
             params,
             batch[f"{side}_tokens"].astype(jnp.int32),

@@ -182,6 +182,15 @@ def unstack_layers(params: Params) -> Params:
         return params
     n = jax.tree.leaves(layers)[0].shape[0]
     out = dict(params)
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(layers)):
+        # inside jit/grad: one split per weight, whose transpose is a single concatenate
+        # (per-layer a[i] would transpose to n full-size zero pads summed together)
+        parts = jax.tree.map(
+            lambda a: [x[0] for x in jax.lax.split(a, [1] * n, axis=0)], layers)
+        out["layers"] = tuple(jax.tree.map(lambda ps, i=i: ps[i], parts,
+                                           is_leaf=lambda x: isinstance(x, list))
+                              for i in range(n))
+        return out
     out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
     return out
 
@@ -298,7 +307,10 @@ def silu(x: jnp.ndarray) -> jnp.ndarray:
     return x / (1 + jnp.exp(-x))
 
 
-def _remat(fn: Callable, policy: str) -> Callable:
+def _remat(fn: Callable, policy: str, prevent_cse: bool = False) -> Callable:
+    """``jax.checkpoint`` with a named policy. ``prevent_cse=False`` is only safe inside a
+    scan (which already keeps XLA from merging the recompute into the forward); an unrolled
+    layer loop needs True or the remat is optimised away."""
     if policy == "none":
         return fn
     pols = {
@@ -308,7 +320,7 @@ def _remat(fn: Callable, policy: str) -> Callable:
     }
     if policy not in pols:
         raise ConfigError(f"remat policy {policy!r} is not one of {REMAT_POLICIES}")
-    return jax.checkpoint(fn, policy=pols[policy], prevent_cse=False)
+    return jax.checkpoint(fn, policy=pols[policy], prevent_cse=prevent_cse)
 
 
 ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.sharding.ShardingRules)
@@ -486,7 +498,8 @@ def forward(
             if cache is None:
                 # (attend is a closure, not an array: close over it inside the remat)
                 x = _remat(lambda x, p, cos, sin, attend=attend: layer(x, p, cos, sin, attend,
-                                                                       None), remat)(x, p, cos, sin)
+                                                                       None), remat,
+                           prevent_cse=True)(x, p, cos, sin)
             else:
                 x = layer(x, p, cos, sin, attend, kv_update)
         if cache is not None:
