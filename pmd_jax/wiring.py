@@ -553,6 +553,8 @@ def make_generate_fn(
     """``generate(conversations, n, seed) -> n texts each`` for tasks.evaluation (memory-free
     unless ``memory`` is given). A task's response prefix is appended to the prompt and
     prepended to each text, as in training."""
+    from pmd_jax.metrics import Progress
+
     e = cfg.eval
     prefixes = prefix_by_text or {}
     gen = TextGenerator(
@@ -574,11 +576,14 @@ def make_generate_fn(
         bs = max(1, cfg.rollout.max_batch // max(1, n))
         # Chunks of similar prompt length (each chunk is padded to its longest prompt).
         order = sorted(range(len(convs)), key=lambda i: len(gen.encode_chat(convs[i])))
+        prog = Progress(len(order), f"eval (seed {seed}, {n} samples each)", unit="prompt")
         for s in range(0, len(order), bs):
             idx = order[s: s + bs]
             texts = gen.generate_texts([convs[i] for i in idx], sp)
             for i, ts in zip(idx, texts, strict=True):
                 out[i] = [prefixes.get(_user_text(convs[i]), "") + t for t in ts]
+            prog.update(len(idx))
+        prog.close()
         return out
 
     return generate
