@@ -66,6 +66,9 @@ def parse() -> argparse.Namespace:
                         "then needs 12.5 GiB of XLA temporaries vs 4.6 GiB)")
     p.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan",
                    help="distill.precision.layer_loop")
+    p.add_argument("--attention", default="auto",
+                   help="model.attention_impl[:chunk], e.g. chunked:64 (auto: dense at these "
+                        "lengths)")
     p.add_argument("--chunk", type=int, default=96, help="response tokens per loss chunk")
     p.add_argument("--chunk-remat", action="store_true",
                    help="recompute each loss chunk's logits in the backward pass (the "
@@ -181,6 +184,8 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     from pmd_jax.models.config import preset
 
     cfg = preset("smollm2-135m")
+    impl, _, blk = args.attention.partition(":")
+    cfg = cfg.replace(attention_impl=impl, **({"attention_chunk": int(blk)} if blk else {}))
     c = default_distill_config()
     c.teacher.rule = "ema"
     c.optim.warmup_steps = 0
@@ -388,7 +393,8 @@ def main() -> None:
     flops = model_flops(cfg, args)
     print(f"SmolLM2-135M train step: B={args.batch} student T={args.student_len} teacher "
           f"T={args.teacher_len} response R={args.response_len} loss={args.loss} "
-          f"remat={args.remat} layer_loop={args.layer_loop} chunk={args.chunk} "
+          f"remat={args.remat} layer_loop={args.layer_loop} attention={args.attention} "
+          f"chunk={args.chunk} "
           f"chunk_remat={args.chunk_remat}; "
           f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
     peak = gemm_peak(args.gemm_n, args.threads)

@@ -36,7 +36,7 @@ def _eight_devices():
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s.values())))
-@pytest.mark.parametrize("k", [1, 5, 64, 125, 200])
+@pytest.mark.parametrize("k", [1, 64, 200])
 def test_equals_lax_top_k(shape, k):
     mesh = shd.make_mesh(shape)
     fn = jax.jit(make_topk_indices(mesh, shd.ShardingRules.from_mapping()), static_argnums=1)

@@ -316,10 +316,10 @@ def test_tied_embedding_step_matches_full_logit_reference():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_unrolled_layer_loop_equals_scan(mesh, plain_step, remat):
-    """precision.layer_loop="unrolled" (weights split per layer inside the step): same
-    metrics and updated params as the scan, unsharded and on the 8-device mesh."""
+def test_unrolled_layer_loop_equals_scan(mesh, plain_step):
+    """precision.layer_loop="unrolled" (weights split per layer inside the step, remat with
+    prevent_cse): same metrics and updated params as the scan, unsharded and on the mesh."""
+    remat = True
     batch = _batch()
     cfg = _cfg(precision__layer_loop="unrolled", precision__remat=remat)
     s_ref, m_ref = st.TrainStep(TINY, _cfg(precision__remat=remat)).step(

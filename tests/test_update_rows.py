@@ -89,15 +89,17 @@ def test_select_rows_trims_padding_and_keeps_alignment():
         assert out[f"{side}_index"].max() + 1 < out[f"{side}_tokens"].shape[1]
 
 
-@pytest.mark.parametrize("sd", [[0, 1, 0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
-def test_dropping_unsignaled_rows_keeps_the_update(sd):
+@pytest.fixture(scope="module")
+def step_fn():
+    return st.TrainStep(TINY, _dcfg())
+
+
+def test_dropping_unsignaled_rows_keeps_the_update(step_fn):
+    sd = [0, 1, 0, 0, 1, 0, 1, 0]
     batch = _batch(sd)
-    cfg = _run_cfg()
-    upd, stats = wiring.rows_for_update(cfg, batch)
-    n_sig = int(np.sum(sd))
-    assert stats["train_rows"] == {1: 1, 3: 4}[n_sig] < B
-    assert upd["sd_mask"].sum() == n_sig
-    step_fn = st.TrainStep(TINY, _dcfg())
+    upd, stats = wiring.rows_for_update(_run_cfg(), batch)
+    assert stats["train_rows"] == 4.0
+    assert upd["sd_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
     s_full, m_full = step_fn.step(_state(step_fn), batch)
     s_drop, m_drop = step_fn.step(_state(step_fn), upd)
     for k in ("loss", "grad_norm"):
@@ -109,10 +111,14 @@ def test_dropping_unsignaled_rows_keeps_the_update(sd):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_no_signal_batch_updates_like_the_full_batch():
-    """Second step without signal: zero gradient, but Adam's moments still move the params."""
-    step_fn = st.TrainStep(TINY, _dcfg())
-    s0, _ = step_fn.step(_state(step_fn), _batch(np.ones(B), seed=1))
+def test_no_signal_batch_updates_like_the_full_batch(step_fn):
+    """Second step without signal: zero gradient, but Adam's moments still move the params
+    (the first step has one signal row: a bucket of one row)."""
+    first = _batch([1, 0, 0, 0, 0, 0, 0, 0], seed=1)
+    upd1, st1 = wiring.rows_for_update(_run_cfg(), first)
+    assert st1["train_rows"] == 1.0 and upd1["sd_mask"].tolist() == [1.0]
+    s0, m0 = step_fn.step(_state(step_fn), upd1)
+    assert float(m0["loss"]) > 0
     empty = _batch(np.zeros(B), seed=2)
     upd, stats = wiring.rows_for_update(_run_cfg(), empty)
     assert stats["train_rows"] == 1.0 and upd["sd_mask"].tolist() == [0.0]
@@ -126,17 +132,16 @@ def test_no_signal_batch_updates_like_the_full_batch():
     assert moved
 
 
-def test_mesh_buckets_are_multiples_of_the_batch_axes():
+def test_mesh_buckets_are_multiples_of_the_batch_axes(step_fn):
     mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    step_fn = st.TrainStep(TINY, _dcfg(), mesh=mesh, rules=shd.ShardingRules.from_mapping())
-    assert step_fn.batch_divisor() == 4
+    sharded = st.TrainStep(TINY, _dcfg(), mesh=mesh, rules=shd.ShardingRules.from_mapping())
+    assert sharded.batch_divisor() == 4
     sd = [0, 1, 0, 0, 0, 0, 0, 0]
     batch = _batch(sd)
-    upd, stats = wiring.rows_for_update(_run_cfg(), batch, step_fn.batch_divisor())
+    upd, stats = wiring.rows_for_update(_run_cfg(), batch, sharded.batch_divisor())
     assert stats["train_rows"] == 4.0
-    plain = st.TrainStep(TINY, _dcfg())
-    _, m_full = plain.step(_state(plain), batch)
-    _, m_drop = step_fn.step(_state(step_fn), upd)
+    _, m_full = step_fn.step(_state(step_fn), batch)  # unsharded, full batch
+    _, m_drop = sharded.step(_state(sharded), upd)
     np.testing.assert_allclose(float(m_drop["loss"]), float(m_full["loss"]), rtol=1e-4)
     np.testing.assert_allclose(float(m_drop["grad_norm"]), float(m_full["grad_norm"]),
                                rtol=1e-4)
