@@ -98,8 +98,9 @@ def default_distill_config() -> ml_collections.ConfigDict:
     # how the step runs the decoder layers (ours): "scan" (lax.scan over the stacked weights)
     # or "unrolled" (weights split per layer inside the step, Python loop over layers). On the
     # 2-core CPU box, SmolLM2-135M step (bench_train_step.py): B=8 with remat dots_no_batch
-    # 27.4 -> 23.1 s/step but peak RSS 6.2 -> 10.3 GiB; B=16 remat full 55.6 -> 53.2 s/step,
-    # RSS 6.6 -> 17.6 GiB. Longer compile too, so scan is the default.
+    # 27.4 -> 23.1 s/step but peak RSS 6.2 -> 10.3 GiB; B=16 dots_no_batch 51.9 s/step either
+    # way (RSS 8.7 -> 17.5 GiB); B=16 remat full 55.6 -> 53.2 s/step (RSS 6.6 -> 17.6 GiB).
+    # Longer compile too, so scan is the default.
     precision.layer_loop = "scan"
     c.precision = precision
     return c
