@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax import update_rows
 from pmd_jax.config import to_dict
 from pmd_jax.data import DataCursor, ProblemStream
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
@@ -419,7 +420,7 @@ class Trainer:
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
             with _timed(times, "train"):
-                update, row_stats = wiring.rows_for_update(
+                update, row_stats = update_rows.rows_for_update(
                     cfg, batch, self.state.step_fn.batch_divisor())
                 train_metrics = wiring.train_step(self.state, update)
                 if update is not batch:  # the step saw the signal rows only

@@ -1,4 +1,4 @@
-"""Leaving rows without teacher signal out of the SDPO update (``wiring.rows_for_update``).
+"""Leaving rows without teacher signal out of the SDPO update (``update_rows.rows_for_update``).
 
 Reference: the same train step on the full batch. Dropping rows whose self-distillation mask
 is 0 must not change the loss, the gradient norm or the updated params (token mean over the
@@ -19,18 +19,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax import wiring  # noqa: E402
+from pmd_jax import update_rows  # noqa: E402
 from pmd_jax.config import base_config  # noqa: E402
 from pmd_jax.distill import align  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ModelConfig  # noqa: E402
+from tests.test_step import TINY  # noqa: E402
 
-TINY = ModelConfig(
-    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-    num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=False,
-)
 B = 8
 
 
@@ -76,7 +72,7 @@ def _leaves(tree):
 
 def test_select_rows_trims_padding_and_keeps_alignment():
     batch = _batch(np.ones(B))
-    out = wiring.select_rows(batch, np.array([3, 5, 5]))
+    out = update_rows.select_rows(batch, np.array([3, 5, 5]))
     assert out["sd_mask"].shape == (3,)
     assert out["student_tokens"].shape[1] < batch["student_tokens"].shape[1]
     assert out["teacher_tokens"].shape[1] < batch["teacher_tokens"].shape[1]
@@ -97,7 +93,7 @@ def step_fn():
 def test_dropping_unsignaled_rows_keeps_the_update(step_fn):
     sd = [0, 1, 0, 0, 1, 0, 1, 0]
     batch = _batch(sd)
-    upd, stats = wiring.rows_for_update(_run_cfg(), batch)
+    upd, stats = update_rows.rows_for_update(_run_cfg(), batch)
     assert stats["train_rows"] == 4.0
     assert upd["sd_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
     s_full, m_full = step_fn.step(_state(step_fn), batch)
@@ -115,12 +111,12 @@ def test_no_signal_batch_updates_like_the_full_batch(step_fn):
     """Second step without signal: zero gradient, but Adam's moments still move the params
     (the first step has one signal row: a bucket of one row)."""
     first = _batch([1, 0, 0, 0, 0, 0, 0, 0], seed=1)
-    upd1, st1 = wiring.rows_for_update(_run_cfg(), first)
+    upd1, st1 = update_rows.rows_for_update(_run_cfg(), first)
     assert st1["train_rows"] == 1.0 and upd1["sd_mask"].tolist() == [1.0]
     s0, m0 = step_fn.step(_state(step_fn), upd1)
     assert float(m0["loss"]) > 0
     empty = _batch(np.zeros(B), seed=2)
-    upd, stats = wiring.rows_for_update(_run_cfg(), empty)
+    upd, stats = update_rows.rows_for_update(_run_cfg(), empty)
     assert stats["train_rows"] == 1.0 and upd["sd_mask"].tolist() == [0.0]
     before = _leaves(s0.params)
     s_full, _ = step_fn.step(jax.tree.map(np.array, s0), empty)
@@ -138,7 +134,7 @@ def test_mesh_buckets_are_multiples_of_the_batch_axes(step_fn):
     assert sharded.batch_divisor() == 4
     sd = [0, 1, 0, 0, 0, 0, 0, 0]
     batch = _batch(sd)
-    upd, stats = wiring.rows_for_update(_run_cfg(), batch, sharded.batch_divisor())
+    upd, stats = update_rows.rows_for_update(_run_cfg(), batch, sharded.batch_divisor())
     assert stats["train_rows"] == 4.0
     _, m_full = step_fn.step(_state(step_fn), batch)  # unsharded, full batch
     _, m_drop = sharded.step(_state(sharded), upd)
@@ -154,5 +150,5 @@ def test_batch_unchanged_when_rows_all_count(mode, loss_mode, flag):
     cfg = _run_cfg(mode, loss_mode)
     cfg.train.drop_unsignaled_rows = flag
     batch = _batch([0, 1, 0, 0, 0, 0, 0, 0])
-    upd, stats = wiring.rows_for_update(cfg, batch)
+    upd, stats = update_rows.rows_for_update(cfg, batch)
     assert upd is batch and stats["train_rows"] == B
