@@ -1,6 +1,7 @@
 """Our jitted distillation step vs the same step in torch + HF transformers, on CPU.
 
-Both sides do, on SmolLM2-135M (preset ``smollm2-135m``, random init, fp32):
+Both sides do, on SmolLM2-135M (preset ``smollm2-135m``, random init, fp32 or, with
+``--dtype bfloat16``, bf16 compute over fp32 master weights and optimizer state):
 student forward + backward on student prompt + response (length ``--student-len``), teacher
 (EMA copy) forward without gradient on teacher prompt + the same response
 (``--teacher-len``), the same loss on the response tokens (generalized JSD alpha=0.5 over
@@ -9,13 +10,13 @@ global-norm clip 1.0, AdamW (lr 1e-5, wd 0.01), and the EMA teacher update. The 
 computes logits only on the response positions too (hidden states of the base model gathered,
 then ``lm_head``), so neither side pays for prompt logits.
 
-The same run measures this CPU's fp32 GEMM peak (numpy, torch and XLA matmul of large square
-matrices, best of the three) and prints each side's achieved model GFLOP/s as a fraction of
-it. Model FLOPs per step (:func:`model_flops`; remat recompute not counted): per token of
-each sequence ``2 * N_body`` (N_body = the decoder's matmul weights without the LM head, 106M
-here) plus causal attention ``2 * q_size * T`` per layer, plus ``2 * V * D`` for the LM head
-on the R response positions only (neither side projects the prompt positions); the student
-(forward + backward) counts 3x, the teacher (forward only) 1x.
+The same run measures this CPU's GEMM peak in the compute dtype (numpy (fp32 only), torch
+and XLA matmul of large square matrices, best of them) and prints each side's achieved model
+GFLOP/s as a fraction of it. Model FLOPs per step (:func:`model_flops`; remat recompute not
+counted): per token of each sequence ``2 * N_body`` (N_body = the decoder's matmul weights
+without the LM head, 106M here) plus causal attention ``2 * q_size * T`` per layer, plus ``2
+* V * D`` for the LM head on the R response positions only (neither side projects the prompt
+positions); the student (forward + backward) counts 3x, the teacher (forward only) 1x.
 
 It also times ``jnp.dot`` against ``torch.matmul`` on the step's matmul shapes (``--gemm-shapes``),
 which bounds what XLA:CPU can reach against MKL/oneDNN on this machine.
@@ -73,6 +74,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--chunk-remat", action="store_true",
                    help="recompute each loss chunk's logits in the backward pass (the "
                         "trainer default; off here: the 135M vocabulary's logits fit)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype of both sides: bfloat16 = our "
+                        "precision.param_dtype=bfloat16 (fp32 master weights and AdamW "
+                        "state) vs torch.autocast('cpu', bfloat16) (fp32 weights and AdamW); "
+                        "the peak is then the bf16 GEMM peak")
+    p.add_argument("--matmul-dtype", choices=("", "bfloat16"), default="",
+                   help="our distill.precision.matmul_dtype: bfloat16 = bf16 operands, fp32 "
+                        "accumulation and result for the weight matmuls only (activations, "
+                        "norms, attention, loss in --dtype); the torch side is unchanged")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
     p.add_argument("--gemm-n", type=int, default=2048)
@@ -118,9 +128,17 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far (fresh pages the allocator maps and the
+    kernel zero-fills: a per-step cost when big buffers are freed and re-mapped)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 # ------------------------------------------------------------------------------ peak
-def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3) -> dict[str, float]:
-    """GFLOP/s of an fp32 [m, k] x [k, n] matmul: numpy, torch.matmul, jitted jnp.dot."""
+def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3,
+                dtype: str = "float32") -> dict[str, float]:
+    """GFLOP/s of an [m, k] x [k, n] matmul: numpy (fp32 only), torch.matmul, jitted jnp.dot
+    (bfloat16: bf16 inputs; XLA accumulates in fp32, torch as oneDNN does)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -128,14 +146,16 @@ def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3) -> dict[str
     torch.set_num_threads(threads)
     a = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
     bm = np.random.default_rng(1).standard_normal((k, n), dtype=np.float32)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(bm)
-    ja, jb = jnp.asarray(a), jnp.asarray(bm)
-    mm = jax.jit(jnp.dot)
+    tdt = getattr(torch, dtype)
+    ta, tb = torch.from_numpy(a).to(tdt), torch.from_numpy(bm).to(tdt)
+    ja, jb = jnp.asarray(a, dtype), jnp.asarray(bm, dtype)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     fns = {
-        "numpy": lambda: a @ bm,
         "torch": lambda: torch.matmul(ta, tb),
         "xla": lambda: mm(ja, jb).block_until_ready(),
     }
+    if dtype == "float32":
+        fns["numpy"] = lambda: a @ bm
     out = {}
     for name, fn in fns.items():
         fn()
@@ -143,8 +163,8 @@ def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3) -> dict[str
     return out
 
 
-def gemm_peak(n: int, threads: int) -> dict[str, float]:
-    return _gemm_rates(n, n, n, threads)
+def gemm_peak(n: int, threads: int, dtype: str = "float32") -> dict[str, float]:
+    return _gemm_rates(n, n, n, threads, dtype=dtype)
 
 
 def step_gemm_shapes(cfg, args) -> list[tuple[str, tuple[int, int, int]]]:
@@ -193,6 +213,8 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     c.loss.rollout_is_threshold = None
     c.precision.remat = args.remat != "none"
     c.precision.layer_loop = args.layer_loop
+    c.precision.param_dtype = args.dtype
+    c.precision.matmul_dtype = args.matmul_dtype
     if args.remat != "none":
         c.precision.remat_policy = args.remat
     if args.loss == "jsd_top100":
@@ -216,14 +238,16 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     first = time.perf_counter() - t0
     first_loss = float(m["loss"])
     times = []
+    f0 = minor_faults()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         state, m = ts.step(state, batch)
         jax.block_until_ready((state.params, m))
         times.append(time.perf_counter() - t0)
+    faults = (minor_faults() - f0) / max(args.steps, 1)
     print(f"  jax: compile+first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB)",
-          flush=True)
+          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB, "
+          f"{faults / 1e6:.2f}M minor page faults/step)", flush=True)
     return float(np.median(times)), first_loss
 
 
@@ -312,10 +336,14 @@ def bench_torch(args, data, params) -> tuple[float, float]:
             per = (s.exp() * (s - t)).sum(-1)
         return (per * mask).sum() / mask.sum().clamp(min=1)
 
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
     def step():
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             t_logits = resp_logits(teacher, t_tok, t_idx)
-        s_logits = resp_logits(student, s_tok, s_idx)
+        with autocast():
+            s_logits = resp_logits(student, s_tok, s_idx)
         loss = loss_fn(s_logits, t_logits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -330,13 +358,15 @@ def bench_torch(args, data, params) -> tuple[float, float]:
     first_loss = step()
     first = time.perf_counter() - t0
     times = []
+    f0 = minor_faults()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    faults = (minor_faults() - f0) / max(args.steps, 1)
     print(f"  torch: first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB)",
-          flush=True)
+          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB, "
+          f"{faults / 1e6:.2f}M minor page faults/step)", flush=True)
     return float(np.median(times)), first_loss
 
 
@@ -393,21 +423,23 @@ def main() -> None:
     flops = model_flops(cfg, args)
     print(f"SmolLM2-135M train step: B={args.batch} student T={args.student_len} teacher "
           f"T={args.teacher_len} response R={args.response_len} loss={args.loss} "
-          f"remat={args.remat} layer_loop={args.layer_loop} attention={args.attention} "
+          f"dtype={args.dtype} matmul_dtype={args.matmul_dtype or 'same'} remat={args.remat} "
+          f"layer_loop={args.layer_loop} "
+          f"attention={args.attention} "
           f"chunk={args.chunk} "
           f"chunk_remat={args.chunk_remat}; "
           f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
-    peak = gemm_peak(args.gemm_n, args.threads)
+    peak = gemm_peak(args.gemm_n, args.threads, args.dtype)
     best_peak = max(peak.values())
-    print(f"fp32 GEMM peak ({args.gemm_n}^3): numpy {peak['numpy']:.1f}, torch "
-          f"{peak['torch']:.1f}, XLA {peak['xla']:.1f} GFLOP/s -> peak {best_peak:.1f} GFLOP/s "
-          f"({load()})", flush=True)
+    print(f"{args.dtype} GEMM peak ({args.gemm_n}^3): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in peak.items())
+          + f" GFLOP/s -> peak {best_peak:.1f} GFLOP/s ({load()})", flush=True)
     if args.gemm_shapes:
         print("the step's matmul shapes [m, k] x [k, n], GFLOP/s (jnp.dot vs torch.matmul):")
         for name, (m, k, n) in step_gemm_shapes(cfg, args):
-            r = _gemm_rates(m, k, n, args.threads)
-            print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: XLA {r['xla']:6.1f}  torch "
-                  f"{r['torch']:6.1f}  numpy {r['numpy']:6.1f}", flush=True)
+            r = _gemm_rates(m, k, n, args.threads, dtype=args.dtype)
+            print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: "
+                  + "  ".join(f"{k_} {v:6.1f}" for k_, v in r.items()), flush=True)
     res = {}
     for side in ("jax", "torch"):
         if getattr(args, f"skip_{side}"):

@@ -33,14 +33,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from pmd_jax.distill import losses
+from pmd_jax.models import matmul
 
 Array = jax.Array
 
 DEFAULT_CHUNK = 256
 
 
-def project(hidden: Array, unembed: Array, vocab_major: bool = False) -> Array:
-    """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``.
+def project(hidden: Array, unembed: Array, vocab_major: bool = False,
+            matmul_dtype: str | None = None) -> Array:
+    """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``;
+    with ``matmul_dtype`` from operands rounded to it (:func:`pmd_jax.models.matmul.lowp_einsum`).
 
     ``vocab_major``: ``unembed`` is ``[V, D]`` (a tied embedding table) and is contracted on
     its second axis, so no transposed ``[D, V]`` copy is ever made (XLA:CPU materialises a
@@ -48,6 +51,8 @@ def project(hidden: Array, unembed: Array, vocab_major: bool = False) -> Array:
     50k x 576 table).
     """
     spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
+    if matmul_dtype is not None:
+        return matmul.lowp_einsum(spec, hidden, unembed, matmul_dtype)
     return jnp.einsum(spec, hidden, unembed, preferred_element_type=jnp.float32)
 
 
@@ -103,6 +108,7 @@ def chunked_distill_stats(
     vocab_major: bool = False,
     remat: bool = True,
     topk_indices: losses.TopKIndices | None = None,
+    matmul_dtype: str | None = None,
 ) -> dict[str, Array]:
     """Per-token distillation statistics, ``[B, T]`` each, computed chunk by chunk.
 
@@ -119,6 +125,7 @@ def chunked_distill_stats(
     ``topk_indices``: the top-K index function (default ``lax.top_k``; on a mesh with a
     sharded vocabulary use :func:`pmd_jax.distill.sharded_topk.make_topk_indices`, which does
     not all-gather the logits chunk).
+    ``matmul_dtype``: operand dtype of the logit projections (see :func:`project`).
     """
     _check_hidden(student_hidden, student_unembed, "student", vocab_major)
     _check_hidden(teacher_hidden, teacher_unembed, "teacher", vocab_major)
@@ -171,10 +178,10 @@ def chunked_distill_stats(
 
     def body(carry: None, xs: tuple) -> tuple[None, dict[str, Array]]:
         hs, ht, hr, tok = xs
-        s_logits = project(hs, student_unembed, vocab_major)
-        t_logits = project(ht, w_t, vocab_major)
+        s_logits = project(hs, student_unembed, vocab_major, matmul_dtype)
+        t_logits = project(ht, w_t, vocab_major, matmul_dtype)
         if hr is not None:
-            r_logits = project(hr, w_r, vocab_major)
+            r_logits = project(hr, w_r, vocab_major, matmul_dtype)
             t_logits = r_logits + tr_alpha * (t_logits - r_logits)
         return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg, topk_indices)
 
@@ -209,6 +216,7 @@ def chunked_distill_loss(
     vocab_major: bool = False,
     remat: bool = True,
     topk_indices: losses.TopKIndices | None = None,
+    matmul_dtype: str | None = None,
 ) -> tuple[Array, dict[str, Array], dict[str, Array]]:
     """The SDPO loss from aligned hidden states: ``(loss, metrics, per_token_stats)``.
 
@@ -229,6 +237,7 @@ def chunked_distill_loss(
         vocab_major=vocab_major,
         remat=remat,
         topk_indices=topk_indices,
+        matmul_dtype=matmul_dtype,
     )
     loss, metrics = losses.finalize_distill(
         stats,
@@ -251,12 +260,13 @@ def chunked_token_logprobs(
     return_entropy: bool = False,
     vocab_major: bool = False,
     remat: bool = True,
+    matmul_dtype: str | None = None,
 ) -> Array | tuple[Array, Array]:
     """``log_softmax(hidden @ unembed / T)[b, t, tokens[b, t]]`` as ``[B, T]`` fp32, chunked.
 
     Differentiable w.r.t. ``hidden`` and ``unembed`` with a chunked backward (remat). With
     ``return_entropy`` also returns the (detached) entropy per token. ``vocab_major`` /
-    ``remat``: as in :func:`chunked_distill_stats`.
+    ``remat`` / ``matmul_dtype``: as in :func:`chunked_distill_stats`.
     """
     _check_hidden(hidden, unembed, "model", vocab_major)
     chunk = _check_chunk(chunk)
@@ -272,7 +282,7 @@ def chunked_token_logprobs(
 
     def body(carry: None, xs: tuple) -> tuple[None, tuple[Array, Array]]:
         h, tok = xs
-        logp = losses.log_probs(project(h, unembed, vocab_major), t)
+        logp = losses.log_probs(project(h, unembed, vocab_major, matmul_dtype), t)
         tok_lp = losses.token_log_probs(logp, tok)
         if return_entropy:
             lp = lax.stop_gradient(logp)

@@ -26,6 +26,7 @@ TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("full", "dots", "dots_no_batch")
 LAYER_LOOPS = ("scan", "unrolled")
+MATMUL_DTYPES = ("", "bfloat16", "float16")
 
 
 class DistillConfigError(ValueError):
@@ -102,6 +103,12 @@ def default_distill_config() -> ml_collections.ConfigDict:
     # way (RSS 8.7 -> 17.5 GiB); B=16 remat full 55.6 -> 53.2 s/step (RSS 6.6 -> 17.6 GiB).
     # Longer compile too, so scan is the default.
     precision.layer_loop = "scan"
+    # operand dtype of the step's weight matmuls (ours): "" = the compute dtype; "bfloat16" =
+    # bf16 operands with float32 accumulation and result in the forward and both backward
+    # matmuls, everything else (norms, attention, softmax, loss, AdamW) in param_dtype
+    # (pmd_jax.models.matmul). On CPUs with AMX-BF16 (Sapphire Rapids and later) and on
+    # TPU/GPU this is the fast path; on a CPU without bf16 matmul units it is slower.
+    precision.matmul_dtype = ""
     c.precision = precision
     return c
 
@@ -180,6 +187,9 @@ def validate_distill_config(c: ml_collections.ConfigDict, vocab_size: int | None
     cs = c.loss.chunk_size
     if isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
         raise _err("loss.chunk_size", f"must be a positive int, got {cs!r}")
+    if c.precision.matmul_dtype not in MATMUL_DTYPES:
+        raise _err("precision.matmul_dtype",
+                   f"{c.precision.matmul_dtype!r} is not one of {MATMUL_DTYPES}")
     if c.precision.layer_loop not in LAYER_LOOPS:
         raise _err("precision.layer_loop",
                    f"{c.precision.layer_loop!r} is not one of {LAYER_LOOPS}")

@@ -224,6 +224,7 @@ class StepOptions:
     master_weights: bool
     remat: str
     unrolled_layers: bool
+    matmul_dtype: str | None
     skip_nonfinite: bool
     optim: doptim.OptimConfig
 
@@ -249,6 +250,7 @@ class StepOptions:
             master_weights=bool(c.precision.master_weights),
             remat=c.precision.remat_policy if c.precision.remat else "none",
             unrolled_layers=c.precision.layer_loop == "unrolled",
+            matmul_dtype=c.precision.matmul_dtype or None,
             skip_nonfinite=bool(c.optim.skip_nonfinite),
             optim=dconfig.optim_config(c),
         )
@@ -298,6 +300,9 @@ def make_loss_fn(
     """
     compute_dtype = jnp.dtype(opts.param_dtype)
     remat = opts.remat
+    if opts.matmul_dtype is not None:
+        model_cfg = model_cfg.replace(matmul_dtype=opts.matmul_dtype)
+    mm_dtype = model_cfg.matmul_dtype
     vocab_major = model_cfg.tie_embeddings
     # top-K over a tensor-sharded vocabulary without all-gathering each logits chunk
     topk_indices = (sharded_topk.make_topk_indices(*shard_ctx) if shard_ctx is not None
@@ -346,14 +351,14 @@ def make_loss_fn(
             stats = chunked.chunked_distill_stats(
                 s_h, t_h, w_s, _unembed(cur, model_cfg), tokens, lc,
                 chunk=opts.chunk, vocab_major=vocab_major, remat=loss_chunk_remat,
-                topk_indices=topk_indices, **kw,
+                topk_indices=topk_indices, matmul_dtype=mm_dtype, **kw,
             )
             token_logp = stats["student_logp"]
         else:
             stats = None
             token_logp = chunked.chunked_token_logprobs(
                 s_h, w_s, tokens, lc.temperature, opts.chunk, vocab_major=vocab_major,
-                remat=loss_chunk_remat,
+                remat=loss_chunk_remat, matmul_dtype=mm_dtype,
             )
 
         rollout_w = None

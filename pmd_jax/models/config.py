@@ -71,6 +71,10 @@ class ModelConfig:
     # Activations / params dtype for compute ("float32" | "bfloat16").
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Operand dtype of the weight matmuls (q/k/v/o, MLP, and the LM head in the distillation
+    # loss): None = the activations' dtype; "bfloat16" / "float16" = operands rounded to it,
+    # float32 accumulation and result, backward matmuls in it too (see pmd_jax.models.matmul).
+    matmul_dtype: str | None = None
     # Attention implementation: "dense" (materialised [B, KV, G, T, S] scores and [B, T, S]
     # mask), "chunked" (flash-style, O(chunk^2) scores, masks from slot indices; see
     # pmd_jax.models.attention) or "auto" (chunked when T * S > 1024^2). ``attention_chunk`` is
@@ -161,6 +165,9 @@ class ModelConfig:
         for dt in (self.dtype, self.param_dtype):
             if dt not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"unsupported dtype {dt!r} (float32, bfloat16, float16)")
+        if self.matmul_dtype not in (None, "bfloat16", "float16"):
+            raise ConfigError(f"model.matmul_dtype={self.matmul_dtype!r} is not one of "
+                              "None, 'bfloat16', 'float16'")
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)

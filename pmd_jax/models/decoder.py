@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pmd_jax.models import attention as attn_lib
+from pmd_jax.models import matmul
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
 
@@ -238,6 +239,10 @@ def logits_from_hidden(hidden: jnp.ndarray, params: Params, cfg: ModelConfig) ->
     One 2-D matmul (XLA:CPU is faster on a plain [N, D] x [D, V] dot than on a batched
     einsum); when tied, the embedding is contracted on its D axis without a transpose.
     """
+    if cfg.matmul_dtype is not None:  # N-D einsum: its dW takes XLA's fast layout
+        w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+        spec = "...d,vd->...v" if cfg.tie_embeddings else "...d,dv->...v"
+        return matmul.lowp_einsum(spec, hidden, w, cfg.matmul_dtype)
     lead, d = hidden.shape[:-1], hidden.shape[-1]
     h2 = hidden.reshape(-1, d)
     if cfg.tie_embeddings:
@@ -439,15 +444,17 @@ def forward(
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
 
+    mm = functools.partial(matmul.weight_einsum, matmul_dtype=cfg.matmul_dtype)
+
     def layer(x, p, cos, sin, attend, kv_update):
         """One decoder layer. ``kv_update(k, v)`` (k/v [B,KV,T,hd]) writes the new keys and
         values into the cache and returns the layer's full cached k/v; None without a cache.
         ``attend(q, k, v)`` is the layer's masked attention (see ``attend_fn``)."""
         p = jax.tree.map(lambda a: a.astype(dt), p)
         h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
-        q = jnp.einsum("btd,dhk->bthk", h, p["q"])
-        k = jnp.einsum("btd,dhk->bthk", h, p["k"])
-        v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+        q = mm("btd,dhk->bthk", h, p["q"])
+        k = mm("btd,dhk->bthk", h, p["k"])
+        v = mm("btd,dhk->bthk", h, p["v"])
         if cfg.attention_bias:
             q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
         if cfg.qk_norm == "per_head":
@@ -461,7 +468,7 @@ def forward(
         if kv_update is not None:
             k, v = kv_update(k, v)
         a = attend(q, k, v)
-        a = jnp.einsum("bthk,hkd->btd", a, p["o"])
+        a = mm("bthk,hkd->btd", a, p["o"])
         if cfg.attention_bias:
             a = a + p["o_bias"]
         if cfg.norm_placement == "post":
@@ -470,10 +477,10 @@ def forward(
 
         # MLP (SwiGLU)
         h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
-        g = jnp.einsum("btd,df->btf", h, p["gate"])
-        u = jnp.einsum("btd,df->btf", h, p["up"])
+        g = mm("btd,df->btf", h, p["gate"])
+        u = mm("btd,df->btf", h, p["up"])
         m = _constrain(silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
-        m = jnp.einsum("btf,fd->btd", m, p["down"])
+        m = mm("btf,fd->btd", m, p["down"])
         if cfg.norm_placement == "post":
             m = rms_norm(m, p["mlp_norm"], eps)
         return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
