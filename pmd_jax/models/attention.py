@@ -56,16 +56,22 @@ def dense_attention(
 
     Scores and softmax in float32; rows with no visible key give a uniform average (they are
     padding queries and are never used).
+
+    The queries are moved to heads-major ``[B, KV, G*T, hd]`` first, so both attention
+    matmuls are plain batched matmuls over ``B*KV`` (no transposed operands inside the dot):
+    on XLA:CPU, B=16 T=256 SmolLM2 shapes, fwd+bwd 682 -> 465 ms per layer.
     """
     B, T, H, hd = q.shape
     KV = k.shape[1]
-    qg = q.reshape(B, T, KV, H // KV, hd)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (hd ** -0.5)
+    G = H // KV
+    S = k.shape[2]
+    qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
+    s = jnp.einsum("bkmd,bksd->bkms", qh, k, preferred_element_type=jnp.float32)
+    s = s.reshape(B, KV, G, T, S) * (hd ** -0.5)
     s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v.dtype), v)
-    return o.reshape(B, T, H, hd)
+    p = jax.nn.softmax(s, axis=-1).reshape(B, KV, G * T, S)
+    o = jnp.einsum("bkms,bksd->bkmd", p.astype(v.dtype), v)
+    return o.reshape(B, KV, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
 def chunked_attention(
