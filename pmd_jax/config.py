@@ -17,6 +17,13 @@ from pmd_jax.models.config import ConfigError
 
 MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy")
 SAMPLERS: tuple[str, ...] = ("jax", "vllm")
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
+# Environment variables jax reads at import; when set they win over the train.* options.
+_CACHE_ENV = {
+    "jax_compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",
+    "jax_persistent_cache_min_compile_time_secs": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "jax_compilation_cache_max_size": "JAX_COMPILATION_CACHE_MAX_SIZE",
+}
 
 
 def _distill_defaults() -> ml_collections.ConfigDict:
@@ -120,6 +127,16 @@ def base_config() -> ml_collections.ConfigDict:
     # SDPO/PMD: leave the rollouts whose teacher got no signal (sd_mask 0) out of the update
     # batch; the loss and gradient are unchanged, the step is cheaper (ours).
     c.train.drop_unsignaled_rows = True
+    # Persistent XLA compilation cache (jax's): a restarted run (same command after a crash,
+    # or a second run of the same config) loads its compiled programs instead of compiling
+    # them again. "~" is expanded; "" or "none" disables it. An already-set
+    # JAX_COMPILATION_CACHE_DIR (or JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS /
+    # JAX_COMPILATION_CACHE_MAX_SIZE) environment variable takes precedence over the option.
+    c.train.compilation_cache_dir = DEFAULT_COMPILATION_CACHE_DIR
+    # Only programs whose compile took at least this long are written (jax's default 1.0 s).
+    c.train.compilation_cache_min_compile_secs = 1.0
+    # Disk bound: least-recently-used entries are evicted past this size; -1 = unbounded.
+    c.train.compilation_cache_max_gib = 4.0
 
     c.eval = ml_collections.ConfigDict()
     c.eval.n = 4
@@ -152,6 +169,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
     need(c.train.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
     need(c.eval.n >= 1, "eval.n must be >= 1")
+    errs.extend(_compilation_cache_errors(c.train))
     for ax in ("data", "fsdp", "tensor"):
         v = c.mesh[ax]
         need(v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
@@ -231,6 +249,58 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         need(bool(c.rollout.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def compilation_cache_dir(train: ml_collections.ConfigDict) -> str | None:
+    """``train.compilation_cache_dir`` expanded, or None when it is "" / "none" (disabled)."""
+    d = train.get("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)
+    if d is None or (isinstance(d, str) and d.strip().lower() in ("", "none")):
+        return None
+    return os.path.abspath(os.path.expanduser(str(d)))
+
+
+def _compilation_cache_errors(train: ml_collections.ConfigDict) -> list[str]:
+    errs: list[str] = []
+    d = train.get("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)
+    if not (d is None or isinstance(d, str)):
+        errs.append(f"train.compilation_cache_dir must be a path, '' or 'none', got {d!r}")
+    elif (path := compilation_cache_dir(train)) is not None and (
+            os.path.exists(path) and not os.path.isdir(path)):
+        errs.append(f"train.compilation_cache_dir={d!r} exists and is not a directory")
+    secs = train.get("compilation_cache_min_compile_secs", 1.0)
+    if isinstance(secs, bool) or not isinstance(secs, int | float) or not secs >= 0:
+        errs.append(f"train.compilation_cache_min_compile_secs must be a number >= 0, "
+                    f"got {secs!r}")
+    gib = train.get("compilation_cache_max_gib", -1)
+    if (isinstance(gib, bool) or not isinstance(gib, int | float)
+            or not (gib == -1 or gib > 0)):
+        errs.append(f"train.compilation_cache_max_gib must be > 0 or -1 (unbounded), "
+                    f"got {gib!r}")
+    return errs
+
+
+def setup_compilation_cache(train: ml_collections.ConfigDict) -> str | None:
+    """Points jax's persistent compilation cache at ``train.compilation_cache_dir``.
+
+    Call after ``validate_config`` and before the first compile. Settings given through
+    jax's own environment variables are left as they are. Returns the cache directory in
+    use (None: disabled).
+    """
+    import jax
+
+    wanted: dict[str, Any] = {
+        "jax_persistent_cache_min_compile_time_secs":
+            float(train.get("compilation_cache_min_compile_secs", 1.0)),
+        "jax_compilation_cache_max_size":
+            int(float(train.get("compilation_cache_max_gib", -1)) * 2**30)
+            if train.get("compilation_cache_max_gib", -1) != -1 else -1,
+    }
+    if os.environ.get(_CACHE_ENV["jax_compilation_cache_dir"]) is None:
+        wanted["jax_compilation_cache_dir"] = compilation_cache_dir(train)
+    for name, value in wanted.items():
+        if os.environ.get(_CACHE_ENV[name]) is None:
+            jax.config.update(name, value)
+    return jax.config.jax_compilation_cache_dir or None
 
 
 def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -41,7 +41,12 @@ def _setup_logging() -> None:
 def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
-    from pmd_jax.config import ConfigError, apply_mode, validate_config
+    from pmd_jax.config import (
+        ConfigError,
+        apply_mode,
+        setup_compilation_cache,
+        validate_config,
+    )
 
     cfg = _CONFIG.value
     if cfg is None:
@@ -63,6 +68,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         logging.getLogger("pmd_jax").error("%s", e)
         return 2
+    # Before anything compiles: a restarted run loads its programs from this cache.
+    cache_dir = setup_compilation_cache(cfg.train)
+    logging.getLogger("pmd_jax").info(
+        "XLA compilation cache: %s", cache_dir or "off (train.compilation_cache_dir)")
     from pmd_jax.distributed import maybe_initialize
 
     maybe_initialize()

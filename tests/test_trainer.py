@@ -5,16 +5,24 @@ after its first checkpoint and restarted with the same command, which must end b
 (params, and the per-step rewards and losses it logged); a run whose second checkpoint write
 really fails (the OS refuses the write: RLIMIT_FSIZE, which binds root too) must stop naming
 that step, with the first checkpoint intact and resumable.
+
+Every run of the session shares one persistent XLA compilation cache
+(train.compilation_cache_dir) in a temporary folder: the first run compiles, the later ones
+(and each restart after a kill) load the same programs, as a user's restarted run does.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,16 +58,32 @@ TINY = [
 ]
 
 
+@functools.cache
+def jax_cache_dir() -> Path:
+    """This session's compilation cache (a temporary folder, not the user's ~/.cache)."""
+    path = Path(tempfile.mkdtemp(prefix="pmd_jax_test_xla_cache_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def cache_flags() -> list[str]:
+    """Config flags that point a run at the session's cache, caching every program."""
+    return [f"--config.train.compilation_cache_dir={jax_cache_dir()}",
+            "--config.train.compilation_cache_min_compile_secs=0"]
+
+
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
-            f"--config.run_dir={run_dir}", *TINY, *extra]
+            f"--config.run_dir={run_dir}", *TINY, *cache_flags(), *extra]
 
 
 def _env() -> dict[str, str]:
     # The run must see this machine's real devices: other test modules set a fake device
-    # count in XLA_FLAGS, and a distributed run's PMD_* variables must not leak in either.
+    # count in XLA_FLAGS, and a distributed run's PMD_* variables must not leak in either;
+    # jax's own cache variables would override the cache flags above.
     env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith("PMD_")}
+           if k != "XLA_FLAGS" and not k.startswith(("PMD_", "JAX_COMPILATION_CACHE",
+                                                      "JAX_PERSISTENT_CACHE"))}
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
@@ -153,6 +177,7 @@ def test_run_writes_the_run_directory(clean_run: Path):
     assert (clean_run / "memory.html").exists() and (clean_run / "memory.jsonl").exists()
     assert list((clean_run / "plots").glob("*.png"))
     assert list((clean_run / "tensorboard").iterdir())
+    assert list(jax_cache_dir().glob("*-cache"))  # the run wrote its compiled programs
 
 
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
@@ -200,13 +225,18 @@ def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(
 
 def test_bad_config_fails_before_compute(tmp_path: Path):
     t0 = time.time()
+    (tmp_path / "not_a_dir").write_text("")  # a file where the cache folder should be
     p = subprocess.run(
         [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
-         "--config.mode=bogus", "--config.rollout.n=0", f"--config.run_dir={tmp_path}/r"],
+         "--config.mode=bogus", "--config.rollout.n=0", f"--config.run_dir={tmp_path}/r",
+         "--config.train.compilation_cache_min_compile_secs=-1",
+         f"--config.train.compilation_cache_dir={tmp_path}/not_a_dir"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert p.returncode == 2
     assert "mode='bogus'" in p.stderr and "rollout.n" in p.stderr
+    assert "train.compilation_cache_min_compile_secs" in p.stderr
+    assert "train.compilation_cache_dir" in p.stderr and "not a directory" in p.stderr
     assert not (tmp_path / "r").exists()
     p = subprocess.run(
         [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
@@ -215,3 +245,31 @@ def test_bad_config_fails_before_compute(tmp_path: Path):
     )
     assert p.returncode != 0 and "no_such_key" in p.stderr
     assert time.time() - t0 < 120
+
+
+def test_compilation_cache_option(tmp_path: Path):
+    """train.compilation_cache_* set jax's persistent cache ("~" expanded, "none" = off, the
+    size in GiB); jax's own environment variables, when set, are left to win."""
+    code = (
+        "import json, sys, jax\n"
+        "from pmd_jax.config import base_config, setup_compilation_cache\n"
+        "c = base_config().train\n"
+        "c.compilation_cache_dir, c.compilation_cache_min_compile_secs = sys.argv[1], 0.5\n"
+        "c.compilation_cache_max_gib = 2\n"
+        "d = setup_compilation_cache(c)\n"
+        "print(json.dumps([d, jax.config.jax_persistent_cache_min_compile_time_secs,\n"
+        "                  jax.config.jax_compilation_cache_max_size]))\n"
+    )
+
+    def run(arg: str, **env: str) -> list:
+        p = subprocess.run([sys.executable, "-c", code, arg], cwd=ROOT, text=True,
+                           env={**_env(), "HOME": str(tmp_path), **env},
+                           capture_output=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run("~/xla") == [str(tmp_path / "xla"), 0.5, 2 * 2**30]
+    assert run("none")[0] is None
+    assert run("~/xla", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="3") == [
+        str(tmp_path / "env"), 3.0, 2 * 2**30]
