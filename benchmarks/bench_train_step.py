@@ -83,6 +83,9 @@ def parse() -> argparse.Namespace:
                    help="our distill.precision.matmul_dtype: bfloat16 = bf16 operands, fp32 "
                         "accumulation and result for the weight matmuls only (activations, "
                         "norms, attention, loss in --dtype); the torch side is unchanged")
+    p.add_argument("--torch-autocast", action="store_true",
+                   help="run the torch side under torch.autocast('cpu', bfloat16) (its bf16 "
+                        "mixed precision: the like-for-like peer of --matmul-dtype bfloat16)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
     p.add_argument("--gemm-n", type=int, default=2048)
@@ -337,7 +340,8 @@ def bench_torch(args, data, params) -> tuple[float, float]:
         return (per * mask).sum() / mask.sum().clamp(min=1)
 
     def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+        on = args.dtype == "bfloat16" or args.torch_autocast
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
 
     def step():
         with torch.no_grad(), autocast():
@@ -429,15 +433,18 @@ def main() -> None:
           f"chunk={args.chunk} "
           f"chunk_remat={args.chunk_remat}; "
           f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
-    peak = gemm_peak(args.gemm_n, args.threads, args.dtype)
+    # bf16 matmuls on either side: the bf16 GEMM peak is the ceiling (AMX: ~3.5x fp32's)
+    peak_dtype = ("bfloat16" if args.dtype == "bfloat16" or args.matmul_dtype
+                  or args.torch_autocast else "float32")
+    peak = gemm_peak(args.gemm_n, args.threads, peak_dtype)
     best_peak = max(peak.values())
-    print(f"{args.dtype} GEMM peak ({args.gemm_n}^3): "
+    print(f"{peak_dtype} GEMM peak ({args.gemm_n}^3): "
           + ", ".join(f"{k} {v:.1f}" for k, v in peak.items())
           + f" GFLOP/s -> peak {best_peak:.1f} GFLOP/s ({load()})", flush=True)
     if args.gemm_shapes:
         print("the step's matmul shapes [m, k] x [k, n], GFLOP/s (jnp.dot vs torch.matmul):")
         for name, (m, k, n) in step_gemm_shapes(cfg, args):
-            r = _gemm_rates(m, k, n, args.threads, dtype=args.dtype)
+            r = _gemm_rates(m, k, n, args.threads, dtype=peak_dtype)
             print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: "
                   + "  ".join(f"{k_} {v:6.1f}" for k_, v in r.items()), flush=True)
     res = {}
