@@ -6,6 +6,7 @@ loss recomputed from full decoder logits with numpy gathering and the unchunked 
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -288,6 +289,7 @@ def test_tied_embedding_step_matches_full_logit_reference():
     p_s = decoder.init_params(tied, jax.random.PRNGKey(0))
     p_t = decoder.init_params(tied, jax.random.PRNGKey(7))
 
+    @functools.partial(jax.jit, static_argnums=1)  # one compile, not op-by-op dispatch
     def resp_logits(params, side):
         logits, _ = decoder.forward(
             params, jnp.asarray(batch[f"{side}_tokens"]),

@@ -8,6 +8,8 @@ logits turned into numpy constants, gathered with numpy indexing, then the unchu
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,6 +112,7 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     return st.make_batch(db, sd_mask=np.array([1, 1, 0, 1], np.float32))
 
 
+@functools.partial(jax.jit, static_argnums=2)  # one compile, not op-by-op dispatch
 def _full_logits(params, batch, side):
     logits, _ = decoder.forward(
         params, jnp.asarray(batch[f"{side}_tokens"]), jnp.asarray(batch[f"{side}_positions"]),
@@ -138,13 +141,12 @@ def test_teacher_gets_no_gradient_and_grads_equal_constant_teacher(rule):
     batch = {k: jnp.asarray(v) for k, v in _batch().items()}
 
     if teacher is not None:
-        (loss, _), (g_p, g_t) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-            params, teacher, batch
-        )
+        (loss, _), (g_p, g_t) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1),
+                                                            has_aux=True))(params, teacher, batch)
         for leaf in jax.tree.leaves(g_t):
             assert not np.any(np.asarray(leaf)), "teacher params received a gradient"
     else:
-        (loss, _), g_p = jax.value_and_grad(loss_fn, has_aux=True)(params, {}, batch)
+        (loss, _), g_p = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, {}, batch)
 
     # reference: teacher logits as numpy constants (no path back to params at all)
     t_idx, s_idx = np.asarray(batch["teacher_index"]), np.asarray(batch["student_index"])
@@ -167,7 +169,7 @@ def test_teacher_gets_no_gradient_and_grads_equal_constant_teacher(rule):
         )
         return loss
 
-    ref_l, ref_g = jax.value_and_grad(ref_loss)(params)
+    ref_l, ref_g = jax.jit(jax.value_and_grad(ref_loss))(params)
     np.testing.assert_allclose(float(loss), float(ref_l), rtol=1e-5, atol=1e-7)
     assert float(loss) > 0
     flat_g = jax.tree_util.tree_leaves_with_path(g_p)

