@@ -362,6 +362,10 @@ def test_logprobs_are_at_the_sampling_temperature(server, hf_model, base_weights
     assert [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in rs]
 
 
+# Slow (~50-100 s on the 2-core CI box): the default suite covers its two halves separately,
+# the trainer loop end to end with the JAX sampler (test_trainer.py) and the vLLM sampler's
+# generate / logprobs / weight reload against HF and JAX (the tests above).
+@pytest.mark.slow
 def test_trainer_runs_with_the_vllm_sampler(server, tmp_path):
     """The real entry point with rollout.sampler=vllm: two SDPO steps of SmolLM2 whose rollouts
     come from the running server, each step's weights published over tensorstore and reloaded
