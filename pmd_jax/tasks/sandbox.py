@@ -16,7 +16,9 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
 ``bwrap``
     bubblewrap (Debian package ``bubblewrap``). New mount, pid, net, ipc and uts namespaces; a
     minimal read-only filesystem (``/usr`` and the Python installation only), tmpfs ``/sandbox``
-    (cwd) and ``/tmp`` with a size cap, program files read-only under ``/code``. When the host
+    (cwd) and ``/tmp`` with a size cap, program files read-only under ``/code``. The Python
+    installation and site-packages are bound after the tmpfs mounts, at their host paths, so a
+    venv under /tmp, /root, a home directory or a conda prefix stays visible. When the host
     runs as root, the program itself runs as a dedicated unprivileged uid (``setpriv``), so
     RLIMIT_NPROC applies (it never applies to root) and it cannot signal host processes. When
     the host is not root, bwrap makes an unprivileged user namespace instead.
@@ -30,7 +32,9 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
 
 Processes are confined to a pid namespace in the first two backends, so daemons (double
 fork, setsid) die with the namespace when the run ends. After every run, whatever is left in
-the run's cgroup (or, without cgroups, every process of the run's uid) is killed.
+the run's cgroup (or, without cgroups, every process of the run's uid) is killed. The temp
+directories and cgroups name their owner, so those of a host process that was SIGKILLed are
+swept at the next process's first sandbox start (``sandbox_sweep``).
 
 ``run_python`` starts one sandbox per call. ``WarmPool`` starts sandboxes ahead of time, each
 waiting for its job on stdin and used once; the code verifier uses it so that namespace and
@@ -59,6 +63,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pmd_jax.tasks import sandbox_sweep
 
 log = logging.getLogger(__name__)
 
@@ -139,33 +145,6 @@ def _release_uid(uid: int) -> None:
             _uid_free.append(uid)
 
 
-def _kill_uid(uid: int) -> int:
-    """SIGKILL every process whose real uid is ``uid`` (root only). Returns how many."""
-    if os.geteuid() != 0:
-        return 0
-    n = 0
-    for _ in range(3):
-        found = False
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/status") as f:
-                    for line in f:
-                        if line.startswith("Uid:"):
-                            if int(line.split()[1]) == uid:
-                                os.kill(int(d), signal.SIGKILL)
-                                found = True
-                                n += 1
-                            break
-            except (OSError, ValueError):
-                continue
-        if not found:
-            break
-        time.sleep(0.01)
-    return n
-
-
 # ----------------------------------------------------------------------------- cgroups
 
 
@@ -174,10 +153,12 @@ class _Cgroup:
 
     Created once per slot and reused (mkdir/rmdir per run costs tens of ms); the limits are
     rewritten and the OOM / pids-limit counters re-read as a baseline at every run; all
-    groups are removed at exit.
+    groups are removed at exit. The name marks the owner (``sandbox_sweep.cgroup_name``), so
+    the groups of a process that was killed are swept by the next one.
     """
 
     _by_uid: dict[int, _Cgroup] = {}
+    _owner_pid = -1  # the process that made the groups in _by_uid (not a forked child)
     _lock = threading.Lock()
 
     def __init__(self, dirs: dict[str, Path]):
@@ -191,9 +172,11 @@ class _Cgroup:
         if not base:
             return None
         with cls._lock:
+            if cls._owner_pid != os.getpid():  # a forked child: the parent's are not ours
+                cls._by_uid, cls._owner_pid = {}, os.getpid()
             cg = cls._by_uid.get(uid)
             if cg is None:
-                cg = cls._make(base, f"pmd-sbx-{os.getpid()}-{uid}")
+                cg = cls._make(base, sandbox_sweep.cgroup_name(uid))
                 if cg is None:
                     return None
                 cls._by_uid[uid] = cg
@@ -301,8 +284,9 @@ class _Cgroup:
     @classmethod
     def destroy_all(cls) -> None:
         with cls._lock:
-            for cg in cls._by_uid.values():
-                cg.destroy()
+            if cls._owner_pid == os.getpid():
+                for cg in cls._by_uid.values():
+                    cg.destroy()
             cls._by_uid.clear()
 
 
@@ -355,12 +339,51 @@ def _cgroup_bases() -> dict[str, Path]:
 # ----------------------------------------------------------------------------- backends
 
 
-def _python_roots() -> list[str]:
-    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
-    exe_dir = os.path.dirname(os.path.realpath(sys.executable))
-    if not any(exe_dir.startswith(r + os.sep) for r in roots):
-        roots.add(exe_dir)
-    return sorted(roots)
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+_BWRAP_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# bwrap mount points of ours: a Python root there cannot be bound (or would hide them)
+_BWRAP_RESERVED = ("/", "/proc", "/dev", "/tmp", "/sandbox", "/code")
+
+
+@functools.cache
+def _python_mounts() -> tuple[tuple[str, str], ...]:
+    """(host path, sandbox path) pairs that make the interpreter work inside bwrap.
+
+    Covers the installation (``sys.prefix`` of a venv, ``sys.base_prefix``, the exec
+    prefixes, the real executable's directory) and ``site.getsitepackages()``, wherever they
+    live. Each is bound at its real path (so symlinks inside bound trees resolve as on the
+    host), and also at its unresolved path when that differs and would not otherwise exist
+    inside (e.g. a venv reached through a symlinked directory). Paths under ``/usr`` (and the
+    other system dirs) or inside another bound tree are left out; parents come first.
+    """
+    import site
+
+    islink = os.path.islink
+    cands = [sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix]
+    cands.append(os.path.dirname(os.path.realpath(sys.executable)))
+    with contextlib.suppress(Exception):
+        cands += site.getsitepackages()
+    cands = [os.path.normpath(c) for c in cands if c and os.path.isabs(c) and os.path.isdir(c)]
+    kept = ["/usr"] + [p for p in _BWRAP_SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
+    out: list[tuple[str, str]] = []
+    for real in sorted({os.path.realpath(c) for c in cands}):
+        if real in _BWRAP_RESERVED or any(_under(real, k) for k in kept):
+            continue
+        kept.append(real)
+        out.append((real, real))
+    for c in sorted(set(cands)):
+        real = os.path.realpath(c)
+        top = os.sep + c.split(os.sep)[1]
+        if c == real or c in _BWRAP_RESERVED or (top in _BWRAP_SYSTEM_DIRS and islink(top)):
+            continue  # already bound, or reached through a symlink the sandbox also has
+        if any(_under(c, k) for k in kept):
+            continue  # inside a bound tree: resolves there as on the host
+        kept.append(c)
+        out.append((real, c))
+    return tuple(out)
 
 
 def python_executable() -> str:
@@ -411,26 +434,32 @@ def interpreter_for(backend: str) -> str:
     )
 
 
-def _bwrap_fs_args() -> list[str]:
+def _bwrap_fs_args(tmpfs_bytes: int) -> list[str]:
+    """The sandbox's filesystem: system dirs, /proc, /dev, fresh /sandbox and /tmp, Python.
+
+    The Python installation is bound after the tmpfs mounts, so a venv or interpreter that
+    lives under /tmp (or any other path) stays visible, read-only, on top of the fresh /tmp.
+    """
     args = ["--ro-bind", "/usr", "/usr"]
-    for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    for p in _BWRAP_SYSTEM_DIRS:
         if os.path.islink(p):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
-    made: set[str] = set()
-    for r in _python_roots():
-        if r.startswith("/usr/"):
-            continue
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    for d in ("/sandbox", "/tmp"):
+        args += ["--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", d]
+    made: set[str] = {"/tmp", "/sandbox"}
+    for src, dest in _python_mounts():
         # bwrap would create the parents of a bind with the host's modes; /root is 0700,
         # which would hide e.g. a pyenv interpreter (and its libpython RUNPATH) from the uid
-        parts = r.split(os.sep)
+        parts = dest.split(os.sep)
         for i in range(2, len(parts)):
             d = os.sep.join(parts[:i])
             if d not in made:
                 made.add(d)
                 args += ["--perms", "0755", "--dir", d]
-        args += ["--ro-bind", r, r]
+        args += ["--ro-bind", src, dest]
     return args
 
 
@@ -470,26 +499,10 @@ def _build_command(
     if backend == "bwrap":
         cmd = [
             _BWRAP or "bwrap",
-            *_bwrap_fs_args(),
+            *_bwrap_fs_args(limits.tmpfs_bytes),
             "--ro-bind",
             code_dir,
             "/code",
-            "--perms",
-            "1777",
-            "--size",
-            str(limits.tmpfs_bytes),
-            "--tmpfs",
-            "/sandbox",
-            "--perms",
-            "1777",
-            "--size",
-            str(limits.tmpfs_bytes),
-            "--tmpfs",
-            "/tmp",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
             "--unshare-net",
             "--unshare-pid",
             "--unshare-ipc",
@@ -539,25 +552,13 @@ def _build_command(
     raise SandboxError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
 
 
-def _user_process_count(uid: int) -> int:
-    n = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if os.stat(f"/proc/{d}").st_uid == uid:
-                    n += 1
-            except OSError:
-                pass
-    return n
-
-
 def _prlimit_args(limits: Limits) -> list[str]:
     cpu = max(1, int(limits.cpu_s + 0.999))
     nproc = limits.nproc
     if os.geteuid() != 0:
         # no dedicated uid: RLIMIT_NPROC counts every process of this user, so the limit is
         # set above what the user already runs (untested here: the dev machine runs as root)
-        nproc += _user_process_count(os.geteuid())
+        nproc += sandbox_sweep.user_process_count(os.geteuid())
     return [
         _PRLIMIT or "prlimit",
         f"--cpu={cpu}:{cpu + 1}",
@@ -658,7 +659,8 @@ def _start(
     backend: str,
     python_flags: tuple[str, ...],
 ) -> _Started:
-    tmp = tempfile.mkdtemp(prefix="pmd-sbx-")
+    sandbox_sweep.sweep_once(sweep_stale)  # the first start in a process sweeps
+    tmp = sandbox_sweep.make_temp_dir()
     uid: int | None = None
     try:
         code_dir = os.path.join(tmp, "code")
@@ -700,7 +702,7 @@ def _start(
     except BaseException:
         if uid is not None:
             _release_uid(uid)
-        shutil.rmtree(tmp, ignore_errors=True)
+        sandbox_sweep.remove_tree(tmp)
         raise
     return _Started(proc, tmp, uid, cg, backend, limits)
 
@@ -718,10 +720,15 @@ def _cleanup(st: _Started) -> None:
     if st.cg is not None:
         st.cg.kill_all()
     elif st.uid is not None:
-        _kill_uid(st.uid)
+        sandbox_sweep.kill_uid(st.uid)
     if st.uid is not None:
         _release_uid(st.uid)
-    shutil.rmtree(st.tmp, ignore_errors=True)
+    sandbox_sweep.remove_tree(st.tmp)
+
+
+def sweep_stale() -> sandbox_sweep.SweepReport:
+    """Remove the sandbox temp dirs and cgroups of dead processes (see ``sandbox_sweep``)."""
+    return sandbox_sweep.sweep(tempfile.gettempdir(), _cgroup_bases().values())
 
 
 def _finish(
