@@ -4,7 +4,8 @@
     python -m pmd_jax.main --config=configs/olmo3.py --dry_run
 
 The config is validated (unknown keys, impossible combinations, missing files) before any
-model is loaded or any array is allocated.
+model is loaded or any array is allocated: every problem is printed, one line each, and the
+exit status is 2. ``--config.a.b=none`` sets a nullable field (e.g. distill.loss.topk) to None.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from absl import app, flags
 from ml_collections import config_flags
+
+if TYPE_CHECKING:
+    from pmd_jax.config import CommandLine
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
@@ -38,20 +43,35 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+# Set by run(): what check_command_line found before absl parsed argv.
+_COMMAND_LINE: list[CommandLine] = []
+CONFIG_ERROR_EXIT = 2
+
+
+def _report(errs: list[str]) -> int:
+    from pmd_jax.config import format_errors
+
+    print(format_errors(errs), file=sys.stderr, flush=True)
+    return CONFIG_ERROR_EXIT
+
+
 def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
-    from pmd_jax.config import (
-        ConfigError,
-        apply_mode,
-        setup_compilation_cache,
-        validate_config,
-    )
+    from pmd_jax.config import apply_mode, config_errors, set_none, setup_compilation_cache
 
     cfg = _CONFIG.value
     if cfg is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+        return _report(["--config=configs/<name>.py is required"])
+    # Problems check_command_line found (unknown keys, unparsable values) are reported
+    # together with the config's own; its ``none`` values are set here.
+    line = _COMMAND_LINE[-1] if _COMMAND_LINE else None
+    pre_errs = list(line.errors) if line is not None else []
+    if line is not None:
+        set_none(cfg, line.none_keys)
     if _DRY_RUN.value or cfg.get("dry_run", False):
+        if pre_errs:
+            return _report(pre_errs)
         # Simulated devices must be configured before jax is imported anywhere.
         flags_env = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags_env:
@@ -63,11 +83,9 @@ def main(argv: list[str]) -> int:
         dry_run_from_config(cfg)
         return 0
     cfg = apply_mode(cfg)
-    try:
-        validate_config(cfg)
-    except ConfigError as e:
-        logging.getLogger("pmd_jax").error("%s", e)
-        return 2
+    errs = pre_errs + config_errors(cfg)
+    if errs:
+        return _report(errs)
     # Before anything compiles: a restarted run loads its programs from this cache.
     cache_dir = setup_compilation_cache(cfg.train)
     logging.getLogger("pmd_jax").info(
@@ -82,7 +100,19 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    from pmd_jax.config import check_command_line
+
+    try:
+        argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)
+    except flags.Error as e:  # e.g. a missing --flagfile
+        sys.exit(_report([str(e)]))
+    line = check_command_line(argv)
+    if line.fatal:
+        sys.exit(_report(line.errors))
+    # ml_collections reads the overrides from sys.argv itself: hand it the checked ones.
+    sys.argv = line.argv
+    _COMMAND_LINE.append(line)
+    app.run(lambda argv: sys.exit(main(argv)), argv=line.argv)
 
 
 if __name__ == "__main__":
