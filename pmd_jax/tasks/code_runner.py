@@ -1,6 +1,7 @@
 """Test harness that runs INSIDE the sandbox (stdlib only; executed as a script, not imported).
 
-Reads ``payload.bin`` (marshal, written by the host, next to this file): the candidate program,
+Reads ``payload.bin`` (marshal, written by the host, next to this file; or an 8-byte length and
+the marshal bytes on stdin in a pre-started sandbox): the candidate program,
 the test inputs (never the expected outputs: the comparison happens in the host), the test
 kind, a function name, a per-test timeout and a nonce. Each test runs in a forked child with
 its own process group, CPU limit and wall deadline; stdin comes from a file, stdout and stderr
@@ -14,9 +15,9 @@ Kinds:
 - ``call``: the program is executed, then ``fn_name`` (module level, or a method of
   ``class Solution``) is called with the JSON values of the input lines (or a dict as keyword
   arguments); the JSON of the return value is returned.
-- ``code``: the program is executed as ``__main__``, then the test code (asserts). A test that
-  is a single ``assert left == right`` is evaluated side by side so the actual value can be
-  shown.
+- ``serve`` (assert-style tests: MBPP, HumanEval, ``code`` rows): no test code comes here.
+  The program runs once, then ``serve`` answers the host's calls of its functions with plain
+  data (``encode_plain``); the asserts run in the host (``grading.py``), which decides.
 """
 
 import marshal
@@ -163,16 +164,6 @@ def _child(payload, test, w_fd):
                     "repr": repr(result)[:ERR_LIMIT],
                     "note": str(e),
                 }
-        elif kind == "code":
-            code = compile(program, "<solution>", "exec")
-            ns = {"__name__": "__main__", "__builtins__": __builtins__}
-            try:
-                exec(code, ns)
-            except SystemExit as e:
-                raise RuntimeError(
-                    f"the program exited (SystemExit: {e.code}) before the tests ran"
-                ) from None
-            msg = _run_code_test(str(test), ns, payload.get("fn_name") or "")
         else:
             msg = {"status": "error", "error": f"unknown test kind {kind!r}"}
     except BaseException as e:  # noqa: BLE001
@@ -190,159 +181,241 @@ def _child(payload, test, w_fd):
     os.close(w_fd)
 
 
-_type = type
-_builtin_mods = {"builtins", "collections", "fractions", "decimal", "datetime"}
-_seqs = (list, tuple, set, frozenset)
-_atoms = frozenset(
-    {int, float, complex, str, bytes, bool, type(None), type(Ellipsis), type(NotImplemented)}
-)
+# ----------------------------------------------------------------------------- plain data
+# Values cross the sandbox boundary (solution server <-> trusted checker in the host) as
+# tagged JSON: JSON's own null / bool / int / str / list / finite float, and
+# {"$": tag, "v": ...} for tuples, dicts (any plain keys), sets, frozensets, bytes, complex,
+# non-finite floats, deques, fractions and decimals. A value of any other type is a handle
+# (an object that stays in the sandbox) or a module (by name). The host decodes with
+# ``decode_plain`` into fresh built-in objects, so nothing with behaviour crosses.
+
+MAX_DEPTH = 100
+_INF = float("inf")
+_MODULE = type(sys)
+_PLAIN_SUBCLASSES = (bool, int, float, str, bytes, complex, list, tuple, dict, frozenset, set)
 
 
-def _check_plain(v, depth=0):
-    """Raise TypeError unless ``v`` is built-in data (so ``==`` cannot be faked).
+def encode_plain(v, handle_of, depth=0):
+    """The JSON-able form of ``v``. Built-in data and their subclasses (Counter, OrderedDict,
+    namedtuple, IntEnum, ...) become their plain value, numpy values their ``tolist()``;
+    ``handle_of(v)`` encodes anything else (or raises TypeError to refuse it)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply to pass the sandbox boundary")
+    t = type(v)
+    if v is None or t is bool or t is str or t is int:
+        return v
+    if t is float:
+        if v != v or v == _INF or v == -_INF:
+            return {"$": "float", "v": float.__repr__(v)}
+        return v
+    d = depth + 1
+    if t is list:
+        return [encode_plain(x, handle_of, d) for x in v]
+    if t is tuple:
+        return {"$": "tuple", "v": [encode_plain(x, handle_of, d) for x in v]}
+    if t is dict:
+        items = [
+            [encode_plain(k, handle_of, d), encode_plain(x, handle_of, d)] for k, x in v.items()
+        ]
+        return {"$": "dict", "v": items}
+    if t is set or t is frozenset:
+        return {"$": t.__name__, "v": [encode_plain(x, handle_of, d) for x in v]}
+    if t is complex:
+        return {"$": "complex", "v": [encode_plain(v.real, None, d), encode_plain(v.imag, None, d)]}
+    if t is bytes:
+        return {"$": "bytes", "v": v.hex()}
+    if t is _MODULE:
+        return {"$": "module", "v": str(v.__name__)}
+    mod, name = getattr(t, "__module__", ""), getattr(t, "__name__", "")
+    std = sys.modules.get(mod) if isinstance(mod, str) else None
+    if std is not None and getattr(std, name, None) is t:  # the stdlib's own class
+        if mod == "collections" and name == "deque":
+            return {"$": "deque", "v": [encode_plain(x, handle_of, d) for x in v]}
+        if mod == "fractions" and name == "Fraction":
+            return {"$": "fraction", "v": [int(v.numerator), int(v.denominator)]}
+        if mod == "decimal" and name == "Decimal":
+            return {"$": "decimal", "v": str(v)}
+    if isinstance(mod, str) and (mod == "numpy" or mod.startswith("numpy.")):
+        if hasattr(v, "tolist"):
+            return encode_plain(v.tolist(), handle_of, d)
+    if isinstance(v, _PLAIN_SUBCLASSES):
+        for base in _PLAIN_SUBCLASSES:
+            if isinstance(v, base):
+                return encode_plain(base(v), handle_of, d)
+    if handle_of is None:
+        raise TypeError(f"a {name} value cannot pass the sandbox boundary")
+    return handle_of(v)
 
-    A returned object with a custom ``__eq__`` (always True) would pass any assert; built-in
-    types, the stdlib containers (Counter, OrderedDict, deque, ...), Fraction, Decimal,
-    datetime and numpy scalars are accepted, recursively for containers.
+
+def decode_plain(obj, handle, depth=0):
+    """Built-in value of an ``encode_plain`` form; ``handle(tag, value, type_name)`` makes
+    the object for a handle or module. Raises ValueError for anything malformed."""
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    t = type(obj)
+    if obj is None or t is bool or t is str or t is int or t is float:
+        return obj
+    d = depth + 1
+    if t is list:
+        return [decode_plain(x, handle, d) for x in obj]
+    if t is not dict:
+        raise ValueError(f"malformed value of type {t.__name__}")
+    tag, v = obj.get("$"), obj.get("v")
+    if tag in ("handle", "module"):
+        return handle(tag, v, str(obj.get("type", ""))[:100])
+    if tag in ("bytes", "decimal", "float"):
+        if type(v) is not str:
+            raise ValueError(f"malformed {tag}")
+        if tag == "bytes":
+            return bytes.fromhex(v)
+        if tag == "float":
+            if v not in ("nan", "inf", "-inf"):
+                raise ValueError("malformed float")
+            return float(v)
+        import decimal
+
+        return decimal.Decimal(v)
+    if type(v) is not list:
+        raise ValueError(f"malformed value with tag {tag!r}")
+    try:
+        if tag == "tuple":
+            return tuple(decode_plain(x, handle, d) for x in v)
+        if tag == "dict":
+            out = {}
+            for pair in v:
+                if type(pair) is not list or len(pair) != 2:
+                    raise ValueError("malformed dict item")
+                out[decode_plain(pair[0], handle, d)] = decode_plain(pair[1], handle, d)
+            return out
+        if tag == "set":
+            return {decode_plain(x, handle, d) for x in v}
+        if tag == "frozenset":
+            return frozenset(decode_plain(x, handle, d) for x in v)
+        if tag == "deque":
+            import collections
+
+            return collections.deque(decode_plain(x, handle, d) for x in v)
+        if tag in ("complex", "fraction") and len(v) == 2:
+            a, b = (decode_plain(x, handle, d) for x in v)
+            if tag == "complex" and type(a) in (int, float) and type(b) in (int, float):
+                return complex(a, b)
+            if tag == "fraction" and type(a) is int and type(b) is int and b != 0:
+                import fractions
+
+                return fractions.Fraction(a, b)
+    except TypeError as e:  # unhashable key or set member
+        raise ValueError(f"malformed {tag}: {e}") from None
+    raise ValueError(f"malformed value with tag {tag!r}")
+
+
+def write_frame(fd, obj):
+    """One message: 4-byte big-endian length, then compact JSON."""
+    import json
+
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    data = len(data).to_bytes(4, "big") + data
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def serve(payload, rfd, wfd):
+    """Solution server for assert-style tests (kind ``serve``).
+
+    Runs the program once as ``__main__``, then answers the host's requests until stdin
+    closes: ``name`` (a global of the program), ``call`` (a handle with plain arguments),
+    ``get`` / ``set`` (an attribute of a handle). Every answer is plain data, a handle or an
+    error; the asserts themselves run in the host, so nothing here decides a verdict. The
+    program's own stdin, stdout and stderr are /dev/null.
     """
-    if depth > 100:
-        raise TypeError("returned value is nested too deeply")
-    t = _type(v)
-    if t in _atoms:
-        return
-    mod = sys.modules.get(getattr(t, "__module__", "") or "")
-    trusted = mod is not None and getattr(mod, getattr(t, "__name__", ""), None) is t
-    if trusted and t.__module__ in _builtin_mods:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                _check_plain(k, depth + 1)
-                _check_plain(x, depth + 1)
-        elif isinstance(v, _seqs) or t.__name__ == "deque":
-            for x in v:
-                _check_plain(x, depth + 1)
-        return
-    if trusted and t.__module__ == "numpy":
-        return
-    raise TypeError(
-        f"the function returned a {getattr(t, '__name__', t)!s} object; only "
-        "built-in data types are compared"
-    )
+    import json
 
+    program = payload["program"]
+    _PROGRAM[0] = program
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
+    handles = {}
 
-def _guard(fn):
-    def guarded(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        _check_plain(out)
-        return out
+    def handle_of(v):
+        handles[len(handles) + 1] = v
+        return {"$": "handle", "v": len(handles), "type": str(type(v).__name__)[:100]}
 
-    guarded.__name__ = getattr(fn, "__name__", "guarded")
-    guarded.__wrapped__ = fn
-    return guarded
+    def obj_of(tag, v, _type):
+        if tag == "module":
+            return __import__(str(v))
+        return handles[v]
 
-
-def _guard_entry(ns, fn_name):
-    f = ns.get(fn_name) if fn_name else None
-    code = getattr(f, "__code__", None)
-    if code is not None and code.co_filename == "<solution>":
-        ns[fn_name] = _guard(f)
-
-
-def _run_code_test(test, ns, fn_name=""):
-    import ast
-
-    _guard_entry(ns, fn_name)
-    tree = ast.parse(test, "<test>")
-    body = tree.body
-    if (
-        len(body) == 1
-        and isinstance(body[0], ast.Assert)
-        and isinstance(body[0].test, ast.Compare)
-        and len(body[0].test.ops) == 1
-        and isinstance(body[0].test.ops[0], ast.Eq)
-    ):
-        left = ast.Expression(body[0].test.left)
-        right = ast.Expression(body[0].test.comparators[0])
+    def answer(fn):
         try:
-            got = eval(compile(left, "<test>", "eval"), ns)
+            out = {"ok": encode_plain(fn(), handle_of)}
+        except SystemExit as e:
+            out = {"err": f"SystemExit: {e.code}", "type": "SystemExit"}
         except BaseException as e:  # noqa: BLE001
-            return {"status": "error", "error": _short_trace(e)}
-        want = eval(compile(right, "<test>", "eval"), ns)
+            out = {"err": _short_trace(e), "type": type(e).__name__}
         try:
-            _check_plain(got)
-        except TypeError as e:
-            return {
-                "status": "fail",
-                "actual": f"TypeError: {e}"[:ERR_LIMIT],
-                "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
-                "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT],
-            }
-        if got == want:
-            return {"status": "ok"}
-        return {
-            "status": "fail",
-            "actual": repr(got)[:ERR_LIMIT],
-            "call": ast.unparse(body[0].test.left)[:ERR_LIMIT],
-            "expected": ast.unparse(body[0].test.comparators[0])[:ERR_LIMIT],
-        }
-    try:
-        exec(compile(tree, "<test>", "exec"), ns)
-    except AssertionError as e:
-        return _explain_assert(e, test)
-    except BaseException as e:  # noqa: BLE001
-        out = {"status": "error", "error": _short_trace(e)}
-        line = _test_line(e, test)
-        if line:
-            out["call"] = line
-        return out
-    return {"status": "ok"}
+            write_frame(wfd, out)
+        except (TypeError, ValueError) as e:  # e.g. an error text that is not JSON
+            write_frame(wfd, {"err": f"unserialisable answer: {e}", "type": "TypeError"})
 
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
 
-def _test_line(exc, test):
-    tb = exc.__traceback__
-    lineno = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<test>":
-            lineno = tb.tb_lineno
-        tb = tb.tb_next
-    lines = test.splitlines()
-    if lineno and 0 < lineno <= len(lines):
-        return lines[lineno - 1].strip()[:ERR_LIMIT]
-    return ""
+    def load():
+        try:
+            exec(compile(program, "<solution>", "exec"), ns)
+        except SystemExit as e:
+            raise RuntimeError(
+                f"the program exited (SystemExit: {e.code}) before the tests ran"
+            ) from None
 
-
-def _explain_assert(exc, test):
-    """The failing assert line, and for ``assert a == b`` the actual value of ``a``."""
-    out = {"status": "fail", "actual": f"AssertionError: {exc}"[:ERR_LIMIT]}
-    tb = exc.__traceback__
-    frame = lineno = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<test>":
-            frame, lineno = tb.tb_frame, tb.tb_lineno
-        tb = tb.tb_next
-    if frame is None:
-        return out
-    lines = test.splitlines()
-    line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
-    out["call"] = line[:ERR_LIMIT]
-    try:
-        import ast
-
-        node = ast.parse(line).body[0]
-        if (
-            isinstance(node, ast.Assert)
-            and isinstance(node.test, ast.Compare)
-            and len(node.test.ops) == 1
-            and isinstance(node.test.ops[0], ast.Eq)
-        ):
-            env = dict(frame.f_globals)
-            env.update(frame.f_locals)
-            got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), env)
-            out["call"] = ast.unparse(node.test.left)[:ERR_LIMIT]
-            out["expected"] = ast.unparse(node.test.comparators[0])[:ERR_LIMIT]
-            out["actual"] = repr(got)[:ERR_LIMIT]
-    except BaseException:  # noqa: BLE001
-        pass
-    return out
+    answer(load)
+    while True:
+        head = _read_exact(rfd, 4)
+        if head is None:
+            return
+        body = _read_exact(rfd, int.from_bytes(head, "big"))
+        if body is None:
+            return
+        req = json.loads(body)
+        op = req.get("op")
+        if op == "name":
+            name = req.get("name")
+            if name not in ns:
+                write_frame(wfd, {"missing": True})
+            else:
+                answer(lambda name=name: ns[name])
+        elif op == "call":
+            answer(
+                lambda req=req: handles[req["h"]](
+                    *decode_plain(req["args"], obj_of), **decode_plain(req["kwargs"], obj_of)
+                )
+            )
+        elif op == "get":
+            answer(lambda req=req: getattr(handles[req["h"]], req["name"]))
+        elif op == "set":
+            answer(
+                lambda req=req: setattr(
+                    handles[req["h"]], req["name"], decode_plain(req["value"], obj_of)
+                )
+            )
+        else:
+            write_frame(wfd, {"err": f"unknown request {op!r}", "type": "ValueError"})
 
 
 def _run_one(payload, i, test):
@@ -460,16 +533,18 @@ def main():
     if os.path.exists(path):
         with open(path, "rb") as f:
             payload = marshal.loads(f.read())
-    else:  # a pre-started sandbox: the job arrives on stdin
-        payload = marshal.loads(sys.stdin.buffer.read())
-    # imported once here rather than in every forked child
-    if payload["kind"] == "call":
-        import json  # noqa: F401
-    elif payload["kind"] == "code":
-        import ast  # noqa: F401
+    else:  # a pre-started sandbox: the job arrives on stdin, 8-byte length first
+        head = _read_exact(0, 8)
+        payload = marshal.loads(_read_exact(0, int.from_bytes(head or b"", "big")) or b"")
     for p in payload.get("sys_path", []):
         if p not in sys.path:
             sys.path.append(p)
+    if payload["kind"] == "serve":
+        serve(payload, os.dup(0), os.dup(1))
+        return
+    # imported once here rather than in every forked child
+    if payload["kind"] == "call":
+        import json  # noqa: F401
     nonce = payload["nonce"]
     out_fd = os.dup(1)
     payload["_out_fd"] = out_fd

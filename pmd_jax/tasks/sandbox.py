@@ -61,6 +61,7 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -772,6 +773,11 @@ class WarmPool:
     Start-up (namespaces, interpreter, imports) overlaps with the previous job; isolation is
     unchanged: every job still gets its own fresh sandbox, used once. ``limits.wall_s`` and
     ``output_bytes`` can be set per job; the CPU and memory limits are the pool's.
+
+    The waiting sandboxes are started by the pool's own long-lived thread: bwrap's
+    ``--die-with-parent`` (PR_SET_PDEATHSIG) fires when the *thread* that started the child
+    exits, so a sandbox pre-started by a short-lived worker (``verify_batch``'s executor)
+    would be killed while it waits for its job.
     """
 
     def __init__(
@@ -790,8 +796,11 @@ class WarmPool:
         self._ready: list[_Started] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pmd-sandbox-pool")
         # stop the waiting sandboxes when the pool is collected or at interpreter exit
-        self._finalizer = weakref.finalize(self, _discard_all, self._ready, self._lock)
+        self._finalizer = weakref.finalize(
+            self, _discard_all, self._ready, self._lock, self._starter
+        )
 
     def _new(self) -> _Started:
         return _start(self.script, self.files, None, self.limits, self.backend, self.python_flags)
@@ -822,22 +831,45 @@ class WarmPool:
             )
         return _finish(st, stdin, limits, done_marker)
 
+    def acquire(self) -> _Started:
+        """A started sandbox, still waiting for its stdin, for a caller that talks to it
+        itself (and must ``_cleanup`` it). The pool is refilled."""
+        st = None
+        with self._lock:
+            while self._ready and st is None:
+                cand = self._ready.pop(0)
+                if cand.proc.poll() is None:
+                    st = cand
+                else:
+                    _cleanup(cand)
+        if st is None:
+            st = self._new()
+        try:
+            self.fill()
+        except OSError:
+            pass  # the next job starts its own
+        return st
+
     def fill(self) -> None:
         with self._lock:
             while not self._closed and len(self._ready) < self.size:
-                self._ready.append(self._new())
+                self._ready.append(self._starter.submit(self._new).result())
 
     def close(self) -> None:
         self._closed = True
         self._finalizer()
 
 
-def _discard_all(ready: list[_Started], lock: threading.Lock) -> None:
+def _discard_all(
+    ready: list[_Started], lock: threading.Lock, starter: ThreadPoolExecutor | None = None
+) -> None:
     with lock:
         items = list(ready)
         ready.clear()
     for st in items:
         _cleanup(st)
+    if starter is not None:
+        starter.shutdown(wait=False)
 
 
 def _communicate(
