@@ -8,6 +8,7 @@ module talks to ``Sampler`` only.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -31,6 +32,12 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # Structured output: a JSON schema, as a JSON string (so the params stay hashable). When
+    # set, every sampled token is one that the schema's grammar allows at that point, so the
+    # text always parses and validates (finish reason "length" aside), and the returned
+    # logprobs are those of the masked, renormalised distribution actually sampled from. A
+    # sampler that cannot constrain its output raises SamplerError rather than ignore it.
+    json_schema: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         if self.n < 1:
@@ -43,12 +50,24 @@ class SamplingParams:
             raise SamplerError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise SamplerError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise SamplerError(f"SamplingParams.json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise SamplerError("SamplingParams.json_schema must be a JSON object (a schema)")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise SamplerError(
                     f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def schema_string(schema: dict) -> str:
+    """The canonical ``SamplingParams.json_schema`` string of a schema dict."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclasses.dataclass
