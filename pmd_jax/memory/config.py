@@ -118,7 +118,10 @@ def default_memory_config() -> ml_collections.ConfigDict:
     c.context.max_feedback_chars = 2_000
     c.context.strip_thinking = True
     c.context.feedback_only_without_solution = False
-    c.context.extra_control_tokens = []  # e.g. a tokenizer's special tokens
+    # The strings of the tokenizer's special and added tokens (plain strings; the trainer sets
+    # them from its tokenizer). Model text loses them before it is stored or shown to the
+    # teacher; empty: a small family-independent fallback list (memory/sanitize.py).
+    c.context.extra_control_tokens = []
     return c
 
 
@@ -155,5 +158,8 @@ def validate_memory_config(c: ml_collections.ConfigDict) -> None:
         bad("insight.dedup_threshold must be in (0, 1]")
     if c.context.max_tokens < 1:
         bad("context.max_tokens must be >= 1")
+    toks = c.context.extra_control_tokens
+    if isinstance(toks, (str, bytes)) or not all(isinstance(t, str) for t in toks):
+        bad("context.extra_control_tokens must be a list of strings (the tokenizer's tokens)")
     if c.index.brute_force_below < 1:
         bad("index.brute_force_below must be >= 1")

@@ -170,8 +170,10 @@ class ProceduralMemory:
                 for kind, dest in (("strategy", ctx.strategies), ("lesson", ctx.lessons)):
                     for d in self.insights.ids(src, kind):
                         it = self.insights.items[d]
-                        dest.append(it.text)
-                        ctx.provenance.append(dict(item=d, **it.provenance.to_json()))
+                        text = _resanitize(it.text, toks)
+                        if text:
+                            dest.append(text)
+                            ctx.provenance.append(dict(item=d, **it.provenance.to_json()))
 
         if c.levels.behavior and c.behavior.top_k > 0 and self.behaviors.behaviors:
             if rng is not None:
@@ -182,8 +184,10 @@ class ProceduralMemory:
                 q = self._problem_vector(problem_id, problem_text)
                 chosen = self.behaviors.retrieve(q, c.behavior.top_k)
             for b in chosen:
-                ctx.behaviors.append((b.name, b.instruction))
-                ctx.provenance.append(dict(item=b.docid, **b.provenance.to_json()))
+                name, ins = _resanitize(b.name, toks), _resanitize(b.instruction, toks)
+                if name and ins:
+                    ctx.behaviors.append((name, ins))
+                    ctx.provenance.append(dict(item=b.docid, **b.provenance.to_json()))
 
         succ = None
         if sibling_success:
@@ -330,6 +334,16 @@ class ProceduralMemory:
                            "</details>")
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(out))
+
+
+def _resanitize(text: str, control_tokens: Sequence[str]) -> str:
+    """A stored item sanitised again, uncut, against this memory's control tokens.
+
+    Items were sanitised when stored; doing it again as they enter a teacher context covers a
+    state restored from a memory that was built with another tokenizer's list (or none). On an
+    item already clean it is the identity.
+    """
+    return sanitize_text(text, max(len(text), 1), control_tokens)
 
 
 class _TimedGenerator:

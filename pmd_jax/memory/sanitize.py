@@ -5,10 +5,16 @@ Every string the memory stores or puts in a teacher prompt passes ``sanitize_tex
 1. drop lone surrogates and undecodable bytes; NFKC-normalise (so full-width look-alikes such
    as ``＜｜im_start｜＞`` become ASCII and are caught below);
 2. remove invisible format characters (zero-width, bidi overrides) and C0/C1 controls other
-   than newline and tab;
-3. repeatedly remove chat-template control tokens (``<|...|>``, ``<think>``, ``[INST]``,
-   ``<start_of_turn>``, ...) until nothing changes, so that tokens split by other tokens
-   (``<|im_<|x|>start|>``) cannot re-form;
+   than newline and tab (so ``<|im\u200b_start|>`` is caught below);
+3. repeatedly remove control tokens until nothing changes, so that tokens split by other
+   tokens (``<|im_<|x|>start|>``) cannot re-form. The tokens are the *tokenizer's own*:
+   ``control_tokens``, the strings of every special token and every markup-like added token of
+   the student/teacher tokenizer plus its chat template's control strings, which whoever builds
+   the memory passes in as plain strings (``memory.context.extra_control_tokens``; the trainer
+   sets it from ``Tokenizer.special_tokens``). Only when no list is given does the small,
+   family-independent ``FALLBACK_CONTROL_TOKENS`` list apply. Matching covers each token's
+   NFKC form and, for markup tokens (not plain words), any case; the generic ``<|...|>`` form
+   is always removed;
 4. remove role markers at the start of lines (``system:``, ``Assistant:``, ``### User:``) and
    role words alone on a line (what ``<|im_start|>system`` leaves behind);
 5. collapse runs of blank lines and cut to ``max_chars``.
@@ -21,9 +27,10 @@ import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 
-# Literal special tokens of the chat templates we target (Qwen2/3, OLMo-2/3 (Tulu), Llama-2/3,
-# Mistral, Gemma, DeepSeek, Phi, SmolLM2 / StarCoder vocab), beyond the generic <|...|> form.
-KNOWN_CONTROL_TOKENS: tuple[str, ...] = (
+# Used only when no tokenizer's list is given (a memory built without a tokenizer, e.g. in
+# tools and tests): common literal control tokens of chat templates (Qwen, OLMo, Llama-2,
+# Mistral, Gemma, StarCoder/SmolLM2 vocab) beyond the generic <|...|> form.
+FALLBACK_CONTROL_TOKENS: tuple[str, ...] = (
     "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
     "<s>", "</s>", "<unk>", "<pad>", "<bos>", "<eos>", "<mask>",
     "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
@@ -58,15 +65,39 @@ def _token_regex(tokens: Iterable[str]) -> re.Pattern[str]:
     return _token_regex_cached(tuple(tokens))
 
 
+def _token_forms(tokens: tuple[str, ...]) -> list[str]:
+    """Each token and its NFKC form (text is NFKC-normalised before matching), longest first;
+    empty and whitespace-only strings are dropped (stripping them would eat layout)."""
+    forms: set[str] = set()
+    for t in tokens:
+        if not isinstance(t, str):
+            continue
+        for f in (t, unicodedata.normalize("NFKC", t)):
+            if f.strip():
+                forms.add(f)
+    return sorted(forms, key=lambda s: (-len(s), s))
+
+
 @functools.lru_cache(maxsize=64)
 def _token_regex_cached(tokens: tuple[str, ...]) -> re.Pattern[str]:
-    toks = sorted({t for t in tokens if t}, key=len, reverse=True)
-    if not toks:
+    """Markup tokens (``<|im_start|>``, ``|||IP_ADDRESS|||``) match in any case; a token that is
+    a plain word matches in its own case only (as the tokenizer matches it), so stripping it
+    cannot eat the same word in other cases."""
+    toks = _token_forms(tokens)
+    markup = [re.escape(t) for t in toks if not re.fullmatch(r"\w+", t)]
+    words = [re.escape(t) for t in toks if re.fullmatch(r"\w+", t)]
+    alts = ([f"(?i:{'|'.join(markup)})"] if markup else []) + words
+    if not alts:
         return re.compile(r"(?!x)x")  # matches nothing
-    return re.compile("|".join(re.escape(t) for t in toks), re.IGNORECASE)
+    return re.compile("|".join(alts))
 
 
-_KNOWN_RE = _token_regex(KNOWN_CONTROL_TOKENS)
+def _control_regex(control_tokens: Sequence[str]) -> re.Pattern[str]:
+    """The tokenizer's tokens if any were given, else the family-independent fallback."""
+    return _token_regex(control_tokens) if control_tokens else _FALLBACK_RE
+
+
+_FALLBACK_RE = _token_regex(FALLBACK_CONTROL_TOKENS)
 
 
 _INVISIBLE: re.Pattern[str] | None = None
@@ -96,15 +127,17 @@ def _drop_invisible(text: str) -> str:
 
 
 def strip_control_tokens(
-    text: str, extra_tokens: Sequence[str] = (), max_rounds: int = 64
+    text: str, control_tokens: Sequence[str] = (), max_rounds: int = 64
 ) -> str:
-    """Removes control tokens until a fixpoint; a token split by another cannot re-form."""
-    extra_re = _token_regex(extra_tokens) if extra_tokens else None
+    """Removes control tokens until a fixpoint; a token split by another cannot re-form.
+
+    ``control_tokens``: the tokenizer's special/added token strings; empty means the fallback
+    list ``FALLBACK_CONTROL_TOKENS``. The generic ``<|...|>`` form is always removed.
+    """
+    token_re = _control_regex(control_tokens)
     for _ in range(max_rounds):
         new = _GENERIC_TOKEN.sub("", text)
-        new = _KNOWN_RE.sub("", new)
-        if extra_re is not None:
-            new = extra_re.sub("", new)
+        new = token_re.sub("", new)
         if new == text:
             return text
         text = new
@@ -120,11 +153,15 @@ def strip_thinking(text: str) -> str:
 def sanitize_text(
     text: object,
     max_chars: int,
-    extra_tokens: Sequence[str] = (),
+    control_tokens: Sequence[str] = (),
     *,
     drop_thinking: bool = False,
 ) -> str:
-    """Returns safe text of at most ``max_chars`` characters ('' for non-strings)."""
+    """Returns safe text of at most ``max_chars`` characters ('' for non-strings).
+
+    ``control_tokens``: the strings of the tokenizer's special and added tokens (see the module
+    doc); empty means the family-independent fallback list.
+    """
     if not isinstance(text, str):
         return ""
     # Work on a bounded prefix: huge inputs cannot cost more than a few times max_chars.
@@ -135,7 +172,7 @@ def sanitize_text(
     if drop_thinking:
         text = strip_thinking(text)
     for _ in range(8):
-        new = strip_control_tokens(text, extra_tokens)
+        new = strip_control_tokens(text, control_tokens)
         new = _ROLE_HEADER.sub("", new)
         new = _ROLE_LINE.sub("", new)
         new = _ROLE_MARKER.sub("", new)
@@ -143,7 +180,7 @@ def sanitize_text(
             break
         text = new
     else:
-        text = strip_control_tokens(text, extra_tokens)
+        text = strip_control_tokens(text, control_tokens)
     text = _BLANKS.sub("\n\n", text).strip()
     if len(text) > max_chars:
         text = text[:max_chars].rstrip()
@@ -152,10 +189,9 @@ def sanitize_text(
     return text
 
 
-def contains_control_token(text: str, extra_tokens: Sequence[str] = ()) -> bool:
-    if _GENERIC_TOKEN.search(text) or _KNOWN_RE.search(text):
-        return True
-    return bool(extra_tokens) and _token_regex(extra_tokens).search(text) is not None
+def contains_control_token(text: str, control_tokens: Sequence[str] = ()) -> bool:
+    """Whether ``text`` holds a control token (``control_tokens`` as in ``sanitize_text``)."""
+    return bool(_GENERIC_TOKEN.search(text) or _control_regex(control_tokens).search(text))
 
 
 def leaks_gold(text: str, leak_strings: Sequence[str]) -> bool:

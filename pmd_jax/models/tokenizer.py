@@ -17,6 +17,11 @@ from pmd_jax.models import chat as chat_lib
 _STOP_STRINGS = (chat_lib.IM_END, chat_lib.ENDOFTEXT)
 
 
+def _is_markup(s: str) -> bool:
+    """A string with a non-space, non-word character (``<x>``, ``|||y|||``), not a plain word."""
+    return any(not (c.isalnum() or c.isspace() or c == "_") for c in s)
+
+
 class TokenizerError(ValueError):
     """A tokenizer folder or file cannot be used; the message names the file or token."""
 
@@ -111,11 +116,20 @@ class Tokenizer:
 
     @property
     def special_tokens(self) -> list[str]:
-        """Every special / control token string (for stripping model text used as data)."""
-        out = set(self.hf.all_special_tokens)
+        """Every control string of this tokenizer, for stripping model text used as data.
+
+        The tokenizer's own tokens, not a hand list: every special token (``all_special_tokens``
+        and each added token flagged special), every other added token that is markup rather
+        than a word (``<think>``, ``<tool_call>``, ``<functions>``, ``|||IP_ADDRESS|||``: a
+        non-special added token still encodes to its single id), and the chat format's control
+        strings that this vocabulary has. Whitespace-only and plain-word added tokens are left
+        out (stripping them would eat layout or words).
+        """
+        out = {s for s in self.hf.all_special_tokens if isinstance(s, str) and s.strip()}
         for tok in self.hf.added_tokens_decoder.values():
-            if tok.special:
-                out.add(tok.content)
+            s = tok.content
+            if s.strip() and (tok.special or _is_markup(s)):
+                out.add(s)
         out.update(s for s in chat_lib.CONTROL_STRINGS[self.chat_format]
                    if self.token_id(s) is not None)
         return sorted(out)
