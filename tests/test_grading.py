@@ -11,23 +11,9 @@ import json
 
 import pytest
 
-from pmd_jax.tasks import get_task
 from pmd_jax.tasks.code_runner import decode_plain, encode_plain
 from pmd_jax.tasks.grading import run_tests
-
-
-def fence(code: str) -> str:
-    return f"Here is my solution.\n```python\n{code}\n```\n"
-
-
-@pytest.fixture(scope="module")
-def humaneval():
-    return get_task("humaneval")
-
-
-@pytest.fixture(scope="module")
-def mbpp():
-    return get_task("mbpp")
+from tests.test_tasks_code import fence
 
 
 def _by_id(task, ids):

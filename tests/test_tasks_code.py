@@ -28,16 +28,6 @@ def fence(code: str, lang: str = "python") -> str:
     return f"Here is my solution.\n```{lang}\n{code}\n```\n"
 
 
-@pytest.fixture(scope="module")
-def humaneval():
-    return get_task("humaneval")
-
-
-@pytest.fixture(scope="module")
-def mbpp():
-    return get_task("mbpp")
-
-
 def canonical(p: Problem) -> str:
     return fence(p.meta["program_prefix"] + p.meta["reference"])
 

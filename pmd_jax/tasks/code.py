@@ -3,10 +3,11 @@
 The program is the last fenced code block of the response. It runs in the sandbox
 (``sandbox.py``) under the harness ``code_runner.py``; expected outputs and test code never
 enter the sandbox, and the verdict is computed in the host (``grading.py``). Reward is
-sparse: 1 iff every test of the split passes. In the "train" split a seeded 50% of each problem's tests (at least one) give reward and feedback;
-"validation"/"test" use all tests. Feedback follows SDPO's ``format_test_feedback``: a runtime
-error, timeout or format error first, else up to 2 failing cases, shortest first, each field
-cut to 250 characters and the text to 2000.
+sparse: 1 iff every test of the split passes. In the "train" split a seeded 50% of each
+problem's tests (at least one) give reward and feedback; "validation"/"test" use all tests.
+Feedback follows SDPO's ``format_test_feedback``: a runtime error, timeout or format error
+first, else up to 2 failing cases, shortest first, each field cut to 250 characters and the
+text to 2000.
 """
 
 from __future__ import annotations

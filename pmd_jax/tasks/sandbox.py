@@ -255,20 +255,14 @@ class _Cgroup:
         return self._pids_count() > self._pids0
 
     def kill_all(self) -> int:
-        n = 0
-        for _ in range(50):
-            pids: set[int] = set()
+        def pids() -> set[int]:
+            out: set[int] = set()
             for d in self.dirs.values():
                 with contextlib.suppress(OSError, ValueError):
-                    pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
-            if not pids:
-                break
-            for p in pids:
-                with contextlib.suppress(OSError):
-                    os.kill(p, signal.SIGKILL)
-                    n += 1
-            time.sleep(0.005)
-        return n
+                    out |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
+            return out
+
+        return sandbox_sweep.kill_until_gone(pids, rounds=50, pause=0.005)
 
     def destroy(self) -> None:
         self.kill_all()
@@ -811,21 +805,9 @@ class WarmPool:
         """Run one job. With ``done_marker``, the job is complete as soon as stdout holds a
         full line starting with it (the sandbox is then killed instead of waiting for its
         teardown); the marker should be a per-job secret (a nonce)."""
-        st = None
-        with self._lock:
-            while self._ready and st is None:
-                cand = self._ready.pop(0)
-                if cand.proc.poll() is None:
-                    st = cand
-                else:  # died while waiting (should not happen): discard
-                    _cleanup(cand)
         try:
-            if st is None:
-                st = self._new()
-            self.fill()
+            st = self.acquire()
         except OSError as e:
-            if st is not None:
-                _cleanup(st)
             return ExecResult(
                 "sandbox_error", None, b"", b"", f"sandbox failed to start: {e}", 0.0, self.backend
             )
@@ -840,7 +822,7 @@ class WarmPool:
                 cand = self._ready.pop(0)
                 if cand.proc.poll() is None:
                     st = cand
-                else:
+                else:  # died while waiting (should not happen): discard
                     _cleanup(cand)
         if st is None:
             st = self._new()

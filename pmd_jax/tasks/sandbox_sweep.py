@@ -233,16 +233,7 @@ def _cgroup_pids(d: Path) -> set[int]:
 
 def _remove_cgroup(d: Path) -> int:
     """Kill every process in cgroup ``d``, then remove it. Returns how many were killed."""
-    n = 0
-    for _ in range(200):
-        pids = _cgroup_pids(d) - {os.getpid()}
-        if not pids:
-            break
-        for p in pids:
-            with contextlib.suppress(OSError):
-                os.kill(p, signal.SIGKILL)
-                n += 1
-        time.sleep(0.005)
+    n = kill_until_gone(lambda: _cgroup_pids(d) - {os.getpid()}, rounds=200, pause=0.005)
     for _ in range(100):
         try:
             d.rmdir()
@@ -276,18 +267,24 @@ def _procs_in(paths: list[str]) -> set[int]:
     return out
 
 
-def _kill_procs_in(paths: list[str]) -> int:
+def kill_until_gone(find: Callable[[], set[int]], rounds: int, pause: float) -> int:
+    """SIGKILL the pids ``find()`` returns until it returns none (at most ``rounds`` times,
+    ``pause`` seconds apart: a fork may land between two reads). Returns how many signals."""
     n = 0
-    for _ in range(20):
-        pids = _procs_in(paths)
+    for _ in range(rounds):
+        pids = find()
         if not pids:
             break
         for p in pids:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
                 n += 1
-        time.sleep(0.01)
+        time.sleep(pause)
     return n
+
+
+def _kill_procs_in(paths: list[str]) -> int:
+    return kill_until_gone(lambda: _procs_in(paths), rounds=20, pause=0.01)
 
 
 def kill_uid(uid: int) -> int:
