@@ -49,6 +49,11 @@ def hf_state_to_params(sd: dict, cfg) -> dict:
         if cfg.qk_norm != "none":
             e["q_norm"] = t(pre + "self_attn.q_norm.weight")
             e["k_norm"] = t(pre + "self_attn.k_norm.weight")
+        if cfg.attention_bias:
+            e["q_bias"] = t(pre + "self_attn.q_proj.bias").reshape(H, hd)
+            e["k_bias"] = t(pre + "self_attn.k_proj.bias").reshape(KV, hd)
+            e["v_bias"] = t(pre + "self_attn.v_proj.bias").reshape(KV, hd)
+            e["o_bias"] = t(pre + "self_attn.o_proj.bias")
         for name, val in e.items():
             layers.setdefault(name, []).append(val)
     params = {
@@ -143,6 +148,20 @@ CASES = {
     "qwen3_untied": ("qwen3", dict(head_dim=24, tie_word_embeddings=False)),
     "qwen3_tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo3": ("olmo3", OLMO_KW),
+    # cases implemented for issue 14 (anything else is refused at load, see
+    # tests/test_model_config_support.py): attention biases in every family, linear RoPE, YaRN
+    # with mscale / mscale_all_dim, Qwen3 sliding window from use_sliding_window +
+    # max_window_layers
+    "llama_bias_linear_rope": ("llama", dict(
+        tie_word_embeddings=False, attention_bias=True,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0})),
+    "qwen3_bias_yarn_mscale_sliding": ("qwen3", dict(
+        head_dim=24, attention_bias=True, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
+                         "original_max_position_embeddings": 64, "mscale": 0.8,
+                         "mscale_all_dim": 1.0})),
+    "olmo3_bias": ("olmo3", dict(OLMO_KW, attention_bias=True)),
 }
 
 

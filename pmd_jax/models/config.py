@@ -3,11 +3,45 @@
 A ``ModelConfig`` is a frozen dataclass (hashable, so it can be a static jit argument).
 ``from_hf_config`` reads a HF ``config.json`` dict; presets give the full-size models used in
 dry runs without any file on disk.
+
+No silently wrong model: ``from_hf_config`` reads a config.json the way transformers' own
+config classes (``LlamaConfig``, ``Qwen3Config``, ``Olmo3Config``) do, with their defaults
+for omitted keys, and raises ``UnsupportedModelConfig`` (a ``ConfigError``, so a
+``ValueError``) naming the field, its value and what is supported for anything the decoder
+does not compute exactly as transformers would. This happens before any weight is read.
+Audit of the fields of the three families that change the math:
+
+* implemented: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+  ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
+  ``vocab_size``, ``tie_word_embeddings``, ``attention_bias`` (q/k/v/o biases, as in all three
+  HF families), ``max_position_embeddings``, ``rope_theta``, RoPE types ``default``,
+  ``linear``, ``llama3`` and ``yarn`` (with ``attention_factor``, ``beta_fast``/``beta_slow``,
+  ``mscale``/``mscale_all_dim``, ``truncate``), legacy ``rope_scaling`` (which wins over
+  ``rope_parameters``, as in transformers), OLMo-3's per-layer-type RoPE, ``layer_types`` /
+  ``sliding_window`` (OLMo-3; Qwen3 with ``use_sliding_window`` and ``max_window_layers``).
+* accepted because they do not change the result: ``pretraining_tp`` (transformers 4 only
+  split the same matmuls into slices; transformers 5 ignores it), ``attention_dropout`` (only
+  active in HF's training mode; our forward never drops out, and a value > 0 is logged),
+  ``use_cache``, ``initializer_range``, token ids, ``torch_dtype``/``dtype`` when it is a
+  float type (weights are cast to ``param_dtype``).
+* refused: other ``model_type`` values and ``architectures`` that are not the family's
+  ``*ForCausalLM`` (a classification head is not a language model), ``hidden_act`` other than
+  SiLU (``silu``/``swish``), ``mlp_bias=True``, RoPE types ``dynamic``, ``longrope``,
+  ``proportional`` and any other, ``partial_rotary_factor`` != 1, per-layer-type
+  ``rope_parameters`` for Llama/Qwen3 (transformers runs one RoPE there), a flat
+  ``rope_parameters`` for OLMo-3 (transformers ignores it), sliding layers without a window,
+  ``quantization_config``/``compression_config`` (quantized weights), non-float dtypes, and
+  configs that transformers versions read differently (OLMo-3 legacy ``rope_theta`` other than
+  500000, ``truncate`` inside per-layer-type rope parameters). ``hf_io.check_source`` also
+  refuses checkpoint tensors the config does not use (e.g. ``*.bias`` without
+  ``attention_bias``), so no weight is ever silently dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from typing import Any, Literal
 
 Family = Literal["llama", "qwen3", "olmo3"]
@@ -25,6 +59,23 @@ _HF_MODEL_TYPES = {
 
 class ConfigError(ValueError):
     """A model or run configuration is invalid; the message names the setting."""
+
+
+class UnsupportedModelConfig(ConfigError):
+    """A model config asks for something the decoder does not implement (or cannot implement
+    unambiguously). ``field`` and ``value`` name the offending setting; the message also says
+    what is supported."""
+
+    def __init__(self, field: str, value: Any, supported: str) -> None:
+        self.field = field
+        self.value = value
+        self.supported = supported
+        super().__init__(f"unsupported model config: {field}={value!r}; {supported}")
+
+
+# RoPE types pmd_jax.models.rope implements exactly like transformers' modeling_rope_utils.
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +208,13 @@ class ModelConfig:
                 )
         if "full_attention" not in dict(self.rope):
             raise ConfigError("model.rope must define 'full_attention'")
+        for lt, r in self.rope:
+            if lt not in LAYER_TYPES:
+                raise ConfigError(f"model.rope has unknown layer type {lt!r}; known {LAYER_TYPES}")
+            if r.rope_type not in ROPE_TYPES:
+                raise UnsupportedModelConfig(
+                    f"model.rope[{lt}].rope_type", r.rope_type,
+                    f"the decoder implements rope_type in {ROPE_TYPES}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(
                 f"model.attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
@@ -173,73 +231,297 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
-def _rope_from_hf(d: dict[str, Any], default_theta: float) -> RopeConfig:
-    d = dict(d or {})
-    rope_type = d.get("rope_type", d.get("type", "default"))
+# ------------------------------------------------------------------ reading a HF config.json
+log = logging.getLogger(__name__)
+
+# The class transformers' AutoModelForCausalLM builds for each model_type we accept.
+_HF_CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM"}
+# transformers' config-class defaults (LlamaConfig, Qwen3Config, Olmo3Config) for keys a
+# config.json may omit; "head_dim"/"num_key_value_heads" None = derived as transformers does.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+              "head_dim": None, "num_key_value_heads": None},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+              "head_dim": 128, "num_key_value_heads": 32, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "olmo3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 500000.0,
+              "head_dim": None, "num_key_value_heads": None, "sliding_window": 4096},
+}
+_SILU_ACTS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_ROPE_WHY = {
+    "dynamic": " (dynamic NTK scaling recomputes the frequencies from each batch's length)",
+    "longrope": " (LongRoPE switches per-dimension factors with the sequence length)",
+}
+# keys transformers requires per rope_type (modeling_rope_utils' _validate_*_rope_parameters;
+# original_max_position_embeddings defaults to max_position_embeddings there)
+_ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def _unsupported(field: str, value: Any, supported: str) -> UnsupportedModelConfig:
+    return UnsupportedModelConfig(field, value, supported)
+
+
+def _num(d: dict[str, Any], key: str, where: str, default: float | None = None) -> float | None:
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _unsupported(f"{where}.{key}" if where else key, v, "must be a finite number")
+    return float(v)
+
+
+def _rope_from_hf(d: Any, where: str, max_pos: int, nested: bool) -> RopeConfig:
+    """One RoPE parameter dict (transformers 5 ``rope_parameters`` semantics, ``rope_theta``
+    already filled in) -> RopeConfig; refuses what ``pmd_jax.models.rope`` does not compute."""
+    if not isinstance(d, dict):
+        raise _unsupported(where, d, "must be a dict of RoPE parameters")
+    rope_type = d["rope_type"] if "rope_type" in d else d.get("type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(f"{where}.rope_type", rope_type,
+                           f"the decoder implements rope_type in {ROPE_TYPES}"
+                           f"{_ROPE_WHY.get(str(rope_type), '')}")
+    prf = d.get("partial_rotary_factor")
+    if prf is not None and prf != 1:
+        raise _unsupported(f"{where}.partial_rotary_factor", prf,
+                           "the decoder rotates the whole head (partial_rotary_factor=1 only)")
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        if key not in d:
+            raise _unsupported(f"{where}.{key}", None,
+                               f"rope_type={rope_type!r} requires it (transformers refuses it too)")
+    theta = _num(d, "rope_theta", where)
+    if theta is None or theta <= 0:
+        raise _unsupported(f"{where}.rope_theta", d.get("rope_theta"), "must be a number > 0")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = _num(d, "factor", where)
+    orig = d.get("original_max_position_embeddings")
+    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0):
+        raise _unsupported(f"{where}.original_max_position_embeddings", orig,
+                           "must be an integer > 0")
+    if rope_type == "linear":
+        if factor is None or factor <= 0:
+            raise _unsupported(f"{where}.factor", factor, "linear RoPE needs a factor > 0")
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    if rope_type == "llama3":
+        low = _num(d, "low_freq_factor", where)
+        high = _num(d, "high_freq_factor", where)
+        if factor is None or low is None or high is None or high == low:
+            raise _unsupported(f"{where}", {k: d.get(k) for k in _ROPE_REQUIRED["llama3"]},
+                               "llama3 RoPE needs numbers factor, low_freq_factor and "
+                               "high_freq_factor != low_freq_factor")
+        return RopeConfig(theta=theta, rope_type="llama3", factor=factor,
+                          original_max_position_embeddings=orig,
+                          low_freq_factor=low, high_freq_factor=high)
+    # yarn, exactly as transformers' _compute_yarn_parameters
+    if factor is None:
+        factor = max_pos / (orig or max_pos)
+    attention_factor = _num(d, "attention_factor", where)
+    mscale = _num(d, "mscale", where)
+    mscale_all_dim = _num(d, "mscale_all_dim", where)
+    if attention_factor is None and mscale and mscale_all_dim:
+
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    truncate = d.get("truncate", True)
+    if nested and not truncate:
+        # transformers 5 reads `truncate` from the top-level rope_parameters only, so for a
+        # per-layer-type RoPE (OLMo-3) it always truncates, while transformers 4 honoured it
+        raise _unsupported(f"{where}.truncate", truncate,
+                           "transformers 5 ignores truncate in per-layer-type RoPE parameters "
+                           "(it always truncates there); remove it or set it to true")
     return RopeConfig(
-        theta=float(d.get("rope_theta", default_theta)),
-        rope_type=rope_type,
-        factor=float(d.get("factor", 1.0)),
-        original_max_position_embeddings=d.get("original_max_position_embeddings"),
-        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-        beta_fast=float(d.get("beta_fast", 32.0)),
-        beta_slow=float(d.get("beta_slow", 1.0)),
-        attention_factor=d.get("attention_factor"),
-        truncate=bool(d.get("truncate", True)),
+        theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
+        beta_fast=_num(d, "beta_fast", where) or 32.0,
+        beta_slow=_num(d, "beta_slow", where) or 1.0,
+        attention_factor=attention_factor, truncate=bool(truncate),
     )
 
 
+def _hf_rope(hf: dict[str, Any], family: str, max_pos: int) -> dict[str, RopeConfig]:
+    """RoPE per layer type, read as transformers 5's config classes read it (rope_scaling wins
+    over rope_parameters; the top-level rope_theta fills in a missing one; OLMo-3 nests one dict
+    per layer type and applies a legacy rope_scaling to full-attention layers only)."""
+    default_theta = _HF_DEFAULTS[family]["rope_theta"]
+    top_theta = hf.get("rope_theta")
+    theta = default_theta if top_theta is None else top_theta
+    scaling = hf.get("rope_scaling")
+    params = hf.get("rope_parameters")
+    for key, val in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if val is not None and not isinstance(val, dict):
+            raise _unsupported(key, val, "must be a dict (or null)")
+    if scaling and top_theta is not None and scaling.get("rope_theta", top_theta) != top_theta:
+        raise _unsupported("rope_scaling.rope_theta", scaling["rope_theta"],
+                           f"it differs from rope_theta={top_theta!r}, and transformers 4 uses "
+                           "rope_theta while transformers 5 uses rope_scaling's; make them equal")
+    if family != "olmo3":
+        rp = dict(scaling or params or {})
+        where = "rope_scaling" if scaling else "rope_parameters"
+        if rp and any(k in LAYER_TYPES for k in rp):
+            raise _unsupported(where, rp, f"{_HF_CAUSAL_LM[family]} runs one RoPE for every "
+                               "layer: give a flat dict, not one per layer type")
+        rp.setdefault("rope_theta", theta)
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype in ("llama3", "yarn") and hf.get("original_max_position_embeddings") is not None:
+            # transformers lets a top-level original_max_position_embeddings override the
+            # rope dict's (Phi-3 convention) when it builds the model
+            rp["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        return {"full_attention": _rope_from_hf(rp, where, max_pos, nested=False)}
+    # OLMo-3 (transformers' Olmo3Config.convert_rope_params_to_dict)
+    rp = dict(params or {})
+    flat = {k: v for k, v in rp.items() if k not in LAYER_TYPES}
+    if flat:
+        raise _unsupported("rope_parameters", flat,
+                           "Olmo3ForCausalLM takes rope_parameters per layer type "
+                           "({'full_attention': {...}, 'sliding_attention': {...}}) or a legacy "
+                           "rope_scaling; transformers ignores a flat rope_parameters for OLMo-3")
+    out: dict[str, RopeConfig] = {}
+    for lt in LAYER_TYPES:
+        sub = rp.get(lt)
+        if sub is not None and not isinstance(sub, dict):
+            raise _unsupported(f"rope_parameters.{lt}", sub, "must be a dict (or null)")
+        sub = dict(sub or {"rope_type": "default"})
+        if lt == "full_attention" and scaling:
+            sub.update(scaling)
+        if "rope_theta" not in sub:
+            if lt == "sliding_attention" and top_theta is not None and top_theta != default_theta:
+                raise _unsupported(
+                    "rope_theta", top_theta,
+                    "OLMo-3 without rope_parameters['sliding_attention']['rope_theta'] is read "
+                    "differently by transformers 4 (rope_theta on all layers) and 5 "
+                    f"({default_theta} on sliding layers); give rope_parameters per layer type "
+                    "with rope_theta")
+            sub["rope_theta"] = theta
+        out[lt] = _rope_from_hf(sub, f"rope_parameters.{lt}", max_pos, nested=True)
+    return out
+
+
+def _int_field(hf: dict[str, Any], key: str, default: Any = None) -> int:
+    v = hf.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if v is None:
+            raise ConfigError(f"HF config is missing required key {key!r}")
+        raise _unsupported(key, v, "must be an integer > 0")
+    return v
+
+
+def _check_hf_fields(hf: dict[str, Any], family: str, model_type: str) -> None:
+    """Refuse the config.json fields whose value the decoder does not compute (see the module
+    docstring for the audit)."""
+    causal = _HF_CAUSAL_LM[family]
+    archs = hf.get("architectures")
+    if archs and list(archs) != [causal]:
+        raise _unsupported("architectures", archs,
+                           f"a model_type={model_type!r} checkpoint is loaded as [{causal!r}]; "
+                           "other heads (classification, reward, ...) are not a causal LM")
+    for key in ("quantization_config", "compression_config"):
+        q = hf.get(key)
+        if q:
+            method = q.get("quant_method", q) if isinstance(q, dict) else q
+            raise _unsupported(key, method, "quantized checkpoints are not supported; use "
+                               f"unquantized weights in one of {_FLOAT_DTYPES}")
+    for key in ("dtype", "torch_dtype"):
+        dt = hf.get(key)
+        if dt is not None and str(dt).removeprefix("torch.") not in _FLOAT_DTYPES + ("auto",):
+            raise _unsupported(key, dt, f"weights must be one of {_FLOAT_DTYPES}")
+    act = hf.get("hidden_act", "silu")
+    if act not in _SILU_ACTS:
+        raise _unsupported("hidden_act", act,
+                           f"the decoder's MLP is SwiGLU: hidden_act in {_SILU_ACTS}")
+    if hf.get("mlp_bias"):
+        raise _unsupported("mlp_bias", hf.get("mlp_bias"),
+                           "the decoder's MLP has no biases (mlp_bias=false)")
+    ab = hf.get("attention_bias", False)
+    if not isinstance(ab, bool):
+        raise _unsupported("attention_bias", ab, "must be true or false")
+    prf = hf.get("partial_rotary_factor")
+    if prf is not None and prf != 1:
+        raise _unsupported("partial_rotary_factor", prf,
+                           "the decoder rotates the whole head (partial_rotary_factor=1 only)")
+    drop = hf.get("attention_dropout", 0.0)
+    if isinstance(drop, (int, float)) and drop > 0:
+        log.warning("HF config attention_dropout=%s is ignored: the decoder never applies "
+                    "dropout (transformers applies it only in training mode)", drop)
+
+
 def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """Build a ModelConfig from a HF ``config.json`` dict (transformers 4.x or 5.x keys)."""
+    """Build a ModelConfig from a HF ``config.json`` dict (transformers 4.x or 5.x keys).
+
+    Reads it as transformers' config class for its model_type would (same defaults), and
+    raises ``UnsupportedModelConfig`` naming the field for anything the decoder does not
+    implement, so that no checkpoint is ever run with math other than transformers'.
+    """
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
-        archs = hf.get("architectures")
-        raise ConfigError(
-            f"unknown architecture: model_type={model_type!r} architectures={archs!r}; "
-            f"supported model types: {sorted(_HF_MODEL_TYPES)}"
-        )
+        raise _unsupported("model_type", model_type,
+                           f"unknown architecture {model_type!r} "
+                           f"(architectures={hf.get('architectures')!r}); "
+                           f"supported model_type values: {sorted(_HF_MODEL_TYPES)}")
     family = _HF_MODEL_TYPES[model_type]
-    try:
-        hidden = int(hf["hidden_size"])
-        heads = int(hf["num_attention_heads"])
-        n_layers = int(hf["num_hidden_layers"])
-        vocab = int(hf["vocab_size"])
-        inter = int(hf["intermediate_size"])
-    except KeyError as e:
-        raise ConfigError(f"HF config is missing required key {e.args[0]!r}") from None
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    theta = float(hf.get("rope_theta", 10000.0))
-    rp = hf.get("rope_parameters")
-    rope: dict[str, RopeConfig] = {}
-    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
-        for lt, sub in rp.items():  # per-layer-type (OLMo-3 in transformers 5)
-            rope[lt] = _rope_from_hf(sub, theta)
-    elif isinstance(rp, dict) and rp:
-        rope["full_attention"] = _rope_from_hf(rp, theta)
+    defaults = _HF_DEFAULTS[family]
+    _check_hf_fields(hf, family, model_type)
+    hidden = _int_field(hf, "hidden_size")
+    heads = _int_field(hf, "num_attention_heads")
+    n_layers = _int_field(hf, "num_hidden_layers")
+    vocab = _int_field(hf, "vocab_size")
+    inter = _int_field(hf, "intermediate_size")
+    hd = hf.get("head_dim", defaults["head_dim"])  # omitted: transformers' default
+    if hd is None:
+        if family == "qwen3":
+            raise _unsupported("head_dim", None, "Qwen3 needs an integer head_dim")
+        if hidden % heads:
+            raise _unsupported("hidden_size", hidden, "without head_dim it must be a multiple "
+                               f"of num_attention_heads={heads}")
+        head_dim = hidden // heads
     else:
-        scaling = hf.get("rope_scaling") or {}
-        rope["full_attention"] = _rope_from_hf({"rope_theta": theta, **scaling}, theta)
-        if family == "olmo3":  # HF OLMo-3 applies rope_scaling only to full-attention layers
-            rope["sliding_attention"] = RopeConfig(theta=theta)
-    if "full_attention" not in rope:
-        rope["full_attention"] = RopeConfig(theta=theta)
-    if family == "olmo3" and "sliding_attention" not in rope:
-        # a flat rope dict (yarn) applies to full-attention layers only, as in HF / vLLM
-        rope["sliding_attention"] = RopeConfig(theta=rope["full_attention"].theta)
-    layer_types = hf.get("layer_types")
-    sliding = hf.get("sliding_window")
-    if family == "olmo3" and layer_types is None and sliding:
-        # transformers' default: every 4th layer is full attention
-        layer_types = [
-            "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layers)
-        ]
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        sliding = None if family != "olmo3" else sliding
-    if family == "qwen3" and not hf.get("use_sliding_window", False):
-        layer_types, sliding = None, None
-    if family == "llama":
-        layer_types, sliding = None, None
+        head_dim = _int_field({"head_dim": hd}, "head_dim")
+    kv = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+    kv_heads = heads if kv is None else _int_field({"num_key_value_heads": kv},
+                                                   "num_key_value_heads")
+    max_pos = _int_field(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    eps = _num(hf, "rms_norm_eps", "", defaults["rms_norm_eps"])
+    rope = _hf_rope(hf, family, max_pos)
+
+    layer_types: list[str] | None = None
+    sliding: int | None = None
+    if family in ("qwen3", "olmo3"):
+        if family == "qwen3":  # Qwen3Config.__post_init__
+            use_sw = bool(hf.get("use_sliding_window", False))
+            sliding = hf.get("sliding_window", defaults["sliding_window"]) if use_sw else None
+            layer_types = hf.get("layer_types")
+            if layer_types is None:
+                mwl = hf.get("max_window_layers", defaults["max_window_layers"])
+                layer_types = [
+                    "sliding_attention" if sliding is not None and i >= mwl else "full_attention"
+                    for i in range(n_layers)
+                ]
+        else:  # Olmo3Config.__post_init__: every 4th layer is full attention
+            sliding = hf.get("sliding_window", defaults["sliding_window"])
+            layer_types = hf.get("layer_types") or [
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                for i in range(n_layers)
+            ]
+        if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n_layers:
+            raise _unsupported("layer_types", layer_types,
+                               f"must list one of {LAYER_TYPES} per layer ({n_layers})")
+        bad = sorted({str(t) for t in layer_types} - set(LAYER_TYPES))
+        if bad:
+            raise _unsupported("layer_types", bad, f"the decoder implements {LAYER_TYPES}")
+        if "sliding_attention" in layer_types:
+            if sliding is None:
+                raise _unsupported(
+                    "sliding_window", None,
+                    "layer_types has sliding_attention layers, which need a sliding_window"
+                    + (" and use_sliding_window=true" if family == "qwen3" else ""))
+            sliding = _int_field({"sliding_window": sliding}, "sliding_window")
+        elif family == "qwen3":
+            layer_types, sliding = None, None
+        if family == "olmo3" and sliding is not None:
+            sliding = _int_field({"sliding_window": sliding}, "sliding_window")
     kw: dict[str, Any] = {
         "family": family,
         "vocab_size": vocab,
@@ -247,14 +529,14 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         "intermediate_size": inter,
         "num_layers": n_layers,
         "num_heads": heads,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "num_kv_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
+        "rms_norm_eps": float(eps if eps is not None else defaults["rms_norm_eps"]),
+        "max_position_embeddings": max_pos,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qk_norm": {"llama": "none", "qwen3": "per_head", "olmo3": "full"}[family],
         "norm_placement": "post" if family == "olmo3" else "pre",
-        "sliding_window": int(sliding) if sliding else None,
+        "sliding_window": sliding,
         "layer_types": tuple(layer_types) if layer_types else None,
         "rope": tuple(sorted(rope.items())),
         "attention_bias": bool(hf.get("attention_bias", False)),

@@ -92,8 +92,18 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     a = "llama."
     heads = int(_need(meta, a + "attention.head_count"))
     hidden = int(_need(meta, a + "embedding_length"))
-    head_dim = int(meta.get(a + "attention.key_length") or meta.get(a + "rope.dimension_count")
-                   or hidden // heads)
+    head_dim = int(meta.get(a + "attention.key_length") or hidden // heads)
+    # metadata that changes the math of a llama-architecture GGUF: refuse what we do not run
+    checks = {
+        "rope.dimension_count": (head_dim, "RoPE over the whole head (partial rotary is not "
+                                           "implemented)"),
+        "attention.value_length": (head_dim, "value heads as wide as key heads"),
+        "expert_count": (0, "a dense MLP (mixture-of-experts is not implemented)"),
+    }
+    for key, (ok, what) in checks.items():
+        v = meta.get(a + key)
+        if v is not None and int(v) != ok:
+            raise GGUFError(f"unsupported GGUF metadata {a}{key}={v!r}: the decoder needs {what}")
     scaling = meta.get(a + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise GGUFError(f"GGUF rope scaling {scaling!r} ({a}rope.scaling.type) is not supported")
@@ -159,7 +169,8 @@ def hf_tensors_from_gguf(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]
             hf = _GLOBAL_NAMES[name]
         else:
             parts = name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+            if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES
+                    or parts[3] != "weight"):  # e.g. blk.0.attn_q.bias: biases are refused
                 if name == "rope_freqs.weight":
                     raise GGUFError("GGUF tensor 'rope_freqs.weight' (rope scaling) not supported")
                 raise GGUFError(f"unexpected GGUF tensor {name!r} for a llama model")

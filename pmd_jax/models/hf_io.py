@@ -215,6 +215,10 @@ class TensorSource:
     def names(self) -> list[str]:
         raise NotImplementedError
 
+    def dtype(self, name: str) -> str | None:
+        """The stored dtype's name (safetensors' "F32", "BF16", ... or numpy's); None: unknown."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -268,6 +272,9 @@ class SafetensorsSource(TensorSource):
                 f"tensor {name!r} listed in {self.path} cannot be read: {e}"
             ) from e
 
+    def dtype(self, name: str) -> str | None:
+        return str(self._slice(name).get_dtype()) if name in self.weight_map else None
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(self._slice(name)[index])
 
@@ -292,6 +299,10 @@ class ArraySource(TensorSource):
         t = self.tensors.get(name)
         return None if t is None else tuple(t.shape)
 
+    def dtype(self, name: str) -> str | None:
+        t = self.tensors.get(name)
+        return None if t is None else str(np.asarray(t).dtype)
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(self.tensors[name][index])
 
@@ -312,10 +323,34 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{p}: invalid JSON: {e}") from e
 
 
+# Stored dtypes we read (safetensors' names and numpy's); integer / fp8 tensors are quantized.
+_FLOAT_TENSOR_DTYPES = frozenset({"F64", "F32", "F16", "BF16",
+                                  "float64", "float32", "float16", "bfloat16"})
+# Non-persistent buffers some older checkpoints carry; transformers recomputes and ignores them.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _unused_hint(names: Sequence[str], cfg: ModelConfig) -> str:
+    hints = []
+    if any(".self_attn." in n and n.endswith(".bias") for n in names):
+        hints.append("attention biases, but config.json has attention_bias=false"
+                     if not cfg.attention_bias else "attention biases the family does not have")
+    if any(".mlp." in n and n.endswith(".bias") for n in names):
+        hints.append("MLP biases (mlp_bias=true is not implemented)")
+    if any("_norm." in n for n in names):
+        hints.append(f"norm weights a {cfg.family} decoder does not have")
+    return "; ".join(hints) or "tensors a " + cfg.family + " decoder does not have"
+
+
 def check_source(src: TensorSource, cfg: ModelConfig) -> None:
-    """Every HF tensor the config needs is present with the expected shape."""
+    """The checkpoint's tensors are exactly the ones the config needs: every needed HF tensor is
+    present with the expected shape and a float dtype, and no other tensor is there (a weight the
+    decoder would ignore, such as a bias, means the checkpoint is a model it does not compute).
+    Reads headers only, except to compare a tied config's stray ``lm_head.weight``."""
+    expected: set[str] = set()
     for m in tensor_maps(cfg):
         for name in m.hf_names():
+            expected.add(name)
             found = src.shape(name)
             if found is None:
                 raise CheckpointError(
@@ -327,6 +362,42 @@ def check_source(src: TensorSource, cfg: ModelConfig) -> None:
                     f"tensor {name!r} has shape {tuple(found)}, expected {m.hf_shape} "
                     f"for params/{'/'.join(m.path)} of this {cfg.family} config"
                 )
+            dt = src.dtype(name)
+            if dt is not None and dt not in _FLOAT_TENSOR_DTYPES:
+                raise CheckpointError(
+                    f"tensor {name!r} is stored as {dt}: quantized or integer weights are not "
+                    f"supported (float32, bfloat16, float16)"
+                )
+    unused = sorted(n for n in src.names()
+                    if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    if cfg.tie_embeddings and "lm_head.weight" in unused:
+        unused.remove("lm_head.weight")
+        _check_tied_head(src, cfg)
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:4]) + (" ..." if len(unused) > 4 else "")
+        raise CheckpointError(
+            f"checkpoint has {len(unused)} tensor(s) this {cfg.family} config does not use "
+            f"({_unused_hint(unused, cfg)}): {shown}; refusing to drop weights silently"
+        )
+
+
+def _check_tied_head(src: TensorSource, cfg: ModelConfig, rows: int = 4096) -> None:
+    """A tied config with a stored ``lm_head.weight``: transformers 5 unties them when the two
+    differ (and uses lm_head), transformers 4 ties them; only equal values are unambiguous."""
+    name, embed = "lm_head.weight", "model.embed_tokens.weight"
+    shape = src.shape(name)
+    if shape != src.shape(embed):
+        raise CheckpointError(
+            f"tie_word_embeddings=true but the checkpoint's {name!r} has shape {shape}, not the "
+            f"embedding's {src.shape(embed)}")
+    assert shape is not None
+    for start in range(0, shape[0], rows):
+        idx = (slice(start, min(start + rows, shape[0])), slice(0, shape[1]))
+        if not np.array_equal(read_slice(src, name, idx), read_slice(src, embed, idx)):
+            raise CheckpointError(
+                f"tie_word_embeddings=true but the checkpoint's {name!r} differs from {embed!r} "
+                "(transformers 4 ties them, 5 uses lm_head.weight); set tie_word_embeddings to "
+                "false to use lm_head.weight, or drop it")
 
 
 def _read_leaf(
@@ -396,6 +467,10 @@ def load_hf_checkpoint(
 
     With ``mesh``, every leaf is a sharded ``jax.Array`` laid out per ``rules`` and each device
     reads only its own slice from disk. ``dtype`` defaults to ``cfg.param_dtype``.
+
+    A config.json the decoder does not implement raises ``UnsupportedModelConfig`` (see
+    ``from_hf_config``) before any safetensors file is opened; then the stored tensors must be
+    exactly the ones the config uses (``check_source``), or ``CheckpointError`` names them.
     """
     if cfg is None:
         cfg = from_hf_config(read_hf_config(path))
@@ -435,9 +510,9 @@ def iter_hf_tensors(
 
 def _rope_to_hf(r: RopeConfig) -> dict[str, Any]:
     d: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta}
-    if r.rope_type in ("linear", "dynamic", "llama3", "yarn"):
+    if r.rope_type in ("linear", "llama3", "yarn"):
         d["factor"] = r.factor
-    if r.rope_type in ("llama3", "yarn", "dynamic") and r.original_max_position_embeddings:
+    if r.rope_type in ("llama3", "yarn") and r.original_max_position_embeddings:
         d["original_max_position_embeddings"] = r.original_max_position_embeddings
     if r.rope_type == "llama3":
         d["low_freq_factor"] = r.low_freq_factor

@@ -1,10 +1,12 @@
 """Rotary position embeddings, computed exactly like HF transformers' ``modeling_rope_utils``.
 
 Supported ``rope_type`` values: ``default``, ``linear``, ``llama3`` and ``yarn`` (the ones the
-Llama / Qwen3 / OLMo-3 checkpoints we target use). The inverse frequencies are computed on the
-host in float32 with the same operations HF uses; cos / sin are built from ``positions`` inside
-the jitted forward (float32, ``cat(freqs, freqs)`` layout, times the attention scaling), and
-applied with HF's ``rotate_half`` convention (not the interleaved one).
+Llama / Qwen3 / OLMo-3 checkpoints we target use); ``ModelConfig`` refuses any other type when
+it is built, so e.g. ``dynamic`` fails at config load, never at the first forward. The inverse
+frequencies are computed on the host in float32 with the same operations HF uses; cos / sin are
+built from ``positions`` inside the jitted forward (float32, ``cat(freqs, freqs)`` layout,
+times the attention scaling), and applied with HF's ``rotate_half`` convention (not the
+interleaved one).
 
 Per-layer-type RoPE (OLMo-3: yarn on full-attention layers, default on sliding layers) is
 expressed as a small table of inverse frequencies, one row per layer type, plus an integer per
@@ -18,9 +20,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig
-
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+from pmd_jax.models.config import ROPE_TYPES, ModelConfig, RopeConfig, UnsupportedModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
@@ -89,7 +89,8 @@ def inv_freq_and_scaling(
         extra_factor = (1 - ramp).astype(np.float32)
         inv = inv_inter * (1 - extra_factor) + inv_extra * extra_factor
         return inv.astype(np.float32), float(attention_factor)
-    raise ConfigError(f"model.rope rope_type={kind!r} is not supported; supported: {ROPE_TYPES}")
+    raise UnsupportedModelConfig("model.rope.rope_type", kind,
+                                 f"the decoder implements rope_type in {ROPE_TYPES}")
 
 
 def layer_type_names(cfg: ModelConfig) -> tuple[str, ...]:
