@@ -16,6 +16,9 @@
 #    These endpoints let any caller reload weights, so bind to localhost or a private net.
 #  * --logprobs-mode processed_logprobs: returned logprobs are those of the distribution
 #    actually sampled from (after temperature / top-k / top-p), not of the raw logits.
+#    Structured outputs (the client's SamplingParams.json_schema) need no flag: the engine
+#    masks the logits with the grammar's bitmask before its sampler, so the returned logprobs
+#    of a constrained request are those of the masked, renormalised distribution.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from pmd_jax.sampling.base import SamplerError, SamplingParams
+from pmd_jax.sampling.base import SamplerError, SamplingParams, schema_string
 from pmd_jax.sampling.vllm_client import VLLMSampler, VLLMServerError
 
 Action = Callable[[BaseHTTPRequestHandler, dict | None], None]
@@ -142,6 +142,75 @@ def test_request_body_and_prompt_major_order(server):
     np.testing.assert_array_equal(out.items[3].tokens, [7, 8])
     np.testing.assert_allclose(out.items[1].logprobs, [-2.0, -3.0])
     assert out.items[0].tokens.dtype == np.int32 and out.items[0].logprobs.dtype == np.float32
+
+
+REFLECTION = {
+    "type": "object",
+    "properties": {
+        "strategies": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                       "maxItems": 3},
+        "lessons": {"type": "array", "items": {"type": "string", "maxLength": 60},
+                    "maxItems": 3},
+    },
+    "required": ["strategies", "lessons"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_json_schema_goes_to_structured_outputs(server):
+    text_ok = completion([choice(0, [5, 2], [-0.1, 0.0], "stop")])
+    s = server([reply(200, {"version": "0.32.0+cpu"}), reply(200, text_ok), reply(200, text_ok),
+                reply(200, text_ok)])  # fmt: skip
+    smp = sampler(s.url)
+    params = SamplingParams(max_tokens=4, json_schema=schema_string(REFLECTION))
+    out = smp.generate([[1, 2]], params)
+    assert out.items[0].tokens.tolist() == [5, 2]
+    (m0, p0, _), (m1, p1, body) = s.requests
+    assert (m0, p0) == ("GET", "/version") and (m1, p1) == ("POST", "/v1/completions")
+    # vLLM's own field, with the schema as an object (not a string, not guided_json)
+    assert body["structured_outputs"] == {"json": REFLECTION}
+    assert not any(k.startswith("guided") for k in body) and "response_format" not in body
+    # the version is asked once; unconstrained requests carry no structured_outputs
+    smp.generate([[1, 2]], params)
+    smp.generate([[1, 2]], SamplingParams(max_tokens=4))
+    assert [r[1] for r in s.requests] == ["/version"] + ["/v1/completions"] * 3
+    assert "structured_outputs" not in s.requests[-1][2]
+
+
+def test_schema_the_server_rejects_names_schema_and_server_message(server):
+    bad = {"type": "nonsense"}
+    err = {"error": {"message": "Grammar error: Invalid type: nonsense",
+                     "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
+    s = server([reply(200, {"version": "0.32.0"}), reply(400, err)])
+    with pytest.raises(SamplerError) as e:
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema=json.dumps(bad)))
+    msg = str(e.value)
+    assert "refused the request with JSON schema" in msg and '{"type": "nonsense"}' in msg
+    assert "HTTP 400" in msg and "Grammar error: Invalid type: nonsense" in msg
+    assert len(s.requests) == 2  # a 400 is not retried
+    # a 5xx during a constrained request stays a plain server error (not blamed on the schema)
+    s = server([reply(200, {"version": "0.32.0"}), reply(500, {"error": "engine died"})])
+    with pytest.raises(VLLMServerError) as e:
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
+    assert "HTTP 500" in str(e.value) and "refused" not in str(e.value)
+
+
+def test_server_without_structured_outputs_is_refused_before_sampling(server):
+    # vLLM ignores unknown request fields: an old server would sample unconstrained text
+    s = server([reply(200, {"version": "0.9.2"})])
+    with pytest.raises(SamplerError, match=r"version '0\.9\.2'.*needs vLLM >= 0\.10\.2"):
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
+    assert [r[1] for r in s.requests] == ["/version"]
+    s = server([reply(404, {"detail": "Not Found"})])
+    with pytest.raises(VLLMServerError, match=r"HTTP 404 from GET .*/version"):
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
+    # a schema that is not a JSON object never reaches the server
+    s = server([])
+    with pytest.raises(SamplerError, match="json_schema is not valid JSON"):
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{strat"))
+    with pytest.raises(SamplerError, match="must be a JSON object"):
+        sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="[1]"))
+    assert s.requests == []
 
 
 def test_connection_refused_names_the_url():

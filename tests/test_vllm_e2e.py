@@ -14,7 +14,11 @@ folder with ``hf_io.load_hf_checkpoint``):
 * a missing or corrupted version fails with a clear error and leaves the served weights as
   they were;
 * returned logprobs are log-softmax at the sampling temperature (``processed_logprobs``),
-  checked against an HF forward pass on the sampled sequences.
+  checked against an HF forward pass on the sampled sequences;
+* ``SamplingParams.json_schema`` (vLLM's structured outputs): a reflection-like schema, 3 prompts
+  x n=2, every output parses and validates, every token is allowed by the grammar (replayed with
+  xgrammar in the server's venv) and the logprobs are those of the masked, renormalised
+  distribution; a schema the server cannot compile is a ``SamplerError``.
 
 Skipped when the server venv ($PMD_VLLM_VENV, default <repo>/.venv-vllm; created by
 launch/setup_vllm_venv.sh) is missing.
@@ -360,6 +364,152 @@ def test_logprobs_are_at_the_sampling_temperature(server, hf_model, base_weights
     # seeded: the same request gives the same samples
     again = smp.generate(prompts[:3], params)
     assert [r.tokens.tolist() for r in again] == [r.tokens.tolist() for r in rs]
+
+
+# A reflection as the memory asks for it: bounded arrays of short strings.
+REFLECTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "strategies": {"type": "array", "minItems": 1, "maxItems": 3,
+                       "items": {"type": "string", "minLength": 1, "maxLength": 60}},
+        "lessons": {"type": "array", "minItems": 1, "maxItems": 3,
+                    "items": {"type": "string", "minLength": 1, "maxLength": 60}},
+    },
+    "required": ["strategies", "lessons"],
+    "additionalProperties": False,
+}  # fmt: skip
+REFLECT_PROMPTS = [
+    "You answered 'oxygen' to 'What gas do plants absorb from the air?'; the answer was "
+    "carbon dioxide. Reply in JSON with 'strategies' and 'lessons' lists.",
+    "You computed 17 x 3 = 41. Reflect: JSON with 'strategies' and 'lessons'.",
+    "Write JSON with lists 'strategies' and 'lessons' about checking units in physics.",
+]
+
+# Run with the server's venv python: replays each response through xgrammar (the backend
+# vLLM's "auto" picks for this schema), compiled and matched as vLLM does it (any whitespace;
+# the request's stop tokens end the grammar), and saves the bitmask of allowed tokens before
+# each response token.
+GRAMMAR_MASKS = r"""
+import json, sys
+import numpy as np, transformers, xgrammar as xgr
+job = json.load(open(sys.argv[1]))
+tok = transformers.AutoTokenizer.from_pretrained(job["hf_dir"])
+info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=job["vocab_size"])
+ctx = xgr.GrammarCompiler(info).compile_json_schema(job["schema"], any_whitespace=True)
+out = {}
+for k, resp in enumerate(job["responses"]):
+    m = xgr.GrammarMatcher(ctx, override_stop_tokens=job["stop_tokens"])
+    masks = np.zeros((len(resp), (job["vocab_size"] + 31) // 32), np.int32)
+    for i, t in enumerate(resp):
+        bm = xgr.allocate_token_bitmask(1, job["vocab_size"])
+        m.fill_next_token_bitmask(bm)
+        masks[i] = bm.numpy()[0, : masks.shape[1]]
+        if not m.accept_token(t):
+            raise SystemExit(f"response {k}: token {i} ({t}) is not allowed by the grammar")
+    out[f"r{k}"] = masks
+    out[f"t{k}"] = np.array(m.is_terminated())
+np.savez(sys.argv[2], **out)
+"""
+
+
+def check_reflection(doc: object) -> None:
+    """REFLECTION_SCHEMA by hand (jsonschema also checks it when installed)."""
+    assert isinstance(doc, dict) and set(doc) == {"strategies", "lessons"}, doc
+    for key in ("strategies", "lessons"):
+        items = doc[key]
+        assert isinstance(items, list) and 1 <= len(items) <= 3, (key, items)
+        assert all(isinstance(x, str) and 1 <= len(x) <= 60 for x in items), (key, items)
+
+
+def test_structured_output_json_schema(server, hf_model, base_weights, hf_dir, tmp_path):
+    """json_schema through vLLM's structured outputs: every output parses and validates, every
+    token is one the grammar allows, the logprobs are those of the masked, renormalised
+    distribution at the sampling temperature; a schema the server cannot compile is a
+    SamplerError naming the schema and the server's reason."""
+    import json
+    import subprocess
+
+    from pmd_jax.sampling.base import SamplerError, SamplingParams, schema_string
+
+    smp, _ = server
+    if smp.weights_version not in (None, 3):
+        pytest.skip("served weights are not the original ones")
+    hf_model.load_state_dict({k: torch.from_numpy(v) for k, v in base_weights.items()},
+                             strict=False)  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(os.fspath(hf_dir))
+    prompts = []
+    for q in REFLECT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}],
+                                      add_generation_prompt=True, tokenize=True)  # fmt: skip
+        prompts.append([int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    # vLLM stops on the request's stop tokens plus every eos of generation_config.json
+    # (SmolLM2-Instruct: <|im_end|> and <|endoftext|>); its grammar allows all of them at the end
+    gen_cfg = json.loads((hf_dir / "generation_config.json").read_text())
+    eos = gen_cfg.get("eos_token_id", [])
+    stop_tokens = sorted({PAD_EOS, *([eos] if isinstance(eos, int) else eos)})
+    temperature = 0.8
+    params = SamplingParams(n=2, temperature=temperature, max_tokens=200, seed=7,
+                            stop_token_ids=(PAD_EOS,),
+                            json_schema=schema_string(REFLECTION_SCHEMA))  # fmt: skip
+    t0 = time.perf_counter()
+    rs = smp.generate(prompts, params)
+    gen_s = time.perf_counter() - t0
+    assert [(r.prompt_index, r.sample_index) for r in rs] == [(i, j) for i in range(3)
+                                                              for j in range(2)]  # fmt: skip
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    texts = []
+    for r in rs:
+        text = tok.decode(r.tokens.tolist(), skip_special_tokens=True)
+        texts.append(text)
+        assert r.finish_reason == "stop" and r.tokens[-1] in stop_tokens, (r.finish_reason, text)
+        doc = json.loads(text)
+        check_reflection(doc)
+        if jsonschema is not None:
+            jsonschema.validate(doc, REFLECTION_SCHEMA)
+    assert len(set(texts)) > 1, texts  # sampled, not one forced string
+
+    # Logprobs: replay the grammar (in the server's venv, which has xgrammar) to get the allowed
+    # set before each token; vLLM's must equal log_softmax over the allowed tokens at T.
+    job = {"hf_dir": os.fspath(hf_dir), "vocab_size": 49152, "schema": params.json_schema,
+           "stop_tokens": stop_tokens, "responses": [r.tokens.tolist() for r in rs]}  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "masks.py").write_text(GRAMMAR_MASKS)
+    proc = subprocess.run(
+        [os.fspath(VENV / "bin" / "python"), os.fspath(tmp_path / "masks.py"),
+         os.fspath(tmp_path / "job.json"), os.fspath(tmp_path / "masks.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    masks = np.load(tmp_path / "masks.npz")
+    max_gain = 0.0
+    for k, r in enumerate(rs):
+        assert bool(masks[f"t{k}"]), f"response {k} does not complete the grammar: {texts[k]!r}"
+        bits = masks[f"r{k}"].view(np.uint32)
+        allowed = ((bits[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool)
+        allowed = allowed.reshape(len(r.tokens), -1)[:, :49152]
+        seq = torch.tensor([prompts[r.prompt_index] + r.tokens.tolist()])
+        with torch.no_grad():
+            logits = hf_model(seq).logits[0, len(prompts[r.prompt_index]) - 1 : -1].double()
+        scaled = (logits / temperature).numpy()
+        raw = scaled - np.logaddexp.reduce(scaled, axis=-1, keepdims=True)
+        masked = np.where(allowed, scaled, -np.inf)
+        masked = masked - np.logaddexp.reduce(masked, axis=-1, keepdims=True)
+        idx = np.arange(len(r.tokens))
+        assert allowed[idx, r.tokens].all()
+        np.testing.assert_allclose(r.logprobs, masked[idx, r.tokens], atol=2e-3, rtol=0,
+                                   err_msg=f"response {k}: {texts[k]!r}")  # fmt: skip
+        max_gain = max(max_gain, float((masked[idx, r.tokens] - raw[idx, r.tokens]).max()))
+    assert max_gain > 1.0  # the mask mattered: unmasked logprobs would have failed above
+
+    # a schema the server cannot compile: SamplerError with the schema and the server's reason
+    bad = SamplingParams(max_tokens=8, json_schema=json.dumps({"type": "nonsense"}))
+    with pytest.raises(SamplerError, match=r'with JSON schema \{"type": "nonsense"\}: HTTP 400'
+                                           r".*Invalid type: nonsense"):  # fmt: skip
+        smp.generate(prompts[:1], bad)
+    print(f"structured generate: {gen_s:.1f} s for {len(rs)} outputs")
 
 
 # Slow (~50-100 s on the 2-core CI box): the default suite covers its two halves separately,

@@ -8,6 +8,18 @@ temperature, top-k and top-p: with ``top_p=1`` and ``top_k=0`` that is ``log_sof
 / T)``, the trainer's logprob at the sampling temperature; with top-k / top-p the
 distribution is renormalised over the kept tokens (what was actually sampled from).
 
+Structured output: ``SamplingParams.json_schema`` is sent as vLLM's own structured-outputs
+field of the completions request, ``"structured_outputs": {"json": <schema>}`` (vLLM >= 0.10.2;
+``guided_json`` is gone in 0.32). The server compiles the schema (xgrammar, falling back to
+llguidance for features xgrammar lacks) when it receives the request and answers 400 if it
+cannot; that comes back as a ``SamplerError`` naming the schema and quoting the server. While
+decoding, the engine applies the grammar's token bitmask to the logits *before* its sampler
+(``apply_grammar_bitmask`` in the model runner), so every sampled token is one the grammar
+allows, and the returned logprobs, raw or processed alike, are computed from the masked logits:
+for a constrained request they are those of the masked, renormalised distribution actually
+sampled from (at the sampling temperature, after top-k / top-p, with the processed mode above;
+at T=1 over the allowed tokens for greedy requests).
+
 Only the standard library is used (``urllib``). Every call has a timeout; connection errors
 and 5xx answers are retried with exponential backoff; errors say which URL failed, with the
 status and an excerpt of the body.
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -33,10 +46,17 @@ class VLLMServerError(SamplerError):
 
 
 _RETRYABLE_STATUS = {429, 502, 503, 504}
+# The completions request's `structured_outputs` field (vLLM's rename of `guided_json` & co.).
+_MIN_STRUCTURED_OUTPUTS_VERSION = (0, 10, 2)
 
 
 class VLLMSampler:
     """``Sampler`` over a vLLM server.
+
+    ``params.json_schema`` is honoured through vLLM's structured outputs (see the module
+    docstring): outputs follow the schema, logprobs are those of the masked, renormalised
+    distribution sampled from, and a server that cannot constrain (older than vLLM 0.10.2, or
+    one that rejects the schema) raises ``SamplerError`` rather than sample unconstrained.
 
     Args:
       base_url: e.g. ``http://127.0.0.1:8000`` (no trailing ``/v1``).
@@ -76,6 +96,7 @@ class VLLMSampler:
         self.max_model_len = max_model_len
         self.weights_version: int | None = None
         self.last_reload: dict[str, Any] | None = None
+        self._server_version: str | None = None
 
     # ------------------------------------------------------------------------- HTTP
     def _request(
@@ -102,7 +123,7 @@ class VLLMSampler:
                     raw = resp.read()
                     status = resp.status
             except urllib.error.HTTPError as e:
-                excerpt = _excerpt(e.read())
+                excerpt = _excerpt(_error_text(e.read()))
                 last = f"HTTP {e.code} from {method} {url}: {excerpt}"
                 if e.code in _RETRYABLE_STATUS and attempt + 1 < attempts:
                     time.sleep(delay)
@@ -152,6 +173,32 @@ class VLLMSampler:
             raise VLLMServerError(
                 f"unexpected /v1/models answer from {self.base_url}: {_excerpt(out)}") from e
 
+    def server_version(self) -> str:
+        """The server's vLLM version (``GET /version``), asked once."""
+        if self._server_version is None:
+            out = self._request("GET", "/version")
+            if not isinstance(out, dict) or not isinstance(out.get("version"), str):
+                raise VLLMServerError(
+                    f"unexpected /version answer from {self.base_url}: {_excerpt(out)}")
+            self._server_version = out["version"]
+        return self._server_version
+
+    def check_structured_outputs(self) -> None:
+        """Raise SamplerError unless the server honours ``structured_outputs``.
+
+        vLLM's OpenAI server ignores unknown request fields (it only logs them), so a server
+        older than the field would sample unconstrained text without saying so.
+        """
+        version = self.server_version()
+        parsed = _version_tuple(version)
+        if parsed is None or parsed < _MIN_STRUCTURED_OUTPUTS_VERSION:
+            need = ".".join(map(str, _MIN_STRUCTURED_OUTPUTS_VERSION))
+            raise SamplerError(
+                f"vLLM server at {self.base_url} is version {version!r}; constrained "
+                f"sampling (SamplingParams.json_schema) needs vLLM >= {need}, whose "
+                "completions API takes the `structured_outputs` field (older servers ignore "
+                "it and would return unconstrained text)")
+
     def model_name(self) -> str:
         """The model name sent with each request; asks the server once when not given."""
         if self.model is None:
@@ -199,7 +246,19 @@ class VLLMSampler:
             "ignore_eos": False,
             "skip_special_tokens": False,
         }
-        out = self._request("POST", "/v1/completions", body)
+        if params.json_schema is not None:
+            self.check_structured_outputs()
+            # vLLM's structured outputs; a dict, so the server sees the schema, not a string
+            body["structured_outputs"] = {"json": json.loads(params.json_schema)}
+        try:
+            out = self._request("POST", "/v1/completions", body)
+        except VLLMServerError as e:
+            if params.json_schema is not None and _is_client_error(e):
+                raise VLLMServerError(
+                    f"vLLM server at {self.base_url} refused the request with JSON schema "
+                    f"{_excerpt(params.json_schema, 200)}: {e}"
+                ) from e
+            raise
         return self._parse_completions(out, len(clean), params)
 
     def _parse_completions(self, out: Any, num_prompts: int, params: SamplingParams) -> Rollouts:
@@ -286,6 +345,35 @@ class VLLMSampler:
                 )
         self.weights_version = int(version)
         self.last_reload = dict(results[0], client_s=time.perf_counter() - t0)
+
+
+def _version_tuple(version: str) -> tuple[int, ...] | None:
+    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``; ``"0.11.0rc1"`` -> ``(0, 11, 0)``; None if no digits."""
+    parts: list[int] = []
+    for piece in re.split(r"[.+]", version.strip().lstrip("v"))[:3]:
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+    return tuple(parts) if parts else None
+
+
+def _is_client_error(e: VLLMServerError) -> bool:
+    """The server refused the request (4xx but 429), e.g. a schema it cannot compile."""
+    cause = e.__cause__
+    return (isinstance(cause, urllib.error.HTTPError) and 400 <= cause.code < 500
+            and cause.code not in _RETRYABLE_STATUS)
+
+
+def _error_text(raw: bytes) -> str | bytes:
+    """The message of an OpenAI-style error body ``{"error": {"message": ...}}``, else raw."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return raw
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    return raw
 
 
 def _excerpt(x: Any, n: int = 300) -> str:
