@@ -422,6 +422,10 @@ def _check_hf_fields(hf: dict[str, Any], family: str, model_type: str) -> None:
         q = hf.get(key)
         if q:
             method = q.get("quant_method", q) if isinstance(q, dict) else q
+            if str(getattr(method, "value", method)).lower() == "gguf":
+                # transformers' GGUF loader de-quantizes to float on load and notes the origin
+                # here; our GGUF reader does the same, and check_source refuses stored ints
+                continue
             raise _unsupported(key, method, "quantized checkpoints are not supported; use "
                                f"unquantized weights in one of {_FLOAT_DTYPES}")
     for key in ("dtype", "torch_dtype"):
