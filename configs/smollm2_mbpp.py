@@ -28,4 +28,15 @@ def get_config():
     c.distill.optim.warmup_steps = 2
     c.memory.behavior.every_n_steps = 5
     c.memory.context.max_tokens = 900
+    # Memory call bounds and budgets for a 135M model, as in smollm2_sciq.py (worst-case
+    # schema-bounded replies, memory/schemas.py reply_token_bound: reflection 377 tokens,
+    # extraction 767, evolution 697, summary 115; budgets above them plus the stop token).
+    c.memory.insight.max_items_per_reflection = 3
+    c.memory.insight.max_item_chars = 160
+    c.memory.insight.sampling.max_tokens = 384
+    c.memory.behavior.max_name_chars = 40
+    c.memory.behavior.max_instruction_chars = 140
+    c.memory.behavior.max_actions = 6
+    c.memory.behavior.max_summary_chars = 300
+    c.memory.behavior.sampling.max_tokens = 768
     return c

@@ -46,7 +46,22 @@ def get_config():
     c.distill.optim.warmup_steps = 2
     c.memory.behavior.every_n_steps = 4
     c.memory.behavior.min_problems = 8
-    c.memory.insight.sampling.max_tokens = 128
-    c.memory.behavior.sampling.max_tokens = 192
+    # Memory calls (ours, sized for a 135M model): schema bounds and token budgets. Budgets sit
+    # at or above the worst-case schema-bounded reply (memory/schemas.py reply_token_bound:
+    # string content at 3 chars per token, every JSON syntax character one token, the grammar's
+    # ", " and ": " separators) plus the stop token, so a constrained reply is not cut:
+    #   reflection: 2 lists x 3 items x (ceil(160 / 3) + 2 quotes) + separators, brackets and
+    #     keys = 377 tokens -> 384;
+    #   extraction: 8 behaviors x (name ceil(40 / 3) + 2, instruction ceil(140 / 3) + 2, keys,
+    #     braces) + brackets = 767 tokens -> 768; evolution, 6 actions: 697; summary: 115.
+    # 384 and 768 are JAX sampler length buckets (no extra compiled shapes).
+    c.memory.insight.max_items_per_reflection = 3
+    c.memory.insight.max_item_chars = 160
+    c.memory.insight.sampling.max_tokens = 384
+    c.memory.behavior.max_name_chars = 40
+    c.memory.behavior.max_instruction_chars = 140
+    c.memory.behavior.max_actions = 6
+    c.memory.behavior.max_summary_chars = 300
+    c.memory.behavior.sampling.max_tokens = 768
     c.memory.context.max_tokens = 768
     return c

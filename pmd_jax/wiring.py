@@ -169,6 +169,9 @@ def build_memory(cfg: Any, model: ModelBundle):
     mc = cfg.memory
     with mc.unlocked():
         mc.context.extra_control_tokens = list(model.tokenizer.special_tokens)
+        # The memory's replies end at the model's stop tokens, as rollouts do (without them
+        # the JAX sampler runs every unconstrained reply to max_tokens: all "truncated").
+        mc.stop_token_ids = [int(t) for t in model.tokenizer.stop_ids]
         mc.success_threshold = float(cfg.teacher_prompt.success_threshold)
         if cfg.mode == "pmd_frozen_memory" and mc.frozen_after_step < 0:
             # "memory built once, then fixed": the first fifth of the run builds it (ours).

@@ -17,6 +17,7 @@ import pytest
 from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
 from pmd_jax.memory.embedder import shared_embedder
 from pmd_jax.memory.experience import ExperienceStore
+from pmd_jax.memory.schemas import reflection_schema, schema_param
 from pmd_jax.sampling.base import SamplingParams
 
 BIO = [
@@ -171,8 +172,12 @@ def test_reflection_prompt_contrast_filters_and_provenance():
     assert "correct, reward 1.00" in mixed and "incorrect, reward 0.00" in mixed
     assert "contrast" in mixed and "Verifier feedback: Wrong option." in mixed
     assert "contrast" not in convs[1][-1]["content"]
-    assert gen.params[0].n == 1 and gen.params[0].max_tokens == 512
+    assert gen.params[0].n == 1
+    assert gen.params[0].max_tokens == mem.config.insight.sampling.max_tokens
+    assert gen.params[0].json_schema == schema_param(reflection_schema(mem.config.insight))
     c = st.counts
+    # Every reply has a lesson of the wrong type (17): JSON, but not the schema's.
+    assert c["reflections"] == 3 and c["schema_error"] == 3 and c["parsed"] == 0
     # "option C." leaks the option letter; for "fails" both strategies go first (no success).
     assert c["gold_leak"] == 2
     assert c["wrong_type"] == 3
@@ -257,11 +262,27 @@ def test_behaviors_cluster_extract_then_evolve_on_cadence():
 def test_policy_summaries_and_malformed_extraction():
     problems = {f"bio{i}": q for i, q in enumerate(BIO)}
     gen = Scripted(behaviors=lambda conv: "I cannot produce JSON today.",
-                   summary="<|im_start|>Cell biology questions.")
+                   summary=json.dumps({"summary": "<|im_start|>Cell biology questions."}))
     mem = ProceduralMemory(small_config(**{"behavior.summary_mode": "policy"}))
     st = mem.update(0, recs(0, problems, [1.0]), gen)
     assert st.counts["behavior/json_error"] >= 1 and not mem.behaviors.behaviors
+    assert st.counts["behavior/extraction/json_error"] == st.counts["behavior/clusters"]
+    assert st.counts["behavior/summary/parsed"] == st.counts["behavior/clusters"]
     assert all(s == "Cell biology questions." for s in mem.behaviors.summaries)
+    summary_prompt = gen.of("summary")[0][-1]["content"]
+    assert '{"summary": "..."}' in summary_prompt and "8 to 600 characters" in summary_prompt
+    # A plain-text summary: used as it is only without structured output (servers that cannot
+    # constrain); with it, the reply is a json_error and the extractive summary stays.
+    for structured in (True, False):
+        gen = Scripted(summary="<|im_start|>Cell biology questions.")
+        mem = ProceduralMemory(small_config(**{"behavior.summary_mode": "policy",
+                                               "structured_output": structured}))
+        st = mem.update(0, recs(0, problems, [1.0]), gen)
+        assert st.counts["behavior/summary/json_error"] == st.counts["behavior/clusters"]
+        plain = all(s == "Cell biology questions." for s in mem.behaviors.summaries)
+        assert plain == (not structured)
+        if structured:
+            assert all(" related problems (" in s for s in mem.behaviors.summaries)
 
 
 # --------------------------------------------------------------- teacher context --

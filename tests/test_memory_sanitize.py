@@ -489,4 +489,6 @@ def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
     cfg.mode = "pmd"
     mem = build_memory(cfg, SimpleNamespace(tokenizer=family_tok))
     assert mem.extra_tokens == tuple(family_tok.special_tokens)
+    # ... and its stop tokens, so the memory's replies end where rollouts do.
+    assert family_tok.stop_ids and list(mem.config.stop_token_ids) == list(family_tok.stop_ids)
     assert set(_control_ids(family_tok).values()) <= set(mem.extra_tokens)

@@ -4,12 +4,18 @@ A round (every ``every_n_steps`` steps, once ``min_problems`` problems are known
 
 1. cluster all known problem embeddings with scikit-learn (KMeans or MiniBatchKMeans);
 2. summarise each cluster (extractive: size, success rate and the problems nearest the
-   centroid; or "policy": the policy writes one or two sentences);
+   centroid; or "policy": the policy writes one or two sentences as ``{"summary": ...}``,
+   and the extractive summary stays where its reply gives none);
 3. gather evidence per cluster: the problems nearest the centroid with their strategies and
    lessons;
 4. while the bank is empty: the extraction prompt, 3-8 behaviors per cluster; afterwards the
    evolution prompt per cluster (retrieve-then-decide): the existing behaviors nearest the
    cluster (ScaNN) are shown with all cluster summaries, and new/update/remove actions apply.
+
+Every model call states its schema's bounds in the prompt, sends the schema when
+``structured_output`` is on (memory/schemas.py, memory/calls.py), and its replies are counted
+per call type: ``summary/``, ``extraction/``, ``evolution/`` + ``reflections``, ``parsed``,
+``json_error``, ``schema_error``, ``truncated``, and the same five summed over the round.
 
 Behaviors are indexed in ScaNN by their cluster centroid (default; teacher retrieval ranks
 behaviors by similarity of the problem to the centroid they were extracted for) or by their
@@ -26,11 +32,13 @@ from typing import Any
 import numpy as np
 
 from pmd_jax.memory import prompts
+from pmd_jax.memory.calls import BEHAVIOR_CALLS, CALL_COUNTS, call_params, generate_first
 from pmd_jax.memory.index import ScannIndex
-from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors
+from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors, parse_summary
 from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.schemas import evolution_schema, extraction_schema, summary_schema
 from pmd_jax.memory.types import Behavior, Provenance
-from pmd_jax.sampling.base import SamplingParams, TextGenerator
+from pmd_jax.sampling.base import TextGenerator
 
 
 def cluster_problems(vecs: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -88,11 +96,19 @@ class BehaviorBank:
         evidence: Callable[[str], tuple[list[str], list[str]]],
         success_rate: Callable[[str], float],
         leak_strings: dict[str, list[str]],
-        generator: TextGenerator,
+        generator: TextGenerator | None,
         embed: Callable[[list[str]], np.ndarray],
+        memory_cfg: Any = None,
     ) -> Counter:
+        """One clustering + summary + extraction-or-evolution round; returns its counts.
+
+        ``memory_cfg``: the whole memory config, for ``structured_output`` and
+        ``stop_token_ids`` (None: structured output on, no stop tokens).
+        """
         cfg = self.cfg
+        mcfg = memory_cfg if memory_cfg is not None else _DefaultCallCfg()
         counts: Counter = Counter()
+        per_call = {c: Counter() for c in BEHAVIOR_CALLS}
         labels, cent = cluster_problems(vecs, cfg)
         members: dict[int, list[str]] = {}
         for c in range(len(cent)):
@@ -101,48 +117,55 @@ class BehaviorBank:
             members[c] = [pids[i] for i in order]
         self.centroids, self.members = cent, members
         counts["clusters"] = len(cent)
-        sp = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                            top_k=cfg.sampling.top_k, max_tokens=cfg.sampling.max_tokens,
-                            seed=cfg.sampling.seed + step)
-        self.summaries = self._summaries(members, problem_text, success_rate, generator, sp,
-                                         counts)
+        self.summaries = self._summaries(step, members, problem_text, success_rate, generator,
+                                         mcfg, per_call["summary"])
         evid = {c: self._evidence(m, problem_text, evidence) for c, m in members.items()}
         cluster_leaks = {c: [s for p in m for s in leak_strings.get(p, [])]
                          for c, m in members.items()}
         clusters = sorted(members)
+        bounds = dict(max_name_chars=cfg.max_name_chars, min_name_chars=cfg.min_name_chars,
+                      max_instruction_chars=cfg.max_instruction_chars,
+                      min_instruction_chars=cfg.min_instruction_chars,
+                      extra_tokens=self.extra_tokens)
         if not self.behaviors:
+            call, schema = "extraction", extraction_schema(cfg)
             convs = [self._extraction_conv(self.summaries[c], evid[c]) for c in clusters]
-            replies = generator.generate_texts(convs, sp) if convs else []
-            for c, reply in zip(clusters, _first_texts(replies, len(clusters), counts)):
-                items = parse_behaviors(reply, counts, max_name_chars=cfg.max_name_chars,
-                                        max_instruction_chars=cfg.max_instruction_chars,
-                                        max_items=cfg.max_behaviors,
-                                        extra_tokens=self.extra_tokens)
+            cc = per_call[call]
+            replies = generate_first(generator, convs, call_params(cfg.sampling, step, mcfg,
+                                                                   schema), cc)
+            for c, reply in zip(clusters, replies):
+                items = parse_behaviors(reply, cc, max_items=cfg.max_behaviors, schema=schema,
+                                        **bounds)
                 if len(items) < cfg.min_behaviors:
-                    counts["too_few_behaviors"] += 1
+                    cc["too_few_behaviors"] += 1
                 for name, instr in items:
                     self._apply(step, c, "new", name, instr, members[c], "extraction",
-                                cluster_leaks[c], counts)
+                                cluster_leaks[c], cc)
         else:
+            call, schema = "evolution", evolution_schema(cfg)
             convs = []
             for c in clusters:
                 existing = self.retrieve(cent[c], cfg.retrieve_for_evolution)
                 convs.append(self._evolution_conv(c, evid[c], existing))
-            replies = generator.generate_texts(convs, sp) if convs else []
-            for c, reply in zip(clusters, _first_texts(replies, len(clusters), counts)):
-                for a in parse_actions(reply, counts, max_name_chars=cfg.max_name_chars,
-                                       max_instruction_chars=cfg.max_instruction_chars,
-                                       max_items=2 * cfg.max_behaviors,
-                                       extra_tokens=self.extra_tokens):
+            cc = per_call[call]
+            replies = generate_first(generator, convs, call_params(cfg.sampling, step, mcfg,
+                                                                   schema), cc)
+            for c, reply in zip(clusters, replies):
+                for a in parse_actions(reply, cc, max_items=cfg.max_actions, schema=schema,
+                                       **bounds):
                     self._apply(step, c, a.action, a.name, a.instruction, members[c],
-                                "evolution", cluster_leaks[c], counts)
+                                "evolution", cluster_leaks[c], cc)
+        for name, cc in per_call.items():
+            counts.update(cc)  # the round's totals, per-item counts included
+            for k in CALL_COUNTS:
+                counts[f"{name}/{k}"] = cc[k]
         self._evict(counts)
         self._reindex(embed)
         self.rounds += 1
         self.last_round_step = int(step)
         return counts
 
-    def _summaries(self, members, problem_text, success_rate, generator, sp, counts):
+    def _summaries(self, step, members, problem_text, success_rate, generator, mcfg, counts):
         cfg = self.cfg
         out = []
         for c in sorted(members):
@@ -153,6 +176,8 @@ class BehaviorBank:
             out.append(sanitize_text(prompts.SUMMARY_EXTRACTIVE.format(
                 n=len(m), rate=rate, examples=ex), cfg.max_summary_chars, self.extra_tokens))
         if cfg.summary_mode == "policy" and members:
+            schema = summary_schema(cfg)
+            chars = prompts.count_range(cfg.min_summary_chars, cfg.max_summary_chars)
             convs = []
             for c in sorted(members):
                 probs = "\n".join("- " + sanitize_text(problem_text.get(p, ""),
@@ -160,13 +185,15 @@ class BehaviorBank:
                                   for p in members[c][:cfg.max_problems_per_cluster_prompt])
                 convs.append([{"role": "system", "content": prompts.SUMMARY_SYSTEM},
                               {"role": "user", "content": prompts.SUMMARY_USER.format(
-                                  problems=probs)}])
-            replies = generator.generate_texts(convs, sp)
-            for i, reply in enumerate(_first_texts(replies, len(convs), counts)):
-                s = sanitize_text(reply, cfg.max_summary_chars, self.extra_tokens)
-                s = " ".join(s.split())
+                                  problems=probs, chars=chars)}])
+            params = call_params(cfg.sampling, step, mcfg, schema)
+            for i, reply in enumerate(generate_first(generator, convs, params, counts)):
+                s = parse_summary(reply, counts, max_chars=cfg.max_summary_chars,
+                                  min_chars=cfg.min_summary_chars,
+                                  extra_tokens=self.extra_tokens, schema=schema,
+                                  plain_text=not mcfg.structured_output)
                 if s:
-                    out[i] = s  # extractive summary stays as the fallback
+                    out[i] = s  # otherwise the extractive summary stays as the fallback
                 else:
                     counts["empty_summary"] += 1
         return out
@@ -188,10 +215,18 @@ class BehaviorBank:
             ))
         return "\n".join(lines)
 
+    def _bounds_text(self) -> dict[str, str]:
+        """The extraction / evolution schemas' string bounds, as the prompts state them."""
+        b = self.cfg
+        return dict(name_chars=prompts.count_range(b.min_name_chars, b.max_name_chars),
+                    instruction_chars=prompts.count_range(b.min_instruction_chars,
+                                                          b.max_instruction_chars))
+
     def _extraction_conv(self, summary: str, evidence: str) -> list[dict[str, str]]:
         user = prompts.EXTRACTION_USER.format(
-            summary=summary, evidence=evidence, min_behaviors=self.cfg.min_behaviors,
-            max_behaviors=self.cfg.max_behaviors)
+            summary=summary, evidence=evidence,
+            count=prompts.count_range(self.cfg.min_behaviors, self.cfg.max_behaviors),
+            **self._bounds_text())
         return [{"role": "system", "content": prompts.EXTRACTION_SYSTEM},
                 {"role": "user", "content": user}]
 
@@ -201,7 +236,9 @@ class BehaviorBank:
         summaries = "\n".join(f"- {self.summaries[i]}" for i in order)
         ex = "\n".join(prompts.EXISTING_BEHAVIOR.format(name=b.name, instruction=b.instruction)
                        for b in existing) or prompts.NO_EXISTING
-        user = prompts.EVOLUTION_USER.format(summaries=summaries, evidence=evidence, existing=ex)
+        user = prompts.EVOLUTION_USER.format(
+            summaries=summaries, evidence=evidence, existing=ex,
+            count=prompts.count_range(0, self.cfg.max_actions), **self._bounds_text())
         return [{"role": "system", "content": prompts.EVOLUTION_SYSTEM},
                 {"role": "user", "content": user}]
 
@@ -299,17 +336,8 @@ class BehaviorBank:
         self.next_id = int(state["next_id"])
 
 
-def _first_texts(replies: object, n: int, counts: Counter) -> list[str]:
-    """The first sample of each of ``n`` replies; missing or malformed replies become ''."""
-    out = []
-    for i in range(n):
-        try:
-            r = replies[i]  # type: ignore[index]
-            t = r[0] if isinstance(r, (list, tuple)) and r else r
-        except (IndexError, KeyError, TypeError):
-            t = None
-        if not isinstance(t, str):
-            counts["missing_reply"] += 1
-            t = ""
-        out.append(t)
-    return out
+class _DefaultCallCfg:
+    """The call options ``run_round`` uses without a memory config."""
+
+    structured_output = True
+    stop_token_ids: tuple[int, ...] = ()

@@ -30,6 +30,19 @@ def default_memory_config() -> ml_collections.ConfigDict:
     # "any" = any memory content does too (ours; METHOD.md 2.2 says ablate).
     c.signal_rule = "any"
     c.success_threshold = 1.0  # reward >= this is a verified success (binary rewards)
+    # Structured output: every reflection, cluster-summary, behavior-extraction and evolution
+    # call sends its JSON schema (memory/schemas.py) in SamplingParams.json_schema, so the
+    # sampler only draws tokens the schema allows and the reply parses and validates (a reply
+    # cut at max_tokens aside). Off: no schema is sent (for servers without structured
+    # outputs; a sampler that cannot constrain raises SamplerError when asked to) and replies
+    # go through the defensive parser alone. Either way replies are parsed defensively,
+    # validated against the schema, and counted: reflections, parsed, json_error,
+    # schema_error, truncated (memory/memory.py).
+    c.structured_output = True
+    # Token ids that end a memory call's reply (the trainer sets the model's stop tokens).
+    # Empty: the sampler's default, which for the JAX sampler means no stop token at all
+    # unless a schema is sent (it then ends at the tokenizer's EOS).
+    c.stop_token_ids = []
 
     # Level 1: experience.
     c.experience = ml_collections.ConfigDict()
@@ -46,8 +59,11 @@ def default_memory_config() -> ml_collections.ConfigDict:
     c.insight.max_attempts_shown = 4  # per outcome (correct / incorrect) in a reflection prompt
     c.insight.max_attempt_chars = 1_500
     c.insight.max_problem_chars = 2_000
+    # Reflection schema bounds (memory/schemas.py; the prompt states them): each of
+    # "strategies" and "lessons" holds min..max items of min_item_chars..max_item_chars.
     c.insight.max_item_chars = 300
     c.insight.min_item_chars = 8
+    c.insight.min_items_per_reflection = 1  # per field; 0 lets a constrained model write []
     c.insight.max_items_per_reflection = 8  # per field
     c.insight.max_strategies_per_problem = 8  # oldest evicted first
     c.insight.max_lessons_per_problem = 8
@@ -56,8 +72,12 @@ def default_memory_config() -> ml_collections.ConfigDict:
     c.insight.drop_gold_leaks = True
     c.insight.dedup = "embedding"  # or "exact": normalised text equality, no embedder calls
     c.insight.dedup_threshold = 0.9  # cosine similarity at or above which an item is a duplicate
+    # max_tokens: above the reflection schema's worst case, so a schema-bounded reply is never
+    # cut. schemas.reply_token_bound: ceil(300 / 3) + 2 = 102 tokens per item (string content at
+    # 3 chars per token, quotes), 8 items + separators + brackets = 832 per list; two lists,
+    # keys and braces: 1693 tokens. 1792 = that plus headroom (the stop token).
     c.insight.sampling = ml_collections.ConfigDict(
-        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=512, seed=0)
+        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=1792, seed=0)
     )
 
     # Level 3: behaviors.
@@ -69,19 +89,29 @@ def default_memory_config() -> ml_collections.ConfigDict:
     c.behavior.min_cluster_size = 2
     c.behavior.cluster_seed = 0
     c.behavior.summary_mode = "extractive"  # or "policy": the policy writes the summary
-    c.behavior.max_summary_chars = 600
+    c.behavior.max_summary_chars = 600  # also caps the extractive summary
+    c.behavior.min_summary_chars = 8
     c.behavior.max_problems_per_cluster_prompt = 6
     c.behavior.max_evidence_chars = 400
-    c.behavior.min_behaviors = 3
+    # Extraction / evolution schema bounds (memory/schemas.py; the prompts state them).
+    c.behavior.min_behaviors = 3  # per extraction reply (METHOD.md 2.1: 3-8)
     c.behavior.max_behaviors = 8
+    c.behavior.max_actions = 8  # per evolution reply
+    c.behavior.min_name_chars = 3
     c.behavior.max_name_chars = 80
+    c.behavior.min_instruction_chars = 8
     c.behavior.max_instruction_chars = 300
     c.behavior.max_bank_size = 256  # oldest-updated behaviors evicted first
     c.behavior.retrieve_for_evolution = 8  # existing behaviors shown per cluster
     c.behavior.top_k = 5  # behaviors in a teacher context
     c.behavior.key = "cluster_centroid"  # what a behavior is indexed by
+    # max_tokens: shared by the summary, extraction and evolution calls, above the largest
+    # schema's worst case (schemas.reply_token_bound, string content at 3 chars per token,
+    # syntax 1 token per char): extraction 8 x (name ceil(80/3)+2 + instruction ceil(300/3)+2 +
+    # keys and braces) + brackets = 1295 tokens; evolution 8 actions = 1453 (with the
+    # "action" key); summary 215. 1536 = the largest plus headroom (the stop token).
     c.behavior.sampling = ml_collections.ConfigDict(
-        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=768, seed=0)
+        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=1536, seed=0)
     )
 
     # Embedder (sentence-transformers; offline).
@@ -150,6 +180,23 @@ def validate_memory_config(c: ml_collections.ConfigDict) -> None:
         bad("behavior.every_n_steps must be >= 1")
     if not 1 <= c.behavior.min_behaviors <= c.behavior.max_behaviors:
         bad("behavior needs 1 <= min_behaviors <= max_behaviors")
+    if c.behavior.max_actions < 1:
+        bad("behavior.max_actions must be >= 1")
+    for lo, hi in (("insight.min_items_per_reflection", "insight.max_items_per_reflection"),
+                   ("insight.min_item_chars", "insight.max_item_chars"),
+                   ("behavior.min_summary_chars", "behavior.max_summary_chars"),
+                   ("behavior.min_name_chars", "behavior.max_name_chars"),
+                   ("behavior.min_instruction_chars", "behavior.max_instruction_chars")):
+        (lo_node, lo_key), (hi_node, hi_key) = lo.split("."), hi.split(".")
+        a, b = c[lo_node][lo_key], c[hi_node][hi_key]
+        if not 0 <= a <= b or b < 1:
+            bad(f"needs 0 <= {lo} <= {hi} and {hi} >= 1 (got {a}, {b})")
+    if not isinstance(c.structured_output, bool):
+        bad("structured_output must be True or False")
+    ids = c.stop_token_ids
+    if isinstance(ids, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        bad("stop_token_ids must be a list of token ids (ints >= 0)")
     if c.behavior.top_k < 0:
         bad("behavior.top_k must be >= 0")
     if c.insight.dedup not in ("embedding", "exact"):

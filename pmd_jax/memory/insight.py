@@ -1,8 +1,10 @@
 """Level 2, insight: the policy reflects on each touched problem's attempts.
 
 Per problem and step: one reflection conversation showing up to ``max_attempts_shown`` correct
-and incorrect attempts (contrasted when both exist). The reply is parsed defensively into
-strategies and lessons, then filtered:
+and incorrect attempts (contrasted when both exist), stating the reflection schema's bounds
+(memory/schemas.py: items per list, characters per item). The reply is parsed defensively,
+validated against that schema (``parsed`` / ``json_error`` / ``schema_error``), and its valid
+items salvaged into strategies and lessons, then filtered:
 
 - strategies are kept only if a shown attempt is a verified success, lessons only if a shown
   attempt is a verified failure (switchable);
@@ -27,6 +29,7 @@ from pmd_jax.memory import prompts
 from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.parsing import parse_reflection
 from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.schemas import reflection_schema
 from pmd_jax.memory.types import InsightItem, Provenance, RolloutRecord
 
 KINDS = ("strategy", "lesson")
@@ -61,6 +64,9 @@ def reflection_conversation(
         problem=sanitize_text(problem_text, cfg.max_problem_chars, extra_tokens),
         attempts="\n\n".join(blocks) if blocks else prompts.REFLECTION_NO_ATTEMPTS,
         contrast=prompts.REFLECTION_CONTRAST if good and bad else "",
+        items=prompts.count_range(cfg.min_items_per_reflection, cfg.max_items_per_reflection)
+        + " items",
+        chars=prompts.count_range(cfg.min_item_chars, cfg.max_item_chars),
     )
     return [{"role": "system", "content": prompts.REFLECTION_SYSTEM},
             {"role": "user", "content": user}]
@@ -94,19 +100,22 @@ class InsightStore:
         leak_strings: dict[str, list[str]],
         embed: Callable[[list[str]], np.ndarray],
     ) -> Counter:
-        """Parses each problem's reply, filters, dedups and stores the surviving items."""
+        """Parses each problem's reply, filters, dedups and stores the surviving items.
+
+        Each reply counts one of ``parsed`` / ``json_error`` / ``schema_error`` (validated
+        against :func:`~pmd_jax.memory.schemas.reflection_schema`); the caller counts
+        ``reflections`` and ``truncated`` (memory/calls.py).
+        """
         counts: Counter = Counter()
         candidates: list[tuple[str, str, str, Provenance]] = []  # pid, kind, text, prov
+        schema = reflection_schema(self.cfg)
         for pid, reply in replies.items():
             good, bad = shown[pid]
-            counts["reflections"] += 1
-            before = counts["json_error"]
             strategies, lessons = parse_reflection(
                 reply, counts, max_item_chars=self.cfg.max_item_chars,
                 min_item_chars=self.cfg.min_item_chars,
-                max_items=self.cfg.max_items_per_reflection, extra_tokens=self.extra_tokens)
-            if counts["json_error"] == before:
-                counts["reflections_parsed"] += 1
+                max_items=self.cfg.max_items_per_reflection, extra_tokens=self.extra_tokens,
+                schema=schema)
             if self.cfg.strategies_only_from_successes and not good and strategies:
                 counts["strategies_without_success"] += len(strategies)
                 strategies = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import time
 import zlib
 from collections import Counter
@@ -13,7 +14,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from pmd_jax.memory.behavior import BehaviorBank, _first_texts
+from pmd_jax.memory.behavior import BehaviorBank
+from pmd_jax.memory.calls import call_params, generate_first, zero_counts
 from pmd_jax.memory.config import default_memory_config, validate_memory_config
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.embedder import SentenceEmbedder, shared_embedder
@@ -21,8 +23,11 @@ from pmd_jax.memory.experience import ExperienceStore
 from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.insight import InsightStore, reflection_conversation, select_attempts
 from pmd_jax.memory.sanitize import sanitize_text
+from pmd_jax.memory.schemas import call_token_bounds, reflection_schema
 from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
-from pmd_jax.sampling.base import SamplingParams, TextGenerator
+from pmd_jax.sampling.base import TextGenerator
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -50,6 +55,21 @@ class ProceduralMemory:
         self.problems = ScannIndex(self.dim, c.index)  # problem embeddings, docid = problem id
         self.last_update_step = -1
         self.history: list[dict[str, Any]] = []  # stats() per update, for plots
+        self._warn_short_budgets()
+
+    def _warn_short_budgets(self) -> None:
+        """Logs a warning for a call whose max_tokens is below its schema's worst case."""
+        c = self.config
+        budgets = {"reflection": c.insight.sampling.max_tokens}
+        budgets.update(dict.fromkeys(("summary", "extraction", "evolution"),
+                                     c.behavior.sampling.max_tokens))
+        if c.behavior.summary_mode != "policy":
+            budgets.pop("summary")
+        for call, bound in call_token_bounds(c).items():
+            if call in budgets and budgets[call] < bound:
+                log.warning("memory %s calls: max_tokens=%d is below the schema's worst-case "
+                            "reply of ~%d tokens (memory/schemas.py); long replies will be cut "
+                            "(counted as truncated)", call, budgets[call], bound)
 
     # ------------------------------------------------------------------------ update --
     def _embed(self, texts: list[str]) -> np.ndarray:
@@ -65,10 +85,14 @@ class ProceduralMemory:
 
         Model output never raises here (it is counted in ``stats.counts``; counts of the
         behavior round are prefixed ``behavior/``, e.g. ``behavior/json_error``); bad records
-        (not a ``RolloutRecord``, empty problem id, NaN reward) raise ValueError.
+        (not a ``RolloutRecord``, empty problem id, NaN reward) raise ValueError. The per-call
+        counts (memory/calls.py: ``reflections``, ``parsed``, ``json_error``,
+        ``schema_error``, ``truncated``, and under ``behavior/`` and ``behavior/<call>/``) are
+        always present, 0 on a step where no call ran.
         """
         t0 = time.perf_counter()
         stats = MemoryUpdateStats(step=int(step))
+        stats.merge(zero_counts())
         if self.is_frozen(step):
             stats.frozen = True
             return stats
@@ -97,15 +121,11 @@ class ProceduralMemory:
             pids = list(by_pid)
             convs = [reflection_conversation(self.experience.problem_text[p], *shown[p],
                                              c.insight, self.extra_tokens) for p in pids]
-            sp = c.insight.sampling
-            params = SamplingParams(n=1, temperature=sp.temperature, top_p=sp.top_p,
-                                    top_k=sp.top_k, max_tokens=sp.max_tokens,
-                                    seed=sp.seed + int(step))
+            params = call_params(c.insight.sampling, step, c, reflection_schema(c.insight))
             counts: Counter = Counter()
             tg = time.perf_counter()
-            replies = generator.generate_texts(convs, params) if generator is not None else []
+            texts = generate_first(generator, convs, params, counts)
             gen_s += time.perf_counter() - tg
-            texts = _first_texts(replies, len(pids), counts)
             counts.update(self.insights.ingest(step, dict(zip(pids, texts)), shown,
                                                self.experience.leak_strings, self._embed))
             stats.merge(dict(counts))
@@ -118,7 +138,7 @@ class ProceduralMemory:
                 step, pids, self.problems.matrix(pids), self.experience.problem_text,
                 lambda p: (self.insights.texts(p, "strategy"), self.insights.texts(p, "lesson")),
                 self.experience.success_rate, self.experience.leak_strings,
-                timed, self._embed)
+                timed, self._embed, memory_cfg=c)
             gen_s += timed.seconds
             stats.merge({f"behavior/{k}": v for k, v in counts.items()})
             stats.add("behavior_round")
@@ -347,17 +367,22 @@ def _resanitize(text: str, control_tokens: Sequence[str]) -> str:
 
 
 class _TimedGenerator:
-    """Wraps a TextGenerator and records the seconds spent generating (for stats)."""
+    """Wraps a TextGenerator and records the seconds spent generating (for stats).
+
+    ``generate_replies`` answers with the wrapped generator's ``generate_replies`` (texts and
+    finish reasons) or, for a generator that has only ``generate_texts``, with its texts.
+    """
 
     def __init__(self, gen: TextGenerator | None) -> None:
         self.gen = gen
         self.seconds = 0.0
 
-    def generate_texts(self, conversations, params):
+    def generate_replies(self, conversations, params):
         if self.gen is None:
             return []
         t = time.perf_counter()
         try:
-            return self.gen.generate_texts(conversations, params)
+            fn = getattr(self.gen, "generate_replies", None) or self.gen.generate_texts
+            return fn(conversations, params)
         finally:
             self.seconds += time.perf_counter() - t

@@ -37,8 +37,9 @@ REFLECTION_USER = """Problem:
 Compare the attempts{contrast}. Write:
 - "strategies": short, reusable steps or checks that led to correct answers;
 - "lessons": recurring mistakes to avoid next time.
-Each item is one sentence. Do not state the final answer, an option letter or the expected \
-output. Respond ONLY with valid JSON:
+Write {items} in each list. Each item is one sentence of {chars} characters. Do not state \
+the final answer, an option letter or the expected output. Respond ONLY with valid JSON \
+with exactly these two keys:
 {{"strategies": ["..."], "lessons": ["..."]}}"""
 REFLECTION_CONTRAST = (
     ": contrast what the correct ones did with where the incorrect ones went wrong"
@@ -54,8 +55,10 @@ SUMMARY_SYSTEM = "You summarise groups of related problems. The problems are dat
 SUMMARY_USER = """Related problems:
 {problems}
 
-In one or two sentences, describe what these problems have in common (topic and the kind of \
-reasoning they need). Do not solve them. Respond with the summary only."""
+In one or two sentences ({chars} characters), describe what these problems have in common \
+(topic and the kind of reasoning they need). Do not solve them. Respond ONLY with valid JSON \
+with exactly this key:
+{{"summary": "..."}}"""
 SUMMARY_EXTRACTIVE = "{n} related problems ({rate:.0%} of attempts correct), e.g.: {examples}"
 
 # ------------------------------------------------------------- level 3: behavior extraction --
@@ -70,14 +73,15 @@ Related problems and what was learned on them:
 
 Instructions:
 1. Identify patterns that recur across these related problems.
-2. Extract {min_behaviors} to {max_behaviors} reusable behaviors, each with a name and an \
-instruction.
+2. Extract {count} reusable behaviors, each with a name ({name_chars} characters, \
+e.g. behavior_check_units) and an instruction ({instruction_chars} characters).
 3. Keep them high-level and transferable to new problems of this kind.
 4. Include both good practices and mistakes to avoid.
 5. Do not use problem-specific wording, answer or option-letter shortcuts, or references to \
 individual attempts.
 
-Respond ONLY with valid JSON:
+Respond ONLY with valid JSON with exactly this key; each behavior has exactly the keys \
+"name" and "instruction":
 {{"behaviors": [{{"name": "behavior_...", "instruction": "..."}}]}}"""
 
 # -------------------------------------------------------------- level 3: behavior evolution --
@@ -94,12 +98,14 @@ Existing behaviors most relevant to this cluster:
 Instructions:
 1. Check the existing behaviors against the new evidence.
 2. Find gaps that no existing behavior covers.
-3. Decide on actions: "new" adds a behavior, "update" rewrites an existing one (same name), \
-"remove" deletes a wrong or redundant one (name only).
-4. Keep behaviors reusable, concise and independent of any single problem; no answers or \
+3. Decide on {count} actions: "new" adds a behavior, "update" rewrites an existing one \
+(same name), "remove" deletes a wrong or redundant one (name only).
+4. Names are {name_chars} characters, instructions {instruction_chars} characters.
+5. Keep behaviors reusable, concise and independent of any single problem; no answers or \
 option letters.
 
-Respond ONLY with valid JSON:
+Respond ONLY with valid JSON with exactly this key; "new" and "update" actions have exactly \
+the keys "action", "name" and "instruction", "remove" actions exactly "action" and "name":
 {{"actions": [{{"action": "new", "name": "behavior_...", "instruction": "..."}}, \
 {{"action": "update", "name": "behavior_existing_name", "instruction": "..."}}, \
 {{"action": "remove", "name": "behavior_bad_one"}}]}}"""
@@ -108,6 +114,17 @@ EVIDENCE_STRATEGIES = "\n  Worked: {items}"
 EVIDENCE_LESSONS = "\n  Mistakes: {items}"
 EXISTING_BEHAVIOR = "- {name}: {instruction}"
 NO_EXISTING = "(none)"
+
+
+def count_range(lo: int, hi: int) -> str:
+    """A schema's bounds in words, rendered into the prompts: "exactly 3", "at most 8",
+    "3 to 8" (items), "8 to 300" (characters)."""
+    if lo == hi:
+        return f"exactly {hi}"
+    if lo <= 0:
+        return f"at most {hi}"
+    return f"{lo} to {hi}"
+
 
 # ------------------------------------------------------------ control: inverted lessons --
 # "inverted_lessons" shows the lessons (mistakes) under the strategies header and vice versa.

@@ -108,12 +108,22 @@ class Sampler(Protocol):
 Messages = list[dict[str, str]]
 
 
+@dataclasses.dataclass(frozen=True)
+class TextReply:
+    """One decoded response and why it ended ("length": cut at ``max_tokens``)."""
+
+    text: str
+    finish_reason: FinishReason
+
+
 class TextGenerator:
     """Chat-level adapter over a Sampler: messages in, decoded texts out.
 
     The memory's reflection calls and evaluation use this; they never see token ids.
     ``encode_chat`` renders messages with the model's chat template (generation prompt added)
     and returns token ids; ``decode`` turns response ids back into text.
+    ``generate_replies`` also gives each response's finish reason; ``generate_texts`` only the
+    texts.
     """
 
     def __init__(
@@ -126,15 +136,21 @@ class TextGenerator:
         self.encode_chat = encode_chat
         self.decode = decode
 
-    def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams) -> list[
-        list[str]
-    ]:
-        """Returns, for each conversation, ``params.n`` decoded responses."""
+    def generate_replies(self, conversations: Sequence[Messages], params: SamplingParams
+                         ) -> list[list[TextReply]]:
+        """Returns, for each conversation, ``params.n`` decoded responses with finish reasons."""
         if not conversations:
             return []
         prompts = [self.encode_chat(m) for m in conversations]
         rollouts = self.sampler.generate(prompts, params)
-        out: list[list[str]] = [[] for _ in conversations]
+        out: list[list[TextReply]] = [[] for _ in conversations]
         for r in rollouts:
-            out[r.prompt_index].append(self.decode(r.tokens.tolist()))
+            out[r.prompt_index].append(
+                TextReply(self.decode(r.tokens.tolist()), r.finish_reason))
         return out
+
+    def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams) -> list[
+        list[str]
+    ]:
+        """Returns, for each conversation, ``params.n`` decoded responses."""
+        return [[r.text for r in rs] for rs in self.generate_replies(conversations, params)]
