@@ -152,8 +152,10 @@ def build_sampler(cfg: Any, model: ModelBundle):
     if r.sampler == "jax":
         from pmd_jax.sampling.jax_sampler import JaxSampler
 
+        # The tokenizer serves constrained requests (SamplingParams.json_schema).
         return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
-                          max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch)
+                          max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch,
+                          tokenizer=model.tokenizer)
     from pmd_jax.sampling.vllm_client import VLLMSampler
 
     return VLLMSampler(r.vllm_url, r.vllm_model or None, store_url=r.weight_store,

@@ -16,6 +16,18 @@ padding, splitting or sharding. Returned logprobs are ``log_softmax(logits / T)`
 sampled token in float32 (T = 1 for greedy), the same formula the trainer applies to the same
 forward's logits.
 
+Grammar-constrained requests (``SamplingParams.json_schema``, or ``generate(..., grammar=)``)
+take a second, host-driven path, since the grammar engine (llguidance, see ``grammar.py``)
+runs in Python: one jitted prefill, then per token one jitted decode step (the cached forward,
+dispatched asynchronously) and one jitted sampling step that takes the rows' ``[B, V/32]``
+token bitmask as an argument and masks the logits before temperature / top-k / top-p and
+before the returned logprob, which is therefore that of the masked, renormalised distribution
+actually sampled from (``log_softmax(masked logits / T)``). While the device runs the forward
+of step t, the host feeds token t-1 to the matchers and computes the masks of step t (one
+batched llguidance call each, not one per row). Shapes are those of the unconstrained path
+(bucketed prompt and cache lengths, the bitmask is always ``[B, ceil(V/32)]``), so schemas
+and requests never trigger a recompile. Unconstrained requests keep the single-program path.
+
 With a ``mesh``, params are placed per ``rules`` (``decoder.param_axes``), the batch is split
 over the mesh axes the ``batch`` rule names, and the forward adds activation sharding
 constraints; the result equals the unsharded one.
@@ -28,7 +40,7 @@ import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling import sample_ops
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
 from pmd_jax.sharding import ShardingRules, shard_tree
@@ -68,6 +81,8 @@ class SamplerMetrics:
     batches: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
+    constrained: bool = False
+    grammar_seconds: float = 0.0  # host time in the grammar engine (masks, token consumption)
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +107,10 @@ class JaxSampler:
         decode step was 3.6x faster this way (161 vs 586 ms at B=16), on a quiet one about
         the same (125-163 vs 135-151 ms); False keeps the stacked arrays and the layer scan
         (smaller compile).
+      tokenizer: the model's tokenizer (our ``models.tokenizer.Tokenizer``, a ``transformers``
+        fast tokenizer, or an ``llguidance.LLTokenizer``), needed only for constrained requests
+        (``SamplingParams.json_schema``); see :meth:`set_tokenizer`. Without one a
+        constrained request raises SamplerError.
     """
 
     def __init__(
@@ -107,6 +126,7 @@ class JaxSampler:
         max_batch: int = 64,
         cache_dtype: Any = None,
         unstack_layers: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         self.cfg = cfg
         self.max_len = int(max_len if max_len is not None else cfg.max_position_embeddings)
@@ -135,8 +155,52 @@ class JaxSampler:
         self.weights_version: int | None = None
         self.last_metrics = SamplerMetrics()
         self.set_params(params)
-        self._run = _compiled(cfg, self.pad_id, None if mesh is None else (mesh, self.rules),
-                              self.cache_dtype)
+        shard_ctx = None if mesh is None else (mesh, self.rules)
+        self._run = _compiled(cfg, self.pad_id, shard_ctx, self.cache_dtype)
+        self._constrained = _compiled_constrained(cfg, shard_ctx, self.cache_dtype)
+        self._tokenizer: Any = None
+        self._eos_ids: tuple[int, ...] | None = None
+        self._llg_tok: Any = None
+        self._text_vocab = cfg.vocab_size
+        self._grammars: dict[grammar_lib.Grammar, str] = {}
+        self._executor: Any = None
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer)
+
+    # ------------------------------------------------------------------ grammar
+    def set_tokenizer(self, tokenizer: Any, eos_ids: Sequence[int] | None = None) -> None:
+        """The tokenizer constrained requests are matched with (built into llguidance's on
+        first use, ~1 s). ``eos_ids``: the tokens the tokenizer ends text with (default: our
+        Tokenizer's ``stop_ids``, else the HF ``eos_token_id``)."""
+        self._tokenizer = tokenizer
+        self._eos_ids = None if eos_ids is None else tuple(int(i) for i in eos_ids)
+        self._llg_tok = None
+        self._grammars = {}
+        hf = getattr(tokenizer, "hf", tokenizer)
+        try:
+            self._text_vocab = min(len(hf), self.cfg.vocab_size)
+        except TypeError:  # an llguidance tokenizer: it masks ids it does not have itself
+            self._text_vocab = self.cfg.vocab_size
+
+    def _grammar_engine(self, grammar: grammar_lib.Grammar) -> tuple[Any, str]:
+        """(llguidance tokenizer, checked grammar text); SamplerError if either fails."""
+        if self._tokenizer is None:
+            raise SamplerError(
+                f"cannot constrain to {grammar.describe()}: this JaxSampler has no tokenizer "
+                "(pass tokenizer= or call set_tokenizer)")
+        if self._llg_tok is None:
+            self._llg_tok = _llg_tokenizer_cached(self._tokenizer, self.cfg.vocab_size,
+                                                  self._eos_ids)
+        text = self._grammars.get(grammar)
+        if text is None:
+            text = self._grammars[grammar] = grammar_lib.compile_grammar(grammar, self._llg_tok)
+            if len(self._grammars) > 256:
+                self._grammars.pop(next(iter(self._grammars)))
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._llg_tok, text
 
     # ------------------------------------------------------------------ weights
     def set_params(self, params: Params, version: int | None = None) -> None:
@@ -156,7 +220,8 @@ class JaxSampler:
 
     def share_weights(self, other: JaxSampler) -> None:
         """Use ``other``'s placed weights and version as they are (no copy): for a second
-        sampler of the same model, e.g. one serving reflection calls on another thread."""
+        sampler of the same model, e.g. one serving reflection calls on another thread.
+        The tokenizer is not shared (each sampler keeps its own, see :meth:`set_tokenizer`)."""
         if other.cfg != self.cfg or other.mesh is not self.mesh:
             raise SamplerError("share_weights needs a sampler of the same model config and mesh")
         if other.unstack_layers != self.unstack_layers:
@@ -224,9 +289,25 @@ class JaxSampler:
             p_len = cache_len - max_tokens
         return p_len, cache_len, out_len
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 grammar: grammar_lib.Grammar | None = None) -> Rollouts:
+        """Sample ``params.n`` continuations of each prompt (see the module docstring).
+
+        With ``params.json_schema`` (or ``grammar``, which takes precedence: a Lark grammar or
+        regex, for tests and benchmarks), every token is one the grammar allows at that point;
+        a row ends by sampling one of ``params.stop_token_ids`` (or, if none are given, the
+        tokenizer's EOS tokens), which the grammar allows only where the text is complete, so
+        a row that finishes with "stop" always parses and validates. The returned logprobs
+        are then ``log_softmax(masked logits / T)`` of the sampled tokens: the masked,
+        renormalised distribution (top-k / top-p only restrict the draw, as unconstrained).
+        A grammar the engine cannot compile raises SamplerError naming it, before any
+        generation.
+        """
         t0 = time.perf_counter()
         arrays = self._validate(prompts, params)
+        if grammar is None:
+            grammar = grammar_lib.Grammar.from_params(params)
+        engine = self._grammar_engine(grammar) if grammar is not None else None
         if not arrays:
             return Rollouts([], self.weights_version)
         n = params.n
@@ -246,9 +327,14 @@ class JaxSampler:
             stop_ids=stop_pad,
         )
         pending = []
+        grammar_s = [0.0]
         for start in range(0, len(order), self.max_batch):
             chunk = order[start : start + self.max_batch]
-            pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars)))
+            if engine is None:
+                pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars)))
+            else:
+                pending.append((chunk, self._launch_constrained(
+                    chunk, rows, arrays, params, scalars, engine, grammar_s)))
         items: list[Rollout | None] = [None] * len(rows)
         new_tokens = 0
         for chunk, result in pending:
@@ -263,10 +349,12 @@ class JaxSampler:
                 )
         self.last_metrics = SamplerMetrics(
             rows=len(rows), batches=len(pending), new_tokens=new_tokens,
-            seconds=time.perf_counter() - t0)
+            seconds=time.perf_counter() - t0, constrained=engine is not None,
+            grammar_seconds=grammar_s[0])
         return Rollouts(items, self.weights_version)  # type: ignore[arg-type]
 
-    def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars):
+    def _batch_arrays(self, chunk, rows, arrays, sp: SamplingParams):
+        """Left-padded host arrays of one batch and its shapes."""
         b_real = len(chunk)
         b = _next_pow2(b_real)
         b = -(-b // self._batch_div) * self._batch_div
@@ -284,16 +372,78 @@ class JaxSampler:
             mask[j, p_len - len(a):] = True
             pidx[j], sidx[j] = rows[r]
             valid[j] = j < b_real
-        batch_args = (tokens, mask, pidx, sidx, valid)
-        if self.mesh is not None:
-            spec = self.rules.spec(("batch",))
-            shard1 = NamedSharding(self.mesh, spec)
-            shard2 = NamedSharding(self.mesh, self.rules.spec(("batch", None)))
-            batch_args = tuple(
-                jax.device_put(x, shard2 if x.ndim == 2 else shard1) for x in batch_args)
-        out = self._run(self.params, *batch_args, **scalars, cache_len=cache_len,
+        return (tokens, mask, pidx, sidx, valid), (b_real, p_len, cache_len, out_len)
+
+    def _put(self, *xs: np.ndarray) -> tuple[Any, ...]:
+        """Host arrays whose first axis is the batch, placed on the mesh (as-is without one)."""
+        if self.mesh is None:
+            return xs
+        shard1 = NamedSharding(self.mesh, self.rules.spec(("batch",)))
+        shard2 = NamedSharding(self.mesh, self.rules.spec(("batch", None)))
+        return tuple(jax.device_put(x, shard2 if x.ndim == 2 else shard1) for x in xs)
+
+    def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars):
+        host, (b_real, _, cache_len, out_len) = self._batch_arrays(chunk, rows, arrays, sp)
+        out = self._run(self.params, *self._put(*host), **scalars, cache_len=cache_len,
                         out_len=out_len)
         return tuple(x[:b_real] for x in out)
+
+    def _launch_constrained(self, chunk, rows, arrays, sp: SamplingParams, scalars,
+                            engine: tuple[Any, str], grammar_s: list[float]):
+        """One batch through the host-driven constrained loop; same outputs as ``_launch``.
+
+        Per token: read the sampled tokens (a small device->host copy), dispatch the next
+        forward (async), feed the tokens to the matchers and compute the next bitmasks while
+        it runs, then dispatch the masked sampling step with them.
+        """
+        llg_tok, grammar_text = engine
+        (tokens, mask, pidx, sidx, valid), (b_real, p_len, cache_len, out_len) = (
+            self._batch_arrays(chunk, rows, arrays, sp))
+        b = tokens.shape[0]
+        end_ids = sp.stop_token_ids or tuple(int(i) for i in llg_tok.eos_tokens)
+        tg = time.perf_counter()
+        matcher = grammar_lib.BatchMatcher(llg_tok, grammar_text, b, valid, end_ids,
+                                           self._text_vocab, self._executor)
+        grammar_s[0] += time.perf_counter() - tg
+        fns = self._constrained
+        d_tokens, d_mask, d_pidx, d_sidx = self._put(tokens, mask, pidx, sidx)
+        cache, logits = fns.prefill(self.params, d_tokens, d_mask, cache_len=cache_len)
+        sample_kw = dict(seed=scalars["seed"], temperature=scalars["temperature"],
+                         top_k=scalars["top_k"], top_p=scalars["top_p"],
+                         needs_filter=scalars["needs_filter"])
+
+        def sample(logits, step: int):
+            tg = time.perf_counter()
+            (bm,) = self._put(matcher.fill_next())
+            grammar_s[0] += time.perf_counter() - tg
+            return fns.sample(logits, bm, d_pidx, d_sidx, np.int32(step), **sample_kw)
+
+        tok, lp = sample(logits, 0)
+        max_tokens = sp.max_tokens
+        out_tok = np.full((b, out_len), self.pad_id, np.int32)
+        out_lp = np.zeros((b, out_len), np.float32)
+        lengths = np.zeros((b,), np.int32)
+        stopped = np.zeros((b,), bool)
+        prompt_len = mask.sum(axis=-1).astype(np.int32)
+        for step in range(max_tokens):
+            t_host, lp_host = np.asarray(tok), np.asarray(lp)
+            live = ~matcher.done
+            out_tok[live, step] = t_host[live]
+            out_lp[live, step] = lp_host[live]
+            lengths[live] = step + 1
+            last = step + 1 >= max_tokens or bool(np.all(matcher.done | matcher.is_end(t_host)))
+            if not last:  # the next forward runs while the host works on the grammar
+                (pos,) = self._put((prompt_len + step)[:, None])
+                cache, logits = fns.step(self.params, cache, tok, pos,
+                                         np.int32(p_len + step))
+            tg = time.perf_counter()
+            stopped |= matcher.consume(t_host)
+            grammar_s[0] += time.perf_counter() - tg
+            if last:
+                break
+            tok, lp = sample(logits, step + 1)
+        sl = slice(0, b_real)
+        return out_tok[sl], out_lp[sl], lengths[sl], stopped[sl]
 
 
 @functools.lru_cache(maxsize=32)
@@ -304,6 +454,84 @@ def _compiled(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any):
                           cache_dtype=cache_dtype),
         static_argnames=("cache_len", "out_len"),
     )
+
+
+class _ConstrainedFns(NamedTuple):
+    prefill: Any
+    step: Any
+    sample: Any
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_constrained(cfg: ModelConfig, shard_ctx: Any, cache_dtype: Any) -> _ConstrainedFns:
+    """The three jitted pieces of the constrained loop, shared by samplers of one model.
+
+    ``step`` donates the KV cache (updated in place). None of them depends on the grammar.
+    """
+    return _ConstrainedFns(
+        prefill=jax.jit(functools.partial(_prefill, cfg=cfg, shard_ctx=shard_ctx,
+                                          cache_dtype=cache_dtype),
+                        static_argnames=("cache_len",)),
+        step=jax.jit(functools.partial(_decode_logits, cfg=cfg, shard_ctx=shard_ctx),
+                     donate_argnames=("cache",)),
+        sample=jax.jit(_sample_masked),
+    )
+
+
+def _prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
+             shard_ctx: Any, cache_dtype: Any, cache_len: int) -> tuple[Any, jax.Array]:
+    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot)."""
+    b = tokens.shape[0]
+    per_layer = isinstance(params["layers"], (list, tuple))
+    cache = decoder.init_cache(cfg, b, cache_len, cache_dtype, per_layer=per_layer)
+    if shard_ctx is not None:
+        mesh, rules = shard_ctx
+        cache = jax.tree.map(
+            lambda x, ax: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(ax))),
+            cache, decoder.cache_axes(cfg, per_layer=per_layer),
+            is_leaf=lambda x: isinstance(x, jax.Array))
+    positions = decoder.positions_from_mask(mask)
+    hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
+                                    cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
+    return cache, decoder.logits_from_hidden(hidden[:, -1], params, cfg)
+
+
+def _decode_logits(params: Params, cache: Any, last: jax.Array, positions: jax.Array,
+                   cache_index: jax.Array, *, cfg: ModelConfig,
+                   shard_ctx: Any) -> tuple[Any, jax.Array]:
+    """One cached decode forward of tokens ``last`` [B]: (cache, float32 logits [B, V])."""
+    b = last.shape[0]
+    hidden, cache = decoder.forward(
+        params, last[:, None], positions, cfg, attn_mask=jnp.ones((b, 1), jnp.bool_),
+        cache=cache, cache_index=cache_index, return_hidden=True, shard_ctx=shard_ctx)
+    return cache, decoder.logits_from_hidden(hidden[:, 0], params, cfg)
+
+
+def _sample_masked(logits: jax.Array, bitmask: jax.Array, prompt_idx: jax.Array,
+                   sample_idx: jax.Array, step: jax.Array, *, seed: jax.Array,
+                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   needs_filter: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mask the logits by the ``[B, W]`` token bitmask, then sample as the fast path does
+    (same keys); the logprob is that of the masked, renormalised distribution."""
+    keys = sample_ops.row_keys(seed, prompt_idx, sample_idx, step)
+    return sample_ops.sample_tokens(sample_ops.apply_token_bitmask(logits, bitmask), keys,
+                                    temperature, top_k, top_p, needs_filter=needs_filter)
+
+
+_LLG_TOKENIZERS: dict[tuple[int, int, Any], tuple[Any, Any]] = {}
+
+
+def _llg_tokenizer_cached(tokenizer: Any, vocab_size: int, eos_ids: Any) -> Any:
+    """``grammar.llg_tokenizer``, built once per (tokenizer object, vocab, EOS ids)."""
+    key = (id(tokenizer), int(vocab_size), eos_ids)
+    hit = _LLG_TOKENIZERS.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    llt = grammar_lib.llg_tokenizer(tokenizer, vocab_size, eos_ids)
+    if len(_LLG_TOKENIZERS) >= 8:
+        _LLG_TOKENIZERS.pop(next(iter(_LLG_TOKENIZERS)))
+    _LLG_TOKENIZERS[key] = (tokenizer, llt)
+    return llt
 
 
 def _generate_batch(

@@ -12,6 +12,10 @@ Conventions (shared with the trainer):
   forward computes for the same token. top-k / top-p only restrict which tokens can be drawn.
 * Randomness is per row and depends only on ``(seed, prompt index, sample index, step)``, never
   on the batch layout, so padding, splitting a batch or sharding it gives the same draws.
+* Grammar-constrained sampling masks the logits first (:func:`apply_token_bitmask`: forbidden
+  tokens get ``-inf``), then samples as above: the returned log-probability is then that of
+  the masked, renormalised distribution at the sampling temperature, and greedy is the argmax
+  over the allowed tokens.
 """
 
 from __future__ import annotations
@@ -130,6 +134,27 @@ def inverse_cdf_sample(logp: jax.Array, u: jax.Array, block: int = 256) -> jax.A
     return (blk * block + j).astype(jnp.int32)
 
 
+def unpack_token_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """``[B, W]`` int32 token bitmask -> ``[B, vocab_size]`` bool (True = allowed).
+
+    Token ``i`` is bit ``i % 32`` of word ``i // 32`` (llguidance's layout). Ids beyond
+    ``32 * W`` are not allowed.
+    """
+    b, w = bitmask.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (jnp.asarray(bitmask, jnp.int32)[:, :, None] >> shifts) & 1
+    bits = bits.reshape(b, w * 32).astype(jnp.bool_)
+    if w * 32 >= vocab_size:
+        return bits[:, :vocab_size]
+    return jnp.pad(bits, ((0, 0), (0, vocab_size - w * 32)))
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """float32 logits with every token the ``[B, W]`` bitmask forbids set to ``-inf``."""
+    allowed = unpack_token_bitmask(bitmask, logits.shape[-1])
+    return jnp.where(allowed, logits.astype(jnp.float32), NEG_INF)
+
+
 def sample_tokens(
     logits: jax.Array,
     keys: jax.Array,
@@ -144,7 +169,8 @@ def sample_tokens(
     ``logits``: ``[B, V]``; ``keys``: ``[B]`` PRNG keys (see :func:`row_keys`); settings are
     broadcastable to ``[B]``. Rows with ``temperature == 0`` take the argmax. ``needs_filter``
     (a traced or static bool) lets callers skip the sort when top-k and top-p are both off.
-    The logprob is ``log_softmax(logits / T)[token]`` of the unfiltered distribution.
+    The logprob is ``log_softmax(logits / T)[token]`` of the unfiltered distribution; for
+    logits masked by :func:`apply_token_bitmask` that is the masked, renormalised one.
     """
     b = logits.shape[0]
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
