@@ -7,8 +7,11 @@ trainer builds it. The same conversations then go through the same sampler twice
 with and without the reflection schema (``memory/schemas.py``; ``SamplingParams.json_schema``):
 the first call of each mode compiles (not timed), the second is timed. Printed per mode: parse
 rate (replies that parse AND validate against the schema, by the memory's own parser), JSON and
-schema errors, truncations, usable items, new tokens per second; then the overhead ratio
-(unconstrained tokens/s over constrained tokens/s, same run, same sampler, same prompts).
+schema errors, truncations, usable items, new tokens per second and time per decode step; then
+the overhead ratios (same run, same sampler, same prompts): unconstrained tokens/s over
+constrained tokens/s, and constrained time per decode step over unconstrained (the batch decodes
+until its longest reply ends, so the first ratio also counts how much shorter the constrained
+replies are; the second is the grammar's own cost).
 
     python benchmarks/bench_reflection.py [--problems 16] [--sampler jax|vllm]
 
@@ -93,10 +96,12 @@ class _CountingGenerator(TextGenerator):
     """TextGenerator that also counts the new tokens of its last call."""
 
     new_tokens = 0
+    steps = 0  # decode steps of the last call: its longest reply (one batch of rows)
 
     def generate_replies(self, conversations, params):
         ro = self.sampler.generate([self.encode_chat(m) for m in conversations], params)
         self.new_tokens = sum(len(r.tokens) for r in ro)
+        self.steps = max((len(r.tokens) for r in ro), default=0)
         out: list[list[TextReply]] = [[] for _ in conversations]
         for r in ro:
             out[r.prompt_index].append(TextReply(self.decode(r.tokens.tolist()), r.finish_reason))
@@ -155,7 +160,7 @@ def main() -> None:
     try:
         for name, structured in (("unconstrained", False), ("constrained", True)):
             res = run_mode(textgen, convs, mc, structured, args.seed + 1)
-            res["tokens"] = textgen.new_tokens
+            res["tokens"], res["steps"] = textgen.new_tokens, textgen.steps
             results[name] = res
     finally:
         if server is not None:
@@ -163,15 +168,19 @@ def main() -> None:
     n = len(convs)
     print(f"\nsampler: {args.sampler}; {n} reflections per mode (second call of each timed)")
     print(f"{'mode':<14} {'parse rate':>10} {'json_err':>8} {'schema_err':>10} {'truncated':>9} "
-          f"{'items':>5} {'tokens':>6} {'seconds':>7} {'tok/s':>7}")
+          f"{'items':>5} {'tokens':>6} {'steps':>5} {'seconds':>7} {'tok/s':>7} {'ms/step':>7}")
     for name, r in results.items():
         c = r["counts"]
         print(f"{name:<14} {c['parsed'] / n:>10.2f} {c['json_error']:>8} {c['schema_error']:>10} "
-              f"{c['truncated']:>9} {r['items']:>5} {r['tokens']:>6} {r['seconds']:>7.1f} "
-              f"{r['tokens'] / r['seconds']:>7.1f}")
+              f"{c['truncated']:>9} {r['items']:>5} {r['tokens']:>6} {r['steps']:>5} "
+              f"{r['seconds']:>7.1f} {r['tokens'] / r['seconds']:>7.1f} "
+              f"{1000 * r['seconds'] / max(1, r['steps']):>7.0f}")
     u, c = results["unconstrained"], results["constrained"]
     ratio = (u["tokens"] / u["seconds"]) / max(1e-9, c["tokens"] / c["seconds"])
-    print(f"overhead (unconstrained tok/s / constrained tok/s): {ratio:.2f}x")
+    per_step = (c["seconds"] / max(1, c["steps"])) / max(1e-9, u["seconds"] / max(1, u["steps"]))
+    print(f"overhead, tokens/s (unconstrained / constrained): {ratio:.2f}x; time per decode step "
+          f"(constrained / unconstrained; a batch runs until its longest reply ends, so short "
+          f"constrained replies lower tokens/s without costing more per step): {per_step:.2f}x")
     m = getattr(refl_sampler, "metrics", None)
     if m is not None and getattr(m, "grammar_seconds", 0):
         print(f"grammar engine host time in the constrained call: {m.grammar_seconds:.1f} s")
