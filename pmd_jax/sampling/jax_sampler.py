@@ -478,10 +478,9 @@ def _compiled_constrained(cfg: ModelConfig, shard_ctx: Any, cache_dtype: Any) ->
     )
 
 
-def _prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
-             shard_ctx: Any, cache_dtype: Any, cache_len: int) -> tuple[Any, jax.Array]:
-    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot)."""
-    b = tokens.shape[0]
+def _new_cache(params: Params, cfg: ModelConfig, b: int, cache_len: int, cache_dtype: Any,
+               shard_ctx: Any) -> Any:
+    """An empty KV cache for ``b`` rows, laid out on the mesh like the params (if any)."""
     per_layer = isinstance(params["layers"], (list, tuple))
     cache = decoder.init_cache(cfg, b, cache_len, cache_dtype, per_layer=per_layer)
     if shard_ctx is not None:
@@ -490,6 +489,14 @@ def _prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelCo
             lambda x, ax: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(ax))),
             cache, decoder.cache_axes(cfg, per_layer=per_layer),
             is_leaf=lambda x: isinstance(x, jax.Array))
+    return cache
+
+
+def _prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
+             shard_ctx: Any, cache_dtype: Any, cache_len: int) -> tuple[Any, jax.Array]:
+    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot)."""
+    b = tokens.shape[0]
+    cache = _new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
     positions = decoder.positions_from_mask(mask)
     hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
                                     cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
@@ -558,14 +565,7 @@ def _generate_batch(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prefill + decode one padded batch. Returns (tokens, logprobs, lengths, stopped)."""
     b, p_len = tokens.shape
-    per_layer = isinstance(params["layers"], (list, tuple))
-    cache = decoder.init_cache(cfg, b, cache_len, cache_dtype, per_layer=per_layer)
-    if shard_ctx is not None:
-        mesh, rules = shard_ctx
-        cache = jax.tree.map(
-            lambda x, ax: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(ax))),
-            cache, decoder.cache_axes(cfg, per_layer=per_layer),
-            is_leaf=lambda x: isinstance(x, jax.Array))
+    cache = _new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
     positions = decoder.positions_from_mask(mask)
     prompt_len = jnp.sum(mask, axis=-1, dtype=jnp.int32)
 

@@ -267,14 +267,7 @@ class _Cgroup:
     def destroy(self) -> None:
         self.kill_all()
         for d in self.dirs.values():
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
+            sandbox_sweep.rmdir_retry(d, tries=50)
 
     @classmethod
     def destroy_all(cls) -> None:

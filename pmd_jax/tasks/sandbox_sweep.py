@@ -234,15 +234,20 @@ def _cgroup_pids(d: Path) -> set[int]:
 def _remove_cgroup(d: Path) -> int:
     """Kill every process in cgroup ``d``, then remove it. Returns how many were killed."""
     n = kill_until_gone(lambda: _cgroup_pids(d) - {os.getpid()}, rounds=200, pause=0.005)
-    for _ in range(100):
+    rmdir_retry(d, tries=100)
+    return n
+
+
+def rmdir_retry(d: Path, tries: int, pause: float = 0.01) -> None:
+    """Remove the (cgroup) directory ``d``, retrying while its killed processes linger."""
+    for _ in range(tries):
         try:
             d.rmdir()
-            break
+            return
         except FileNotFoundError:
-            break
+            return
         except OSError:
-            time.sleep(0.01)  # the killed processes are not yet gone
-    return n
+            time.sleep(pause)
 
 
 def _procs_in(paths: list[str]) -> set[int]:
