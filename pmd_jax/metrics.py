@@ -155,7 +155,10 @@ _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     (
         "memory_size.png",
         "Memory size by level",
-        ("memory_experiences", "memory_insights", "memory_behaviors"),
+        (
+            "memory_experiences", "memory_insights", "memory_strategies", "memory_lessons",
+            "memory_behaviors", "memory_clusters",
+        ),
         "train",
     ),
     (

@@ -202,6 +202,8 @@ def update_memory(cfg: Any, memory: Any, step: int, sb: Any, task: Any,
     out["memory_experiences"] = float(s.get("experience_records", 0))
     out["memory_insights"] = float(s.get("strategies", 0) + s.get("lessons", 0))
     out["memory_behaviors"] = float(s.get("behaviors", 0))
+    for k in ("strategies", "lessons", "clusters"):  # the levels' parts, for the size plot
+        out[f"memory_{k}"] = float(s.get(k, 0))
     return out
 
 
