@@ -4,17 +4,13 @@ Config files in ``configs/`` start from ``base_config()`` and override what they
 command line overrides further (``--config.rollout.n=4``). ``validate_config`` collects every
 problem it finds and raises one ``ConfigError`` naming them all.
 
-``check_command_line`` looks at the ``--config=`` / ``--config.a.b=value`` arguments before
-absl parses them: a missing or broken config file, unknown keys (with the closest valid names)
-and values that do not parse as the field's type are reported as one-line problems instead of
-tracebacks, and ``none`` sets a nullable field (e.g. ``distill.loss.topk``) to None, which
-ml_collections' own parsers cannot do. ``main`` reports those together with
-``config_errors``' problems, before any model, weights or task data is loaded.
+The command line itself (config file, ``--config.a.b=value`` keys and values, ``none``) is
+checked by ``config_cli.check_command_line`` before absl parses it; ``main`` reports those
+problems together with ``config_errors``' before any model, weights or task data is loaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import os
@@ -24,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
 
 from pmd_jax.models.config import ConfigError
 
@@ -466,224 +461,6 @@ def _run_dir_errors(run_dir: Any) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- command line
-_HELP_FLAGS = ("-h", "--h", "-help", "--help", "-helpshort", "--helpshort", "-helpfull",
-               "--helpfull", "-helpxml", "--helpxml", "-?")
-
-
-@dataclasses.dataclass
-class CommandLine:
-    """What ``check_command_line`` found in argv."""
-
-    argv: list[str]  # argv for absl: the overrides reported in ``errors`` or ``none_keys`` out
-    errors: list[str]  # one line per problem
-    fatal: bool = False  # no config to run with (missing / broken file): report and stop
-    none_keys: list[str] = dataclasses.field(default_factory=list)  # set these to None
-
-
-def config_keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    """Dotted names of every field and section (sections can be set whole from a dict)."""
-    out: list[str] = []
-    for k in c.keys():
-        v = c._fields[k]  # noqa: SLF001 - the raw field (FieldReference kept)
-        out.append(prefix + k)
-        if isinstance(v, config_dict.ConfigDict):
-            out.extend(config_keys(v, f"{prefix}{k}."))
-    return out
-
-
-def _lookup(c: Any, key: str) -> tuple[ml_collections.ConfigDict, str] | None:
-    """(holder, field name) of a dotted key, or None when some part does not exist."""
-    parts = key.split(".")
-    holder = c
-    for part in parts[:-1]:
-        if not isinstance(holder, config_dict.ConfigDict) or part not in holder:
-            return None
-        holder = holder._fields[part]  # noqa: SLF001
-    if not isinstance(holder, config_dict.ConfigDict) or parts[-1] not in holder:
-        return None
-    return holder, parts[-1]
-
-
-def is_nullable(c: ml_collections.ConfigDict, key: str) -> bool:
-    """Whether a field may hold None: a FieldReference (``_nullable`` in distill.config) or a
-    field whose value is None."""
-    found = _lookup(c, key)
-    if found is None:
-        return False
-    holder, name = found
-    raw = holder._fields[name]  # noqa: SLF001
-    return isinstance(raw, config_dict.FieldReference) or raw is None
-
-
-def unknown_key_message(c: ml_collections.ConfigDict, key: str) -> str:
-    """"unknown config key 'x'; did you mean 'y'?" with the closest valid dotted names."""
-    keys = config_keys(c)
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):  # a child of an empty section (mesh.rules)
-        found = _lookup(c, ".".join(parts[:i]))
-        if found is not None:
-            sect = found[0]._fields[found[1]]  # noqa: SLF001
-            if isinstance(sect, config_dict.ConfigDict) and not sect.keys():
-                name = ".".join(parts[:i])
-                return (f"unknown config key {key!r}: {name} has no fields; set it whole, "
-                        f"e.g. --config.{name}=\"{{'{parts[i]}': ...}}\"")
-            break
-    leaf = parts[-1]
-    cands = {k for k in keys if k.rsplit(".", 1)[-1] == leaf}
-    cands.update(difflib.get_close_matches(key, keys, n=3, cutoff=0.6))
-    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in cands),
-                    reverse=True)
-    hints = [k for r, k in scored if r >= scored[0][0] - 0.1][:3] if scored else []
-    if not hints:
-        top = sorted(k for k in keys if "." not in k)
-        return f"unknown config key {key!r}; valid top-level keys: {', '.join(top)}"
-    return f"unknown config key {key!r}; did you mean " + " or ".join(
-        repr(h) for h in hints) + "?"
-
-
-def _parse_value(ftype: Any, value: str) -> str | None:
-    """None when absl's parser for the field's type accepts ``value``, else what it needs."""
-    from absl import flags
-
-    parsers: dict[Any, tuple[Any, str]] = {
-        int: (flags.IntegerParser(), "an int"), float: (flags.FloatParser(), "a number"),
-        bool: (flags.BooleanParser(), "true or false"),
-    }
-    if ftype not in parsers:
-        return None
-    parser, what = parsers[ftype]
-    try:
-        parser.parse(value)
-    except ValueError:
-        return what
-    return None
-
-
-def _missing_config_file(path: str) -> str | None:
-    if os.path.isfile(path):
-        return None
-    folder = os.path.dirname(path) or "."
-    names = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(
-        folder) else []
-    if not names and os.path.isdir("configs"):
-        folder, names = "configs", sorted(f for f in os.listdir("configs") if f.endswith(".py"))
-    msg = f"config file {path!r} (--config) not found"
-    if names:
-        cands = [os.path.join(folder, n) for n in names]
-        close = difflib.get_close_matches(path, cands, n=1)
-        msg += (f"; did you mean {close[0]!r}?" if close else "") + (
-            f" config files in {folder}/: {', '.join(names)}")
-    return msg
-
-
-def load_config_file(spec: str) -> Any:
-    """``get_config()`` of a config file (``path`` or ``path:arg`` as ml_collections takes
-    it); raises ConfigError with one line when the file is missing or fails."""
-    path, *arg = spec.split(":", 1)
-    if not path:
-        raise ConfigError("--config is empty: give a config file, e.g. configs/smollm2_sciq.py")
-    missing = _missing_config_file(path)
-    if missing:
-        raise ConfigError(missing)
-    try:
-        mspec = importlib.util.spec_from_file_location("pmd_jax_user_config", path)
-        if mspec is None or mspec.loader is None:
-            raise ImportError(f"cannot import {path}")
-        mod = importlib.util.module_from_spec(mspec)
-        mspec.loader.exec_module(mod)
-        return mod.get_config(*arg)
-    except Exception as e:  # noqa: BLE001 - any error in the user's file is reported, once
-        raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}"
-                          ) from None
-
-
-def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine:
-    """Checks the config file and the ``--config.*`` overrides in ``argv`` (absl syntax:
-    ``--config.k=v``, ``--config.k v``, ``--config.flag`` / ``--noconfig.flag``, the last
-    occurrence wins, ``--`` ends the flags). Unknown keys and values that do not parse are
-    reported and left out of the returned argv (so absl parses the rest and ``main`` can
-    report them with the config's own problems); ``none`` / ``None`` given to a nullable
-    field is left out too and listed in ``none_keys`` (ml_collections' parsers reject it)."""
-    argv = list(argv)
-    end = argv.index("--") if "--" in argv else len(argv)
-    if any(a in _HELP_FLAGS for a in argv[1:end]):
-        return CommandLine(argv, [])
-    spec = None
-    for i, a in enumerate(argv[1:end], 1):
-        if a in (f"-{flag}", f"--{flag}"):
-            spec = argv[i + 1] if i + 1 < end else ""
-        elif a.startswith((f"-{flag}=", f"--{flag}=")):
-            spec = a.split("=", 1)[1]
-    if spec is None:
-        return CommandLine(argv, [f"--{flag}=configs/<name>.py is required"], fatal=True)
-    try:
-        cfg = load_config_file(spec)
-    except ConfigError as e:
-        return CommandLine(argv, [str(e)], fatal=True)
-    if not isinstance(cfg, config_dict.ConfigDict):
-        return CommandLine(argv, [])
-    errs: dict[str, str] = {}  # last word on each key
-    none_keys: dict[str, None] = {}
-    out = argv[:1]
-    i = 1
-    while i < end:
-        a = argv[i]
-        m = None
-        for pre in (f"--{flag}.", f"-{flag}.", f"--no{flag}.", f"-no{flag}."):
-            if a.startswith(pre):
-                m = pre
-                break
-        if m is None:
-            out.append(a)
-            i += 1
-            continue
-        negated = m.lstrip("-").startswith("no")
-        key, eq, value = a[len(m):].partition("=")
-        found = _lookup(cfg, key)
-        ftype = None
-        if found is not None and not isinstance(found[0]._fields[found[1]],  # noqa: SLF001
-                                                config_dict.ConfigDict):
-            ftype = found[0].get_type(found[1])
-        takes_next = (not eq and not negated and ftype is not bool and i + 1 < end
-                      and not (found is None and argv[i + 1].startswith("-")))
-        if takes_next:
-            value = argv[i + 1]
-        span = argv[i:i + 1 + int(takes_next)]
-        i += len(span)
-        if found is None:
-            errs[key] = unknown_key_message(cfg, key)
-            continue
-        errs.pop(key, None)
-        none_keys.pop(key, None)
-        if ftype is None or negated or not (eq or takes_next):
-            out.extend(span)  # a section (dict literal) or a bare boolean
-            continue
-        if value.strip().lower() == "none" and ftype is not str and is_nullable(cfg, key):
-            none_keys[key] = None
-            continue
-        need = _parse_value(ftype, value)
-        if need is not None:
-            if is_nullable(cfg, key):
-                need += " or none"
-            elif value.strip().lower() == "none":
-                need += " (it cannot be None)"
-            errs[key] = f"{key} needs {need}, got {value!r} (--{flag}.{key})"
-            continue
-        out.extend(span)
-    out.extend(argv[end:])
-    return CommandLine(out, list(errs.values()), none_keys=list(none_keys))
-
-
-def set_none(c: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
-    """Sets each dotted key to None (the ``none`` values ``check_command_line`` took out)."""
-    for key in keys:
-        found = _lookup(c, key)
-        if found is None:
-            raise ConfigError(f"unknown config key {key!r}")
-        holder, name = found
-        holder[name] = None
-
-
 def compilation_cache_dir(train: ml_collections.ConfigDict) -> str | None:
     """``train.compilation_cache_dir`` expanded, or None when it is "" / "none" (disabled)."""
     d = train.get("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR)

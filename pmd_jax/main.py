@@ -19,7 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 if TYPE_CHECKING:
-    from pmd_jax.config import CommandLine
+    from pmd_jax.config_cli import CommandLine
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
@@ -58,7 +58,8 @@ def _report(errs: list[str]) -> int:
 def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
-    from pmd_jax.config import apply_mode, config_errors, set_none, setup_compilation_cache
+    from pmd_jax.config import apply_mode, config_errors, setup_compilation_cache
+    from pmd_jax.config_cli import set_none
 
     cfg = _CONFIG.value
     if cfg is None:
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config import check_command_line
+    from pmd_jax.config_cli import check_command_line
 
     try:
         argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)

@@ -77,7 +77,7 @@ def _errors(c) -> list[str]:
 
 
 def _cli(*args: str):
-    from pmd_jax.config import check_command_line
+    from pmd_jax.config_cli import check_command_line
 
     return check_command_line(["prog", f"--config={SCIQ}", *args])
 
@@ -117,7 +117,7 @@ def test_values_that_do_not_parse_are_named():
 
 
 def test_missing_or_broken_config_file(tmp_path):
-    from pmd_jax.config import check_command_line
+    from pmd_jax.config_cli import check_command_line
 
     line = check_command_line(["prog", "--config=configs/smollm2_sciqq.py"])
     assert line.fatal and len(line.errors) == 1
@@ -279,7 +279,7 @@ def test_run_dir_under_a_read_only_folder(tmp_path):
 
 
 def test_none_sets_a_nullable_field():
-    from pmd_jax.config import set_none
+    from pmd_jax.config_cli import set_none
 
     line = _cli("--config.distill.loss.topk=none", "--config.distill.loss.is_clip=None",
                 "--config.distill.optim.grad_clip=none", "--config.distill.optim.grad_clip=0.5",

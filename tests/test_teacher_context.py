@@ -431,7 +431,7 @@ EVAL_RUN = textwrap.dedent("""
     import numpy as np
     from pmd_jax import wiring
     from pmd_jax.config import apply_mode, config_errors
-    from pmd_jax.config import load_config_file
+    from pmd_jax.config_cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
     import pmd_jax.memory.memory as memory_module
     from tests.test_teacher_context import HashEmbedder, install_known, known_items
