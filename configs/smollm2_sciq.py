@@ -17,8 +17,8 @@ overridden on the command line, e.g. --config.train.steps=40 --config.mode=sdpo.
 That curve was measured while the memory's upper levels stayed empty (the model never wrote
 valid JSON). With structured output (memory.structured_output, on) they fill, with noise at
 135M, and held-out accuracy fell 0.36 -> 0.11 -> 0.17 at steps 0 / 6 / 12 (README, "With the
-memory's upper levels filled"); --config.memory.levels.insight=False --config.memory.levels.behavior=False
-gives the earlier setting.
+memory's upper levels filled"); --config.memory.levels.insight=False
+--config.memory.levels.behavior=False gives the earlier setting.
 """
 
 from pmd_jax.config import base_config
