@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct on MBPP (sandboxed code execution) on CPU, rich feedback on."""
 
 from pmd_jax.config import base_config
+from pmd_jax.memory.config import small_model_memory_calls
 
 
 def get_config():
@@ -31,12 +32,5 @@ def get_config():
     # Memory call bounds and budgets for a 135M model, as in smollm2_sciq.py (worst-case
     # schema-bounded replies, memory/schemas.py reply_token_bound: reflection 377 tokens,
     # extraction 767, evolution 697, summary 115; budgets above them plus the stop token).
-    c.memory.insight.max_items_per_reflection = 3
-    c.memory.insight.max_item_chars = 160
-    c.memory.insight.sampling.max_tokens = 384
-    c.memory.behavior.max_name_chars = 40
-    c.memory.behavior.max_instruction_chars = 140
-    c.memory.behavior.max_actions = 6
-    c.memory.behavior.max_summary_chars = 300
-    c.memory.behavior.sampling.max_tokens = 768
+    small_model_memory_calls(c.memory)
     return c

@@ -22,6 +22,7 @@ memory's upper levels filled"); --config.memory.levels.insight=False
 """
 
 from pmd_jax.config import base_config
+from pmd_jax.memory.config import small_model_memory_calls
 
 
 def get_config():
@@ -61,13 +62,6 @@ def get_config():
     #   extraction: 8 behaviors x (name ceil(40 / 3) + 2, instruction ceil(140 / 3) + 2, keys,
     #     braces) + brackets = 767 tokens -> 768; evolution, 6 actions: 697; summary: 115.
     # 384 and 768 are JAX sampler length buckets (no extra compiled shapes).
-    c.memory.insight.max_items_per_reflection = 3
-    c.memory.insight.max_item_chars = 160
-    c.memory.insight.sampling.max_tokens = 384
-    c.memory.behavior.max_name_chars = 40
-    c.memory.behavior.max_instruction_chars = 140
-    c.memory.behavior.max_actions = 6
-    c.memory.behavior.max_summary_chars = 300
-    c.memory.behavior.sampling.max_tokens = 768
+    small_model_memory_calls(c.memory)
     c.memory.context.max_tokens = 768
     return c

@@ -26,7 +26,6 @@ sequence the teacher actually scores.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -500,13 +499,7 @@ EVAL_RUN = textwrap.dedent("""
 """)
 
 
-def _env() -> dict[str, str]:
-    # As test_trainer.py: this machine's real devices, no PMD_* or jax cache variables.
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(("PMD_", "JAX_COMPILATION_CACHE",
-                                                      "JAX_PERSISTENT_CACHE"))}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
+from tests.test_trainer import _env  # noqa: E402 - this machine's devices, no PMD_* vars
 
 
 def test_evaluation_prompts_hold_no_memory_text(model, tmp_path):

@@ -210,3 +210,20 @@ def validate_memory_config(c: ml_collections.ConfigDict) -> None:
         bad("context.extra_control_tokens must be a list of strings (the tokenizer's tokens)")
     if c.index.brute_force_below < 1:
         bad("index.brute_force_below must be >= 1")
+
+
+def small_model_memory_calls(mc: ml_collections.ConfigDict) -> None:
+    """Memory-call bounds and token budgets for a ~100M model (the SmolLM2 configs).
+
+    Short items, then budgets just above the worst-case schema-bounded reply
+    (``schemas.reply_token_bound``: reflection 377 tokens, extraction 767, evolution 697,
+    summary 115) plus the stop token; 384 and 768 are JAX sampler length buckets.
+    """
+    mc.insight.max_items_per_reflection = 3
+    mc.insight.max_item_chars = 160
+    mc.insight.sampling.max_tokens = 384
+    mc.behavior.max_name_chars = 40
+    mc.behavior.max_instruction_chars = 140
+    mc.behavior.max_actions = 6
+    mc.behavior.max_summary_chars = 300
+    mc.behavior.sampling.max_tokens = 768
