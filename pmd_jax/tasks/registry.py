@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pmd_jax.tasks import code, mcq
+from pmd_jax.tasks import code, math, mcq
 from pmd_jax.tasks.base import Task, TaskError
 
 _REGISTRY: dict[str, Callable[..., Task]] = {
@@ -13,6 +13,7 @@ _REGISTRY: dict[str, Callable[..., Task]] = {
     "sciknoweval": mcq.load_sciknoweval,  # path=... (user JSONL)
     "mbpp": code.load_mbpp,
     "humaneval": code.load_humaneval,
+    "gsm8k": math.load_gsm8k,
     "livecodebench": code.load_livecodebench,  # path=... (user JSONL)
 }
 
