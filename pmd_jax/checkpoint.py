@@ -47,6 +47,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
+from pmd_jax import paths
+
 log = logging.getLogger(__name__)
 
 COMMIT_FILE = "pmd_commit.json"
@@ -70,6 +72,9 @@ class CheckpointError(RuntimeError):
 
 
 def _write_bytes_sync(path: Path, data: bytes) -> None:
+    if paths.is_remote(path):  # gs://: one object write (atomic there)
+        paths.write_bytes(path, data)
+        return
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -87,7 +92,9 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     """
 
     def __init__(self, staging_root: str | os.PathLike | None = None):
-        self._staging_root = Path(staging_root) if staging_root else None
+        # A remote checkpoint root stages directory copies next to their local source.
+        self._staging_root = (Path(staging_root) if staging_root
+                              and not paths.is_remote(staging_root) else None)
 
     def _prepare(self, value: Any) -> tuple[str, Any]:
         if isinstance(value, bytes | bytearray | memoryview):
@@ -117,14 +124,14 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 if kind == "dir":
                     shutil.rmtree(payload, ignore_errors=True)
                 return
-            d = Path(os.fspath(directory))
+            d = _as_path(directory)
             d.mkdir(parents=True, exist_ok=True)
             if kind == "bytes":
                 _write_bytes_sync(d / _BLOB_FILE, payload)
             elif kind == "json":
                 _write_bytes_sync(d / _JSON_FILE, payload.encode())
             else:
-                shutil.move(os.fspath(payload), os.fspath(d / _DIR_NAME))
+                paths.move(payload, d / _DIR_NAME)  # a copy + delete onto gs://
             _write_bytes_sync(d / _KIND_FILE, kind.encode())
 
         from orbax.checkpoint._src.futures import future
@@ -142,7 +149,7 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         asyncio_utils.run_sync(run())
 
     def restore(self, directory: epath.Path, args: BlobRestore | None = None) -> Any:
-        d = Path(os.fspath(directory))
+        d = _as_path(directory)
         kind_path = d / _KIND_FILE
         if not kind_path.exists():
             raise CheckpointError(f"slot {d} has no '{_KIND_FILE}' file (incomplete slot)")
@@ -157,16 +164,21 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         if kind == "dir":
             src = d / _DIR_NAME
             if args is not None and args.target_dir is not None:
-                dst = Path(args.target_dir)
+                dst = _as_path(args.target_dir)
                 if dst.exists():
-                    shutil.rmtree(dst)
-                shutil.copytree(src, dst)
+                    paths.rmtree(dst)
+                paths.copytree(src, dst)
                 return dst
             return src
         raise CheckpointError(f"slot {d} has unknown kind {kind!r}")
 
     def metadata(self, directory: epath.Path) -> None:
         return None
+
+
+def _as_path(p: str | os.PathLike) -> Path:
+    """A local path as ``pathlib.Path``, a gs:// one as ``epath.Path`` (kept a URL)."""
+    return paths.run_path(p) if paths.is_remote(p) else Path(os.fspath(p))
 
 
 async def _as_coro(fn: Any) -> None:
@@ -194,7 +206,7 @@ class BlobRestore(checkpoint_args.CheckpointArgs):
 
 def _crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with (path.open("rb") if paths.is_remote(path) else open(path, "rb")) as f:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -202,10 +214,12 @@ def _crc32(path: Path) -> int:
 
 def _file_table(step_dir: Path, checksum: bool) -> dict[str, list[int]]:
     table: dict[str, list[int]] = {}
-    for p in sorted(step_dir.rglob("*")):
-        if p.is_file() and p.name not in _UNLISTED:
-            rel = p.relative_to(step_dir).as_posix()
-            entry = [p.stat().st_size]
+    files = (paths.walk_files(step_dir) if paths.is_remote(step_dir)  # no rglob on gs://
+             else (p for p in step_dir.rglob("*") if p.is_file()))
+    for p in sorted(files, key=os.fspath):
+        if p.name not in _UNLISTED:
+            rel = os.fspath(p)[len(os.fspath(step_dir)):].lstrip("/")
+            entry = [paths.size(p)]
             if checksum:
                 entry.append(_crc32(p))
             table[rel] = entry
@@ -222,7 +236,7 @@ def write_commit_marker(step_dir: Path, step: int, checksum: bool = True) -> Non
     }
     tmp = step_dir / f".{COMMIT_FILE}.tmp"
     _write_bytes_sync(tmp, json.dumps(marker).encode())
-    os.replace(tmp, step_dir / COMMIT_FILE)
+    paths.replace(tmp, step_dir / COMMIT_FILE)
 
 
 def verify_step_dir(step_dir: Path, step: int) -> None:
@@ -246,7 +260,7 @@ def verify_step_dir(step_dir: Path, step: int) -> None:
         p = step_dir / rel
         if not p.is_file():
             raise CheckpointError(f"checkpoint {step_dir}: file {rel} is missing")
-        size = p.stat().st_size
+        size = paths.size(p)
         if size != entry[0]:
             raise CheckpointError(
                 f"checkpoint {step_dir}: file {rel} has {size} bytes, expected {entry[0]} "
@@ -306,7 +320,9 @@ class Checkpointer:
         bad = [s for s in slots if s == STATE_ITEM or not s.isidentifier()]
         if bad:
             raise CheckpointError(f"bad slot names {bad} (identifiers, not {STATE_ITEM!r})")
-        self.directory = Path(directory).absolute()
+        # A gs:// root stays a URL (epath.Path; orbax and tensorstore write it directly).
+        self.directory = (paths.run_path(directory) if paths.is_remote(directory)
+                          else Path(directory).absolute())
         self.directory.mkdir(parents=True, exist_ok=True)
         self.slots = tuple(slots)
         self.checksum = checksum
@@ -316,7 +332,7 @@ class Checkpointer:
         self._max_to_keep = max_to_keep
         if jax.process_index() == 0:  # directory-slot copies left by a killed run
             for stale in self.directory.glob(".pmd-stage-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+                paths.rmtree(stale, ignore_errors=True)
         self._mgr = self._make_manager()
 
     def _make_manager(self) -> ocp.CheckpointManager:
@@ -356,7 +372,7 @@ class Checkpointer:
         without atomic rename it writes in place), so the marker lands inside the rename.
         """
         tmps = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"),
-                      key=lambda p: p.stat().st_mtime)
+                      key=paths.mtime)
         if tmps:
             return tmps[-1]
         d = self.directory / str(step)
@@ -415,8 +431,8 @@ class Checkpointer:
         if jax.process_index() != 0 or not src.exists():
             return
         dst_root = self.directory / "corrupt"
-        dst_root.mkdir(exist_ok=True)
-        shutil.move(os.fspath(src), os.fspath(dst_root / f"{step}-{int(time.time() * 1e3)}"))
+        dst_root.mkdir(parents=True, exist_ok=True)
+        paths.move(src, dst_root / f"{step}-{int(time.time() * 1e3)}")
 
     def restore(
         self, target: Any, *, step: int | None = None, slot_dirs: Mapping[str, Any] | None = None,

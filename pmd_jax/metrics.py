@@ -12,8 +12,11 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
+
+from etils import epath
+
+from pmd_jax import paths
 
 log = logging.getLogger("pmd_jax")
 
@@ -33,26 +36,27 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str | os.PathLike, use_tensorboard: bool = True) -> None:
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A gs:// run dir stays a URL (pmd_jax.paths); metrics.jsonl is rewritten per record
+        # there (objects cannot be appended to), appended to locally.
+        self.run_dir = paths.makedirs(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with the writer
+        self._fh = paths.JsonlWriter(self.path)
         self._tb = None
         if use_tensorboard:
             try:
                 from tensorboardX import SummaryWriter
 
+                # tensorboardX writes gs:// itself (through google-cloud-storage).
                 self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:  # pragma: no cover - tensorboardX is a core dependency
-                log.warning("tensorboardX not installed: TensorBoard events are not written")
+            except ImportError as e:  # tensorboardX, or google-cloud-storage for a gs:// dir
+                log.warning("TensorBoard events are not written (%s)", e)
 
     def write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
         rec = {"kind": kind, "step": int(step), "time": time.time()}
         for k, v in values.items():
             s = _scalar(v)
             rec[k] = s if s is not None and not isinstance(v, str) else v
-        self._fh.write(json.dumps(rec, default=str) + "\n")
-        self._fh.flush()
+        self._fh.write(json.dumps(rec, default=str))
         if self._tb is not None:
             for k, v in values.items():
                 s = _scalar(v)
@@ -61,12 +65,8 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (used on resume, so a replayed step is not logged twice)."""
-        self._fh.close()
         keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        with open(self.path, "w", encoding="utf-8") as fh:
-            for r in keep:
-                fh.write(json.dumps(r, default=str) + "\n")
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._fh.rewrite(keep)
 
     def close(self) -> None:
         self._fh.close()
@@ -77,18 +77,14 @@ class MetricsWriter:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Reads a metrics.jsonl, skipping a torn last line (a crash mid-write)."""
     out: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    with open(p, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in paths.read_lines(path):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return out
 
 
@@ -173,18 +169,17 @@ _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 )
 
 
-def write_plots(run_dir: str | os.PathLike) -> list[Path]:
+def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
     """Draws the standard PNG plots from ``run_dir/metrics.jsonl``; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
+    run_dir = paths.run_path(run_dir)
     recs = read_metrics(run_dir / "metrics.jsonl")
-    plot_dir = run_dir / "plots"
-    plot_dir.mkdir(exist_ok=True)
-    written: list[Path] = []
+    plot_dir = paths.makedirs(run_dir / "plots")
+    written: list[epath.Path] = []
     for fname, title, keys, kind in _PLOTS:
         rows = [r for r in recs if r.get("kind") == kind]
         series = {
@@ -208,7 +203,7 @@ def write_plots(run_dir: str | os.PathLike) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         out = plot_dir / fname
-        fig.savefig(out)
+        paths.save_figure(fig, out)  # PNG bytes through epath: works on gs:// too
         plt.close(fig)
         written.append(out)
     return written

@@ -304,12 +304,9 @@ class ProceduralMemory:
                        members=self.behaviors.members.get(i, []))
 
     def export_jsonl(self, path: str) -> int:
-        n = 0
-        with open(path, "w", encoding="utf-8") as f:
-            for row in self._rows():
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                n += 1
-        return n
+        from pmd_jax import paths  # a gs:// run dir stays a URL
+
+        return paths.write_jsonl(path, self._rows(), ensure_ascii=False)
 
     def export_html(self, path: str) -> None:
         e = html.escape
@@ -352,8 +349,9 @@ class ProceduralMemory:
                 out.append(f"<details><summary>latest success (step {s.step}, rollout "
                            f"{s.rollout_index})</summary><pre>{e(s.response_text[:2000])}</pre>"
                            "</details>")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(out))
+        from pmd_jax import paths
+
+        paths.write_text(path, "\n".join(out))
 
 
 def _resanitize(text: str, control_tokens: Sequence[str]) -> str:

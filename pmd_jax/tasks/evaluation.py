@@ -201,19 +201,20 @@ def evaluate(
 
 
 def save_results(result: EvalResult, path: str | Path) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("w", encoding="utf-8") as f:
-        for r in result.records:
-            f.write(json.dumps({"name": result.name, **r}) + "\n")
+    # Through pmd_jax.paths: a gs:// run dir's eval folder stays a URL; written atomically.
+    from pmd_jax import paths
+
+    paths.write_jsonl(path, ({"name": result.name, **r} for r in result.records))
 
 
 def load_results(path: str | Path, name: str | None = None) -> EvalResult:
-    p = Path(path)
+    from pmd_jax import paths
+
+    p = paths.run_path(path)
     if not p.is_file():
         raise FileNotFoundError(f"evaluation results not found: {p}")
     records = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for i, line in enumerate(paths.read_text(p).splitlines(), start=1):
         if not line.strip():
             continue
         try:
