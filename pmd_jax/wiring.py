@@ -33,19 +33,67 @@ def is_main_process() -> bool:
 
 
 # ----------------------------------------------------------------------------- task / model
-def build_task(cfg: Any):
-    from pmd_jax.tasks.registry import get_task
+class _TaskNamed:
+    """cfg.task seen as the section of task ``name`` (for registry.config_kwargs)."""
 
-    kw: dict[str, Any] = {}
+    def __init__(self, task_cfg: Any, name: str) -> None:
+        self.name, self.get = name, task_cfg.get
+
+
+def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
+    """get_task arguments of task ``name`` from the run config (task.path excluded)."""
+    from pmd_jax.tasks.registry import config_kwargs
+
+    t, kw = cfg.task, {}
+    if name in ("sciq", "mmlu_science", "sciknoweval"):
+        kw["seed"] = int(cfg.seed)
+        kw["prompt_style"] = t.prompt_style
+    if name == "sciq":
+        kw["valid_fraction"] = float(t.valid_fraction)
+        kw["include_support"] = bool(t.include_support)
+    # Held-out splits (pmd_jax.heldout): SciQ / SciKnowEval / MBPP / GSM8K problem permutation.
+    split_seed = int(t.get("split_seed", 42))
+    if name in ("sciq", "sciknoweval", "gsm8k"):
+        kw["split_seed"] = split_seed
+    if name == "mbpp":
+        kw.update(train_size=int(t.get("mbpp_train_size", 400)),
+                  eval_size=int(t.get("mbpp_eval_size", 100)), problem_seed=split_seed)
+    if name == "gsm8k":
+        kw.update(train_size=int(t.get("gsm8k_train_size", 1000)),
+                  eval_size=int(t.get("gsm8k_eval_size", 319)), prompt_style=t.prompt_style)
+    kw.update(config_kwargs(_TaskNamed(t, name), int(cfg.seed)))  # jsonl_*, SciKnowEval, shuffle
+    return kw
+
+
+def build_task(cfg: Any, check_heldout: bool = True):
+    """The run's task. With task.eval_task set (another task) a TransferTask: "train" from
+    task.name, the evaluation split from task.eval_task (e.g. MBPP -> HumanEval).
+
+    ``check_heldout``: evaluation problems that are also training problems (pmd_jax.heldout)
+    raise TaskError unless eval.allow_in_sample=True; then ``task.eval_in_sample`` is True and
+    the evaluation labels its numbers "in-sample"."""
+    from pmd_jax.tasks.registry import get_task
+    from pmd_jax.tasks.splits import TransferTask
+
+    kw = task_kwargs(cfg, cfg.task.name)
     if cfg.task.path:
         kw["path"] = cfg.task.path
-    if cfg.task.name in ("sciq", "mmlu_science", "sciknoweval"):
-        kw["seed"] = int(cfg.seed)
-        kw["prompt_style"] = cfg.task.prompt_style
-    if cfg.task.name == "sciq":
-        kw["valid_fraction"] = float(cfg.task.valid_fraction)
-        kw["include_support"] = bool(cfg.task.include_support)
-    return get_task(cfg.task.name, **kw)
+    task = get_task(cfg.task.name, **kw)
+    eval_name = str(cfg.task.get("eval_task", "") or "")
+    if eval_name and eval_name != cfg.task.name:
+        task = TransferTask(task, get_task(eval_name, **task_kwargs(cfg, eval_name)))
+    if check_heldout:
+        from pmd_jax.heldout import eval_overlap, in_sample_message
+        from pmd_jax.tasks.base import TaskError
+
+        overlap, n_eval = eval_overlap(cfg, task)
+        if overlap and not cfg.eval.get("allow_in_sample", False):
+            raise TaskError(in_sample_message(cfg, overlap, n_eval))
+        task.eval_in_sample = bool(overlap)
+        if overlap:
+            log.warning("evaluation is IN-SAMPLE: %d of %d evaluation problems are training "
+                        "problems (eval.allow_in_sample=True)", len(overlap), n_eval)
+    return task
 
 
 @dataclasses.dataclass

@@ -49,7 +49,8 @@ Code (``jsonl_code``; the sandbox and grading of ``code.py`` / ``grading.py``)::
     the host against the sandboxed program's functions (``grading.py``), never inside it.
 
 - ``entry_point`` (optional, required for ``"call"``): the function's name; when the prompt
-  does not mention it, the prompt gets "The function should be called `<name>`.".
+  shows neither ``name(`` nor ```name``` the prompt gets "The function should be called
+  `<name>`.".
 - ``time_limit`` (optional): seconds per test (default 6).
 
 The reward is 1 iff every test passes. The problems are split (below), not the tests: train
@@ -511,7 +512,8 @@ def load_jsonl_code(
     for pid, line, f in rows:
         text = f["prompt"]
         entry = f["entry_point"]
-        if entry and not re.search(rf"\b{re.escape(entry)}\b", text):
+        name = re.escape(entry)
+        if entry and not re.search(rf"\b{name}\s*\(|`{name}`", text):
             text += f"\nThe function should be called `{entry}`."
         meta = {"source": "jsonl_code", "line": line, "test_style": f["test_style"],
                 "split_tests": False, "row_meta": f["row_meta"]}

@@ -398,7 +398,28 @@ def load_mmlu_science(
 
 
 SKE_DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
-SKE_TYPES = ("mcq-4-choices", "mcq-2-choices")
+SKE_LEVELS = ("L1", "L2", "L3", "L4", "L5")
+SKE_TYPES = ("mcq-4-choices", "mcq-2-choices")  # the multiple-choice types (others: no options)
+
+
+def sciknoweval_filters(domain: str, level: str, type_: str) -> tuple[dict, list[str]]:
+    """The config's comma-separated filters (task.sciknoweval_domain / _level / _type; "" =
+    no filter) as ``load_sciknoweval`` keyword arguments, and errors naming unknown values."""
+    kw: dict[str, tuple[str, ...]] = {}
+    errs: list[str] = []
+    for key, arg, value, known in (("domain", "domains", domain, SKE_DOMAINS),
+                                   ("level", "levels", level, SKE_LEVELS),
+                                   ("type", "types", type_, SKE_TYPES)):
+        if not isinstance(value, str):
+            errs.append(f"task.sciknoweval_{key} must be a comma-separated string, got {value!r}")
+            continue
+        items = tuple(x.strip() for x in value.split(",") if x.strip())
+        bad = [x for x in items if x not in known]
+        if bad:
+            errs.append(f"task.sciknoweval_{key}: unknown {key} {', '.join(map(repr, bad))}; "
+                        f"known: {', '.join(known)} (comma-separated, '' = all)")
+        kw[arg] = items
+    return kw, errs
 
 
 def _parse_sciknoweval(obj: dict) -> tuple[str, list[str], int, dict]:

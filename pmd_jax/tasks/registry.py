@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pmd_jax.tasks import code, jsonl_tasks, math, mcq
 from pmd_jax.tasks.base import Task, TaskError
@@ -37,3 +38,25 @@ def get_task(name: str, **kwargs) -> Task:
         return _REGISTRY[name](**kwargs)
     except TypeError as e:
         raise TaskError(f"bad arguments for task {name!r}: {e}") from e
+
+
+def config_kwargs(task_cfg: Any, seed: int) -> dict[str, Any]:
+    """Loader keyword arguments from the run config's ``task`` section for the jsonl_* kinds,
+    SciKnowEval's filters and the option shuffle of multiple choice (``wiring.build_task``
+    adds these to its own; missing keys, as in an older saved config, take the defaults)."""
+    name, get = task_cfg.name, task_cfg.get
+    kw: dict[str, Any] = {}
+    if name in ("sciq", "mmlu_science", "sciknoweval", "jsonl_mcq"):
+        kw["shuffle"] = bool(get("shuffle_options", True))
+    if name == "jsonl_mcq":
+        kw.update(seed=int(seed), include_support=bool(get("include_support", False)))
+    if name in ("jsonl_mcq", "jsonl_math"):
+        kw["prompt_style"] = get("prompt_style", "reasoning")
+    if name in jsonl_tasks.KINDS:
+        kw.update(valid_fraction=float(get("valid_fraction", 0.1)),
+                  valid_size=int(get("valid_size", 0)), split_seed=int(get("split_seed", 42)))
+    if name == "sciknoweval":
+        kw.update(mcq.sciknoweval_filters(
+            get("sciknoweval_domain", ",".join(mcq.SKE_DOMAINS)), get("sciknoweval_level", "L3"),
+            get("sciknoweval_type", ",".join(mcq.SKE_TYPES)))[0])
+    return kw
