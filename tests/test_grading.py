@@ -17,7 +17,7 @@ from tests.test_tasks_code import fence
 
 
 def _by_id(task, ids):
-    probs = {p.id: p for p in task.problems("validation")}
+    probs = {p.id: p for p in task.problems("all")}
     return [probs[i] for i in ids]
 
 

