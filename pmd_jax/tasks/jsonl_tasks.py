@@ -131,14 +131,14 @@ def _where(path: Path, line: int, field: str) -> str:
     return f"{path} line {line}, " + (f"field {field!r}" if field else "the whole row")
 
 
-def read_rows(path: str | Path) -> tuple[list[tuple[int, dict]], list[str]]:
-    """(line number, object) of each non-blank line, and errors for lines that are not JSON
-    objects. A missing or unreadable file raises ``TaskError``."""
+def read_rows(path: str | Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
+    """(line number, object) of each non-blank line, and (line number, error) for lines that
+    are not JSON objects. A missing or unreadable file raises ``TaskError``."""
     p = Path(path)
     if not p.is_file():
         raise TaskError(f"JSONL file not found: {p}")
     rows: list[tuple[int, dict]] = []
-    errors: list[str] = []
+    errors: list[tuple[int, str]] = []
     try:
         f = p.open("rb")
     except OSError as e:
@@ -150,17 +150,17 @@ def read_rows(path: str | Path) -> tuple[list[tuple[int, dict]], list[str]]:
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
-                errors.append(f"{_where(p, lineno, '')}: not valid UTF-8 ({e.reason})")
+                errors.append((lineno, f"{_where(p, lineno, '')}: not valid UTF-8 ({e.reason})"))
                 continue
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                errors.append(
-                    f"{_where(p, lineno, '')}: not valid JSON ({e.msg} at column {e.colno})")
+                errors.append((lineno, f"{_where(p, lineno, '')}: not valid JSON ({e.msg} at "
+                               f"column {e.colno})"))
                 continue
             if not isinstance(obj, dict):
-                errors.append(f"{_where(p, lineno, '')}: expected a JSON object, got "
-                              f"{_json_type(obj)}")
+                errors.append((lineno, f"{_where(p, lineno, '')}: expected a JSON object, got "
+                               f"{_json_type(obj)}"))
                 continue
             rows.append((lineno, obj))
     return rows, errors
@@ -396,6 +396,7 @@ def parse_file(kind: str, path: str | Path) -> tuple[list[tuple[str, int, dict]]
         raise TaskError(f"unknown JSONL task kind {kind!r}; choose one of {', '.join(KINDS)}")
     p = Path(path)
     rows, errors = read_rows(p)
+    errors = list(errors)
     out: list[tuple[str, int, dict]] = []
     first_line: dict[str, int] = {}
     for lineno, obj in rows:
@@ -405,20 +406,15 @@ def parse_file(kind: str, path: str | Path) -> tuple[list[tuple[str, int, dict]]
                 raise RowError("id", f"{pid!r} was already used on line {first_line[pid]}")
             fields = PARSERS[kind](obj)
         except RowError as e:
-            errors.append(f"{_where(p, lineno, e.field)}: {e.message}")
+            errors.append((lineno, f"{_where(p, lineno, e.field)}: {e.message}"))
             continue
         first_line[pid] = lineno
         fields["row_meta"] = dict(obj.get("meta") or {})
         out.append((pid, lineno, fields))
-    errors.sort(key=_line_of)
-    if not out and not errors:
-        errors.append(f"{p}: no rows (the file is empty)")
-    return out, errors
-
-
-def _line_of(err: str) -> int:
-    m = re.search(r" line (\d+)", err)
-    return int(m.group(1)) if m else 0
+    msgs = [m for _, m in sorted(errors, key=lambda e: e[0])]
+    if not out and not msgs:
+        msgs.append(f"{p}: no rows (the file is empty)")
+    return out, msgs
 
 
 def split_sizes(n: int, valid_fraction: float, valid_size: int) -> int:
