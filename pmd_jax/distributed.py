@@ -4,6 +4,12 @@
   local multi-process tests on CPU).
 - ``PMD_DISTRIBUTED=auto``: let JAX discover peers (TPU pod slices, SLURM).
 - neither: single process.
+
+Failure detection (optional, seconds, passed to ``jax.distributed.initialize``):
+``PMD_HEARTBEAT_TIMEOUT_S`` (jax's ``heartbeat_timeout_seconds``, default 100: a process whose
+peer stopped answering for this long is terminated by jax with an error naming the dead task),
+``PMD_INIT_TIMEOUT_S`` (``initialization_timeout``, default 300: how long to wait for every
+process to join) and ``PMD_SHUTDOWN_TIMEOUT_S`` (``shutdown_timeout_seconds``, default 300).
 """
 
 from __future__ import annotations
@@ -14,6 +20,28 @@ import os
 log = logging.getLogger("pmd_jax")
 
 
+_TIMEOUTS = {
+    "PMD_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_seconds",
+    "PMD_INIT_TIMEOUT_S": "initialization_timeout",
+    "PMD_SHUTDOWN_TIMEOUT_S": "shutdown_timeout_seconds",
+}
+
+
+def _timeouts() -> dict[str, int]:
+    out = {}
+    for env, arg in _TIMEOUTS.items():
+        v = os.environ.get(env, "").strip()
+        if not v:
+            continue
+        try:
+            out[arg] = int(v)
+        except ValueError:
+            out[arg] = -1
+        if out[arg] < 1:
+            raise RuntimeError(f"{env}={v!r} must be a whole number of seconds >= 1")
+    return out
+
+
 def maybe_initialize() -> bool:
     """Initialises jax.distributed when the environment asks for it; returns True if it did."""
     coord = os.environ.get("PMD_COORDINATOR")
@@ -22,6 +50,7 @@ def maybe_initialize() -> bool:
         return False
     import jax
 
+    timeouts = _timeouts()
     if coord:
         try:
             n = int(os.environ["PMD_NUM_PROCESSES"])
@@ -31,7 +60,7 @@ def maybe_initialize() -> bool:
                 "PMD_COORDINATOR is set, so PMD_NUM_PROCESSES and PMD_PROCESS_ID must be "
                 f"integers too ({e})"
             ) from None
-        kw = {}
+        kw: dict = dict(timeouts)
         if os.environ.get("PMD_LOCAL_DEVICE_IDS"):
             kw["local_device_ids"] = [
                 int(x) for x in os.environ["PMD_LOCAL_DEVICE_IDS"].split(",")
@@ -40,7 +69,7 @@ def maybe_initialize() -> bool:
             coordinator_address=coord, num_processes=n, process_id=pid, **kw
         )
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
     log.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",
         jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),

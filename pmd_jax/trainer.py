@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax import update_rows
+from pmd_jax import multihost, update_rows
 from pmd_jax.config import to_dict
 from pmd_jax.data import DataCursor, ProblemStream
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
@@ -40,6 +40,19 @@ log = logging.getLogger("pmd_jax")
 
 class TrainingError(RuntimeError):
     """The run cannot continue (repeated non-finite losses, unreachable sampler, ...)."""
+
+
+class _NoMetrics:
+    """The metrics writer of processes other than 0 (which alone writes metrics)."""
+
+    def write(self, kind: str, step: int, values: Any) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -101,9 +114,14 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+        # With several processes (pmd_jax.multihost) process 0 writes every file of the run.
         self.is_main = wiring.is_main_process()
-        self.metrics = MetricsWriter(self.run_dir, use_tensorboard=self.is_main)
+        self.multi = multihost.process_count() > 1
+        if self.is_main:
+            (self.run_dir / "config.json").write_text(
+                json.dumps(to_dict(cfg), indent=2, default=str))
+        self.metrics = (MetricsWriter(self.run_dir, use_tensorboard=True) if self.is_main
+                        else _NoMetrics())
         self.times: dict[str, float] = {}
 
         t0 = time.perf_counter()
@@ -123,9 +141,14 @@ class Trainer:
         self.sampler = wiring.build_sampler(cfg, self.model)
         self.overlap = bool(cfg.rollout.get("overlap", False))
         self.reflect_sampler = self._build_overlap() if self.overlap else self.sampler
-        self.textgen = TextGenerator(self.reflect_sampler, self.model.encode_chat,
+        # Reflections and evaluation run on process 0 (multihost.lead), which forwards their
+        # generate calls to the other processes through this wrapper.
+        self.leader_sampler = multihost.LeaderSampler(self.reflect_sampler)
+        self.textgen = TextGenerator(self.leader_sampler, self.model.encode_chat,
                                      self.model.decode)
-        self.memory = wiring.build_memory(cfg, self.model)
+        # The memory lives on process 0 only (one owner; the others never read it).
+        self.uses_memory = cfg.mode in wiring.PMD_MODES
+        self.memory = wiring.build_memory(cfg, self.model) if self.is_main else None
         self.state = wiring.init_train_state(cfg, self.model)
         self.stream = ProblemStream(self.train_problems, seed=cfg.seed)
         self.ckpt = wiring.build_checkpointer(cfg, self.run_dir)
@@ -202,10 +225,15 @@ class Trainer:
     def _save(self) -> None:
         self._finish_prefetch()  # (already done: each step joins its prefetch before publish)
         nxt = self._next
+        memory_state = self.memory.state_dict() if self.memory is not None else None
+        if memory_state is None and self.uses_memory:
+            # Not process 0: the slot must exist on every process of a multi-process save
+            # (process 0 alone writes it), its value here is never written.
+            memory_state = {"process": "not written"}
         extras = {
             "step": self.step,
             "data_cursor": self.stream.cursor.state_dict(),
-            "memory": self.memory.state_dict() if self.memory is not None else None,
+            "memory": memory_state,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "skipped_long_prompts": self.skipped_long_prompts,
             # rollout.overlap: the next step's rollouts (the cursor above is already past them)
@@ -403,20 +431,12 @@ class Trainer:
         if self.overlap and step + 1 < cfg.train.steps:
             with _timed(times, "prefetch_launch"):
                 self._prefetch(step + 1)  # sampled with the current weights while we train
-        with _timed(times, "verify"):
-            self.verify(sb)
-        mem_stats: dict[str, Any] = {}
-        if self.memory is not None:
-            with _timed(times, "memory"):
-                mem_stats = wiring.update_memory(
-                    cfg, self.memory, step, sb, self.task, self.textgen
-                )
-            times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
-            times["time_memory"] -= times["time_reflect"]
-        with _timed(times, "teacher_prompts"):
-            batch, prompt_stats = wiring.build_train_batch(
-                cfg, self.model, self.task, self.memory, sb
-            )
+        # Verification, the memory update and the teacher prompts: process 0's work with
+        # several processes (its reflections' generate calls are served by all of them), the
+        # others receive the results (pmd_jax.multihost).
+        batch, prompt_stats, mem_stats, sb.rewards, sb.results, lead_times = multihost.lead(
+            lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
+        times.update(lead_times)
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
             with _timed(times, "train"):
@@ -477,6 +497,29 @@ class Trainer:
         self.metrics.write("train", step, out)
         return out
 
+    def _host_work(self, sb: StepBatch, times: dict[str, float]) -> tuple[Any, ...]:
+        """Verifies, updates the memory, builds the train batch; returns the batch, its
+        stats, the memory's stats and what every process needs of ``sb`` (rewards, verifier
+        results) and of ``times`` (process 0's timings, with several processes)."""
+        from pmd_jax import wiring
+
+        cfg, step = self.cfg, sb.step
+        with _timed(times, "verify"):
+            self.verify(sb)
+        mem_stats: dict[str, Any] = {}
+        if self.memory is not None:
+            with _timed(times, "memory"):
+                mem_stats = wiring.update_memory(
+                    cfg, self.memory, step, sb, self.task, self.textgen
+                )
+            times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
+            times["time_memory"] -= times["time_reflect"]
+        with _timed(times, "teacher_prompts"):
+            batch, prompt_stats = wiring.build_train_batch(
+                cfg, self.model, self.task, self.memory, sb
+            )
+        return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
+
     def _kl_due(self, step: int) -> bool:
         every = self.cfg.train.kl_initial_every
         return every > 0 and ((step + 1) % every == 0 or step == 0)
@@ -486,15 +529,20 @@ class Trainer:
         from pmd_jax import wiring
 
         t0 = time.perf_counter()
-        res = wiring.evaluate(self.cfg, self.model, self.task, self.textgen, self.eval_problems,
-                              self.run_dir / "eval" / f"step_{step:06d}", self.memory)
+        # Process 0 evaluates and writes the results; the others serve its generate calls.
+        res = multihost.lead(
+            lambda: wiring.evaluate(self.cfg, self.model, self.task, self.textgen,
+                                    self.eval_problems,
+                                    self.run_dir / "eval" / f"step_{step:06d}", self.memory),
+            self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
         self.metrics.write("eval", step, res)
         log.info(
-            "eval @ step %d: accuracy %.4f [%.4f, %.4f] (%d problems x %d samples, %.0fs)",
+            "eval @ step %d: accuracy %.4f [%.4f, %.4f]%s (%d problems x %d samples, %.0fs)",
             step, res["accuracy"], res.get("accuracy_ci_low", float("nan")),
-            res.get("accuracy_ci_high", float("nan")), res.get("num_problems", 0),
-            self.cfg.eval.n, res["time_eval"],
+            res.get("accuracy_ci_high", float("nan")),
+            f" ({res['in_sample']})" if res.get("in_sample") else "",  # eval.allow_in_sample
+            res.get("num_problems", 0), self.cfg.eval.n, res["time_eval"],
         )
         return res
 
@@ -502,14 +550,15 @@ class Trainer:
     def finish(self) -> None:
         from pmd_jax import wiring
 
+        if self.cfg.train.export_hf:
+            # Every process takes part in gathering the params; process 0 writes them.
+            wiring.export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")
         if not self.is_main:
             return
         plots = write_plots(self.run_dir)
         if self.memory is not None:
             self.memory.export_jsonl(self.run_dir / "memory.jsonl")
             self.memory.export_html(self.run_dir / "memory.html")
-        if self.cfg.train.export_hf:
-            wiring.export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")
         log.info("run directory %s: %d plots written", self.run_dir, len(plots))
         self.metrics.close()
 
@@ -520,5 +569,6 @@ def run_dir_summary(run_dir: str | Path) -> str:
 
     evals = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "eval"]
     return "\n".join(f"step {r['step']}: accuracy {r.get('accuracy', float('nan')):.4f}"
+                     + (f" ({r['in_sample']})" if r.get("in_sample") else "")
                      for r in evals)
 

@@ -424,7 +424,9 @@ def kl_to_initial(cfg: Any, model: ModelBundle, bundle: TrainBundle,
                                           temp)
 
         _KL_FNS[key] = jax.jit(fn)
-    lp0 = np.asarray(_KL_FNS[key](
+    from pmd_jax.multihost import to_host
+
+    lp0 = to_host(_KL_FNS[key](  # (gathered when sharded over several processes)
         bundle.initial_params, batch["student_tokens"], batch["student_positions"],
         batch["student_attn_mask"], batch["student_index"], batch["responses"]))
     m = batch["response_mask"].astype(np.float64)
@@ -610,10 +612,15 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
     return out
 
 
-def export_hf(cfg: Any, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path:
+def export_hf(cfg: Any, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path | None:
+    """Writes the current params as a HF checkpoint. Call it on every process: the params
+    are gathered to host memory (a collective with several processes), process 0 writes."""
     from pmd_jax.models.hf_io import save_hf_checkpoint
+    from pmd_jax.multihost import gather_tree
 
-    params = current_params(cfg, bundle)
+    params = gather_tree(current_params(cfg, bundle), keep=is_main_process())
+    if params is None:
+        return None
     return save_hf_checkpoint(params, model.cfg, path, dtype="float32"
                               if model.cfg.param_dtype == "float32" else "bfloat16",
                               tokenizer=model.tokenizer)

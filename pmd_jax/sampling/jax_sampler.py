@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from pmd_jax.multihost import to_host
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling import sample_ops
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
@@ -338,7 +339,7 @@ class JaxSampler:
         items: list[Rollout | None] = [None] * len(rows)
         new_tokens = 0
         for chunk, result in pending:
-            toks, lps, lens, stopped = (np.asarray(x) for x in result)
+            toks, lps, lens, stopped = (to_host(x) for x in result)  # (multi-process)
             for j, r in enumerate(chunk):
                 ln = int(lens[j])
                 new_tokens += ln
@@ -426,7 +427,7 @@ class JaxSampler:
         stopped = np.zeros((b,), bool)
         prompt_len = mask.sum(axis=-1).astype(np.int32)
         for step in range(max_tokens):
-            t_host, lp_host = np.asarray(tok), np.asarray(lp)
+            t_host, lp_host = to_host(tok), to_host(lp)
             live = ~matcher.done
             out_tok[live, step] = t_host[live]
             out_lp[live, step] = lp_host[live]
