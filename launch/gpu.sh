@@ -86,6 +86,7 @@ fi
 
 if ((PRINT)); then
   echo "# gpu.sh --print: the commands it would run (none was run)"
+  echo "# checked here: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())') (3.11+)"
   echo "# run_dir: $PMD_RUN_DIR  sampler: $PMD_SAMPLER  mode: $PMD_MODE"
   echo "$(q "$PY" -c "import jax; assert jax.default_backend() == 'gpu'") 2>/dev/null" \
     "|| $(q "$PY" -m pip install -q "jax[cuda12]")"
@@ -128,17 +129,8 @@ if ((START_VLLM)); then
     echo "vLLM server: pid $!, log $log"
   fi
   # Wait until it answers /v1/models (the model is loaded).
-  wait_cmd=("$PY" -c "import sys, time, urllib.request
-deadline = time.time() + float(sys.argv[2])
-while True:
-    try:
-        urllib.request.urlopen(sys.argv[1] + '/v1/models', timeout=5).read()
-        break
-    except Exception as e:
-        if time.time() > deadline:
-            sys.exit(f'vLLM server at {sys.argv[1]} not up: {e}')
-        time.sleep(5)" "$PMD_VLLM_URL" "${VLLM_START_TIMEOUT:-1800}")
-  run "${wait_cmd[@]}"
+  wait_cmd=("$PY" -m pmd_jax.launch_needs --wait "$PMD_VLLM_URL" "${VLLM_START_TIMEOUT:-1800}")
+  run "${wait_cmd[@]}" || die "the vLLM server did not answer in time; see $log"
 fi
 
 if ((PRINT)); then

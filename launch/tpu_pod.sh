@@ -81,30 +81,39 @@ torch_index=()
 if [[ -n "${PMD_TORCH_INDEX_URL:-}" ]]; then torch_index=(--extra-index-url "$PMD_TORCH_INDEX_URL"); fi
 
 q() { printf '%q ' "$@" | sed 's/ $//'; }
-remote="set -e
-python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo \"python3 on \$(hostname) is older than 3.11\" >&2; exit 2; }
-mkdir -p ~/$(q "$REMOTE_DIR") && tar -xzf ~/pmd_jax.tar.gz -C ~/$(q "$REMOTE_DIR")
-cd ~/$(q "$REMOTE_DIR")"
+# The workers' script: one line per step here, joined with "; " for --command (set -e stops
+# it at the first failing step).
+steps=("set -e"
+  "python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo \"python3 on \$(hostname) is older than 3.11\" >&2; exit 2; }"
+  "mkdir -p ~/$(q "$REMOTE_DIR") && tar -xzf ~/pmd_jax.tar.gz -C ~/$(q "$REMOTE_DIR")"
+  "cd ~/$(q "$REMOTE_DIR")")
 if [[ "$PMD_MEMORY" == 1 ]]; then
-  remote+="
-python3 -m pip install -q $(q "torch==2.13.0" ${torch_index[@]+"${torch_index[@]}"})"
+  steps+=("python3 -m pip install -q $(q "torch==2.13.0" ${torch_index[@]+"${torch_index[@]}"})")
 fi
-remote+="
-python3 -m pip install -q $(q "${pkgs[@]}" -e "$editable")"
+steps+=("python3 -m pip install -q $(q "${pkgs[@]}" -e "$editable")")
 if [[ -n "$PMD_ASSETS" ]]; then
   read -r -a assets <<<"$PMD_ASSETS"
-  remote+="
-python3 -m pip install -q --no-deps $(q "${assets[@]}")"
+  steps+=("python3 -m pip install -q --no-deps $(q "${assets[@]}")")
 fi
-remote+="
-PMD_DISTRIBUTED=auto nohup python3 -m pmd_jax.main $(q --config="$CONFIG" "${ARGS[@]}") > ~/pmd_main.log 2>&1 &
-echo started on \$(hostname)"
+steps+=("PMD_DISTRIBUTED=auto nohup python3 -m pmd_jax.main $(q --config="$CONFIG" "${ARGS[@]}") > ~/pmd_main.log 2>&1 &"
+  "echo started on \$(hostname)")
+remote=""
+for step in "${steps[@]}"; do
+  if [[ -z "$remote" ]]; then
+    remote=$step
+  elif [[ "$remote" == *"&" ]]; then  # after a background job: no ";" (a syntax error)
+    remote+=" $step"
+  else
+    remote+="; $step"
+  fi
+done
 
 describe=(gcloud compute tpus tpu-vm describe "$TPU_NAME" "${GCLOUD_FLAGS[@]}")
 create=(gcloud compute tpus tpu-vm create "$TPU_NAME" "${GCLOUD_FLAGS[@]}"
   --accelerator-type "$ACCEL" --version "$VERSION")
 if ((PRINT)); then
   echo "# tpu_pod.sh --print: the commands it would run (none was run)"
+  echo "# checked here: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())') (3.11+)"
   echo "# run_dir: $PMD_RUN_DIR  sampler: $PMD_SAMPLER  mode: $PMD_MODE"
   echo "$(q "${describe[@]}") >/dev/null 2>&1 || $(q "${create[@]}")"
 elif "${describe[@]}" >/dev/null 2>&1; then
@@ -127,6 +136,6 @@ run rm -f "$tarball"
 run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GCLOUD_FLAGS[@]}" --worker=all --command "$remote"
 if ((PRINT)); then
   echo "# --command script, as the workers run it:"
-  echo "$remote"
+  printf '%s\n' "${steps[@]}"
 fi
 echo "logs: gcloud compute tpus tpu-vm ssh $TPU_NAME --zone $ZONE --worker=0 --command 'tail -f ~/pmd_main.log'"

@@ -16,6 +16,9 @@ launch/gpu.sh ``eval``::
     PMD_VLLM_URL, PMD_VLLM_HOST, PMD_VLLM_PORT, PMD_VLLM_LOCAL (1: loopback, the script may
     start the server), PMD_WEIGHT_STORE
 
+``python -m pmd_jax.launch_needs --wait URL SECONDS`` waits for a vLLM server at URL
+(``/v1/models`` answers) and exits 1 naming the last error when it is not up in time.
+
 Only the config file and the overrides are read (no model, no data, no validation of paths
 that exist on the run's hosts only); a bad command line exits 2 with one line per problem.
 """
@@ -99,8 +102,37 @@ def load(argv: Sequence[str]) -> tuple[Any, list[str]]:
     return apply_mode(cfg), []
 
 
+def wait_for_server(url: str, timeout_s: float, poll_s: float = 5.0) -> str | None:
+    """Polls ``url``/v1/models (an OpenAI-compatible server answers it once its model is
+    loaded) until it answers or ``timeout_s`` passes; None when up, else the last error."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=5) as r:
+                r.read()
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure: not up yet
+            err = f"{type(e).__name__}: {e}"
+        if time.monotonic() + poll_s > deadline:
+            return err
+        time.sleep(poll_s)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--wait"]:  # --wait URL SECONDS: used by launch/gpu.sh after the server
+        if len(argv) != 3:
+            print("usage: python -m pmd_jax.launch_needs --wait URL SECONDS", file=sys.stderr)
+            return 2
+        err = wait_for_server(argv[1], float(argv[2]))
+        if err is not None:
+            print(f"launch_needs: no server at {argv[1]} after {argv[2]} s ({err})",
+                  file=sys.stderr)
+            return 1
+        return 0
     cfg, errs = load(argv)
     if errs:
         for e in errs:
