@@ -22,6 +22,7 @@ temporary file in the same folder, fsync'ed, then ``os.replace``; remotely one o
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -201,6 +202,30 @@ def replace(src: PathLike, dst: PathLike) -> None:
         return
     write_bytes(d, s.read_bytes())
     s.unlink()
+
+
+@contextlib.contextmanager
+def staged_dir(path: PathLike) -> Iterator[str]:
+    """A local folder for a writer that only writes local files (e.g. safetensors in the HF
+    export): ``path`` itself (created) when it is local; for a remote ``path`` a temporary
+    local folder, copied to ``path`` when the block ends without an error, then removed.
+
+        with paths.staged_dir(run_dir / "final_hf") as d:
+            save_hf_checkpoint(params, cfg, d)
+    """
+    if not is_remote(path):
+        p = makedirs(path)
+        yield os.fspath(p)
+        return
+    tmp = tempfile.mkdtemp(prefix="pmd-stage-")
+    try:
+        yield tmp
+        dst = run_path(path)
+        if dst.exists():
+            rmtree(dst)
+        copytree(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_figure(fig: Any, path: PathLike, **kw: Any) -> None:

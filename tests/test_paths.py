@@ -129,6 +129,21 @@ def test_local_dir_moves_onto_the_bucket(bucket, tmp_path):
     assert (back / "sub" / "b.txt").read_text() == "b"
 
 
+def test_staged_dir(bucket, tmp_path):
+    with paths.staged_dir(tmp_path / "hf") as d:  # local: the folder itself
+        assert d == str(tmp_path / "hf") and os.path.isdir(d)
+    with paths.staged_dir("gs://bkt/run/final_hf") as d:
+        assert os.path.isdir(d) and not paths.is_remote(d)
+        with open(os.path.join(d, "config.json"), "w") as f:  # a local-only writer
+            f.write("{}")
+        staged = d
+    assert _obj(bucket, "bkt/run/final_hf/config.json") == b"{}" and not os.path.exists(staged)
+    with pytest.raises(RuntimeError), paths.staged_dir("gs://bkt/run/failed") as d:
+        open(os.path.join(d, "x"), "w").close()
+        raise RuntimeError("writer failed")
+    assert not any(k.startswith("bkt/run/failed") for k in bucket)  # nothing half-uploaded
+
+
 # ------------------------------------------------------------------------------ writers
 def test_metrics_and_plots_on_gs(bucket, caplog):
     import matplotlib.image
