@@ -22,6 +22,10 @@ def get_config():
     c.model.attention_chunk = 512
     c.task.name = "livecodebench"
     c.task.path = "data/lcb_v6.jsonl"
+    # SDPO's LiveCodeBench setting trains and evaluates on the same problems (train rewards
+    # use half of each problem's tests, evaluation all of them): allowed explicitly, and every
+    # evaluation number of the run is labelled "in-sample".
+    c.eval.allow_in_sample = True
     c.rollout.sampler = "vllm"
     c.rollout.vllm_url = "http://127.0.0.1:8000"
     c.rollout.weight_store = "file:///tmp/pmd_weights"

@@ -1,4 +1,10 @@
-"""SmolLM2-135M-Instruct on MBPP (sandboxed code execution) on CPU, rich feedback on."""
+"""SmolLM2-135M-Instruct on MBPP (sandboxed code execution) on CPU, rich feedback on.
+
+Trains on MBPP's seeded train split (400 of the 500 shipped problems) and evaluates on its
+disjoint validation split (the other 100; task.mbpp_train_size / task.mbpp_eval_size,
+task.split_seed). HumanEval as a held-out transfer set instead (all 164 problems):
+``--config.task.eval_task=humaneval --config.task.max_eval_problems=164``.
+"""
 
 from pmd_jax.config import base_config
 from pmd_jax.memory.config import small_model_memory_calls
@@ -11,6 +17,9 @@ def get_config():
     c.run_dir = "runs/smollm2_mbpp"
     c.model.source = "smollm2"
     c.task.name = "mbpp"
+    c.task.mbpp_train_size = 400
+    c.task.mbpp_eval_size = 100
+    c.task.eval_split = "validation"  # MBPP's held-out 100 (task.eval_task: see above)
     c.task.max_eval_problems = 64
     c.rollout.problems_per_step = 4
     c.rollout.n = 4

@@ -363,7 +363,8 @@ MMLU_SCIENCE_SUBJECTS = (
 )
 
 # MMLU has no train split; its big "test" split is what we train on here, "validation" is
-# MMLU's validation split and "dev" its 5-shot dev split.
+# MMLU's validation split and "dev" its 5-shot dev split (both without the questions that
+# repeat a training question).
 _MMLU_SPLITS = {"train": "test", "validation": "validation", "dev": "dev"}
 
 
@@ -394,7 +395,18 @@ def load_mmlu_science(
                     )
                 )
         splits[ours] = probs
+    # MMLU repeats questions across its splits: 7 of the 148 science validation questions
+    # are questions of its test split (6 with the same options and answer). The held-out
+    # splits drop every question whose text is a training question's.
+    seen = {_question_key(p.question) for p in splits["train"]}
+    for ours in ("validation", "dev"):
+        splits[ours] = [p for p in splits[ours] if _question_key(p.question) not in seen]
     return McqTask(name="mmlu_science", splits=splits, prompt_style=prompt_style)
+
+
+def _question_key(q: str) -> str:
+    """Question text with case and whitespace normalised (for duplicate detection)."""
+    return " ".join(str(q).split()).casefold()
 
 
 SKE_DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
