@@ -53,7 +53,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.run_dir = "runs/default"
     c.resume = True  # continue from the last checkpoint in run_dir if there is one
-    c.dry_run = False
+    # --dry_run (= dry_run.enabled): compile the full-size train step and one sampler decode step
+    # on abstract arrays; target: "" (simulated --dry_run_devices) or a hardware target of
+    # pmd_jax/targets.py (v5p-64, v5e-256, 8xH100, 8xH200): per-device memory vs its HBM with
+    # a FITS / DOES NOT FIT verdict, and a roofline step time (exit 1 when it does not fit).
+    c.dry_run = ml_collections.ConfigDict()
+    c.dry_run.enabled = False
+    c.dry_run.target = ""
 
     c.model = ml_collections.ConfigDict()
     # "smollm2" (embedded GGUF), a preset name (dry runs), or a path to a HF checkpoint folder.
@@ -152,6 +158,10 @@ def base_config() -> ml_collections.ConfigDict:
     # SDPO/PMD: leave the rollouts whose teacher got no signal (sd_mask 0) out of the update
     # batch; the loss and gradient are unchanged, the step is cheaper (ours).
     c.train.drop_unsignaled_rows = True
+    # Gradient accumulation: split the update batch into microbatches of this many rows inside
+    # one jitted step (grads summed with full-batch normalisation, one optimizer update);
+    # activation memory is that of one microbatch. 0 = off (the whole batch at once).
+    c.train.microbatch_rows = 0
     # Persistent XLA compilation cache (jax's): a restarted run (same command after a crash,
     # or a second run of the same config) loads its compiled programs instead of compiling
     # them again. "~" is expanded; "" or "none" disables it. An already-set
@@ -176,6 +186,35 @@ def base_config() -> ml_collections.ConfigDict:
     c.distill = _distill_defaults()
     c.memory = _memory_defaults()
     return c
+
+
+def batch_plan_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """train.microbatch_rows splits the update batch evenly (rows, GRPO groups, mesh batch),
+    and dry_run.target is a known hardware target."""
+    errs: list[str] = []
+    mb = c.train.get("microbatch_rows", 0)
+    rows = int(c.rollout.problems_per_step) * int(c.rollout.n)
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        errs.append(f"train.microbatch_rows must be an int >= 0 (0 = off), got {mb!r}")
+    elif mb:
+        if rows % mb:
+            errs.append(f"train.microbatch_rows={mb} does not divide the update batch of "
+                        f"rollout.problems_per_step x rollout.n = {rows} rows")
+        if c.distill.loss.mode in ("grpo", "hybrid") and mb % int(c.distill.loss.group_size):
+            errs.append(f"train.microbatch_rows={mb} is not a multiple of "
+                        f"distill.loss.group_size={c.distill.loss.group_size} (GRPO groups "
+                        "must not be split across microbatches)")
+        batch_axes = [int(c.mesh[a]) for a in ("data", "fsdp")]
+        if -1 not in batch_axes and mb % (batch_axes[0] * batch_axes[1]):
+            errs.append(f"train.microbatch_rows={mb} is not a multiple of mesh.data x mesh.fsdp "
+                        f"= {batch_axes[0] * batch_axes[1]} (each microbatch is split over them)")
+    dr = c.get("dry_run")
+    if isinstance(dr, ml_collections.ConfigDict) and dr.get("target", ""):
+        from pmd_jax.targets import TARGETS
+
+        if dr.target not in TARGETS:
+            errs.append(f"dry_run.target={dr.target!r} is not one of {sorted(TARGETS)}")
+    return errs
 
 
 def format_errors(errs: Sequence[str]) -> str:
@@ -220,6 +259,7 @@ def config_errors(c: ml_collections.ConfigDict) -> list[str]:
     need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
     need(c.train.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
     need(c.eval.n >= 1, "eval.n must be >= 1")
+    errs.extend(batch_plan_errors(c))
     errs.extend(_compilation_cache_errors(c.train))
     for ax in ("data", "fsdp", "tensor"):
         v = c.mesh[ax]

@@ -70,19 +70,28 @@ def main(argv: list[str]) -> int:
     pre_errs = list(line.errors) if line is not None else []
     if line is not None:
         set_none(cfg, line.none_keys)
-    if _DRY_RUN.value or cfg.get("dry_run", False):
-        if pre_errs:
-            return _report(pre_errs)
-        # Simulated devices must be configured before jax is imported anywhere.
+    if _DRY_RUN.value or cfg.dry_run.enabled:
+        from pmd_jax.config import batch_plan_errors
+
+        errs = pre_errs + batch_plan_errors(cfg)
+        if errs:
+            return _report(errs)
+        # Simulated devices must be configured before jax is imported anywhere: a hardware
+        # target's chip count, else --dry_run_devices (unless XLA_FLAGS already sets a count).
+        target = cfg.dry_run.target
         flags_env = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags_env:
-            os.environ["XLA_FLAGS"] = (
-                f"{flags_env} --xla_force_host_platform_device_count={_DRY_RUN_DEVICES.value}"
-            ).strip()
+        if target or "xla_force_host_platform_device_count" not in flags_env:
+            from pmd_jax.targets import get_target
+
+            n = get_target(target).chips if target else _DRY_RUN_DEVICES.value
+            kept = [f for f in flags_env.split() if "xla_force_host_platform_device_count" not in f]
+            os.environ["XLA_FLAGS"] = " ".join(
+                [*kept, f"--xla_force_host_platform_device_count={n}"])
         from pmd_jax.dry_run_step import dry_run_from_config
 
-        dry_run_from_config(cfg)
-        return 0
+        report = dry_run_from_config(cfg)
+        # exit 1 when the train step or the decode step does not fit the target's HBM
+        return 0 if report.get("fits", True) else 1
     cfg = apply_mode(cfg)
     errs = pre_errs + config_errors(cfg)
     if errs:

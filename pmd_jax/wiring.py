@@ -378,7 +378,8 @@ class TrainBundle:
 def init_train_state(cfg: Any, model: ModelBundle) -> TrainBundle:
     from pmd_jax.distill.step import TrainStep
 
-    ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules)
+    ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules,
+                   microbatch_rows=int(cfg.train.get("microbatch_rows", 0)))
     state = ts.init(model.params, rng=int(cfg.seed))
     return TrainBundle(ts, state, model.params)
 

@@ -112,8 +112,8 @@ def test_values_that_do_not_parse_are_named():
         "rollout.n needs an int (it cannot be None), got 'none' (--config.rollout.n)",
     ]
     # bare booleans, --noflag and string values pass through untouched
-    line = _cli("--config.resume", "--noconfig.dry_run", "--config.mode", "sdpo")
-    assert line.errors == [] and line.argv[2:] == ["--config.resume", "--noconfig.dry_run",
+    line = _cli("--config.resume", "--noconfig.dry_run.enabled", "--config.mode", "sdpo")
+    assert line.errors == [] and line.argv[2:] == ["--config.resume", "--noconfig.dry_run.enabled",
                                                     "--config.mode", "sdpo"]
 
 

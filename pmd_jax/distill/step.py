@@ -48,6 +48,7 @@ sdpo), ``rollout_is_clip_frac``, ``num_loss_tokens``, ``skipped``, ``finite``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,7 +62,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pmd_jax import sharding as shd
-from pmd_jax.distill import align, chunked, losses, sharded_topk
+from pmd_jax.distill import accumulate, align, chunked, losses, sharded_topk
 from pmd_jax.distill import config as dconfig
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import teacher as tlib
@@ -424,6 +425,7 @@ class TrainStep:
         rules: shd.ShardingRules | None = None,
         donate: bool = True,
         loss_chunk_remat: bool = True,
+        microbatch_rows: int = 0,
     ):
         self.model_cfg = model_cfg
         self.opts = StepOptions.from_config(distill_cfg, model_cfg.vocab_size)
@@ -436,6 +438,19 @@ class TrainStep:
                                     loss_chunk_remat=loss_chunk_remat)
         self._compiled: dict[tuple, Any] = {}
         self._state_shardings: Any = None
+        # gradient accumulation (train.microbatch_rows; 0 = off): checked against the mesh now
+        self.microbatch_rows = int(microbatch_rows)
+        accumulate.check_microbatch_rows(self.microbatch_rows, self.microbatch_unit())
+
+    def microbatch_unit(self) -> int:
+        """A microbatch must be a multiple of this: the mesh's batch axes x the GRPO group."""
+        group = self.opts.group_size if self.opts.mode in ("grpo", "hybrid") else 1
+        return math.lcm(self.batch_divisor(), group)
+
+    def num_microbatches(self, rows: int) -> int:
+        """How many microbatches a batch of ``rows`` is split into (1: no accumulation)."""
+        return rows // accumulate.microbatch_size(rows, self.microbatch_rows,
+                                                  self.microbatch_unit())
 
     # ------------------------------------------------------------- shardings
     def _named(self, spec: PartitionSpec) -> NamedSharding:
@@ -506,8 +521,12 @@ class TrainStep:
     # ------------------------------------------------------------- step
     def _step(self, state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
         o = self.opts
-        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
-        (loss, metrics), grads = grad_fn(state.params, state.teacher, batch)
+        n_micro = self.num_microbatches(batch["response_mask"].shape[0])
+        if n_micro > 1:
+            (loss, metrics), grads = self._accumulated(state, batch, n_micro)
+        else:
+            grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
+            (loss, metrics), grads = grad_fn(state.params, state.teacher, batch)
         # clip + AdamW + EMA teacher + non-finite skip in one pass per parameter (optim.py:
         # the optax chain made XLA:CPU copy params and moments before updating them)
         ema = o.keeps_teacher and o.rule == "ema"
@@ -537,6 +556,17 @@ class TrainStep:
         )
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         return new_state, metrics
+
+    def _accumulated(self, state: TrainState, batch: dict[str, Array], n: int) -> Any:
+        """Loss, metrics and gradient of the whole batch from ``n`` microbatches."""
+        sharding = grad_sh = None
+        if self.mesh is not None:
+            s2, s1 = self.rules.spec(("batch", "seq")), self.rules.spec(("batch",))
+            sharding = lambda nd: self._named(accumulate.mesh_spec(s2, s1, nd))  # noqa: E731
+            grad_sh = self.state_shardings().params
+        return accumulate.accumulated_value_and_grad(
+            self.loss_fn, state.params, state.teacher, batch, mode=self.opts.mode, n=n,
+            sharding=sharding, grad_sharding=grad_sh)
 
     def _get_compiled(self, batch: Mapping[str, Any]) -> Any:
         key = tuple(sorted(batch))

@@ -1,0 +1,179 @@
+"""Gradient accumulation (train.microbatch_rows): the accumulated step equals the full-batch
+step (loss, metrics, grad norm, params, optimizer moments, EMA teacher), unsharded and on an
+8-fake-device mesh, for the SDPO, GRPO and hybrid losses.
+
+Reference: the full-batch step (``microbatch_rows=0``), whose losses are token means over the
+whole batch; the batch has rows without signal (``sd_mask = 0``), a whole microbatch without
+any, and responses of different lengths, so per-microbatch normalisation would differ.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pmd_jax import sharding as shd  # noqa: E402
+from pmd_jax.distill import accumulate, align  # noqa: E402
+from pmd_jax.distill import step as st  # noqa: E402
+from pmd_jax.distill.config import default_distill_config  # noqa: E402
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import ModelConfig  # noqa: E402
+
+TINY = ModelConfig(
+    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
+    num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=False,
+)
+B = 16
+GROUP = 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _cfg(mode: str):
+    c = default_distill_config()
+    c.loss.mode = mode
+    c.teacher.rule = "ema"
+    c.teacher.rate = 0.1
+    c.loss.topk = 8
+    c.loss.chunk_size = 3
+    c.loss.group_size = GROUP
+    c.loss.hybrid_lambda = 0.6
+    c.optim.lr = 1e-3
+    c.optim.warmup_steps = 0
+    return c
+
+
+def _batch(seed: int = 0) -> dict[str, np.ndarray]:
+    r = np.random.default_rng(seed)
+    sp = [r.integers(1, TINY.vocab_size, r.integers(2, 6)) for _ in range(B)]
+    tp = [r.integers(1, TINY.vocab_size, r.integers(3, 10)) for _ in range(B)]
+    rs = [r.integers(1, TINY.vocab_size, r.integers(1, 9)) for _ in range(B)]
+    db = align.build_distill_batch(sp, tp, rs, pad_id=0)
+    sd = (r.random(B) < 0.6).astype(np.float32)
+    sd[4:8] = 0.0  # a whole microbatch of 4 rows without signal
+    sd[0] = 1.0
+    return st.make_batch(
+        db, sd_mask=sd,
+        sampler_logp=r.normal(-3.5, 1.0, db.responses.shape).astype(np.float32),
+        old_logp=r.normal(-3.8, 0.5, db.responses.shape).astype(np.float32),
+        rewards=r.integers(0, 2, B).astype(np.float32),
+    )
+
+
+def _params(seed: int):
+    return decoder.init_params(TINY, jax.random.PRNGKey(seed))
+
+
+def _start(ts: st.TrainStep) -> st.TrainState:
+    state = ts.init(_params(0), 0)
+    if state.teacher:  # a teacher that differs from the student, so there is a signal
+        state = state.replace(teacher=jax.tree.map(
+            lambda t, p: jax.device_put(p, t.sharding), state.teacher, _params(7)))
+    return state
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _run(ts: st.TrainStep, steps: int = 2):
+    state, batch, out = _start(ts), _batch(), []
+    for i in range(steps):
+        b = batch if i == 0 else _batch(i)
+        state, m = ts.step(state, b)
+        out.append(_np(m))
+    return _np(state), out
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert len(jax.devices()) == 8, "XLA_FLAGS must give 8 CPU devices"
+    return shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def _assert_same(got, want):
+    (s_a, ms_a), (s_b, ms_b) = got, want
+    for i, (ma, mb) in enumerate(zip(ms_a, ms_b, strict=True)):
+        assert set(ma) == set(mb)
+        for k in mb:
+            np.testing.assert_allclose(ma[k], mb[k], **TOL, err_msg=f"step {i} metric {k}")
+    for name in ("params", "opt_state", "teacher"):
+        la = jax.tree_util.tree_leaves_with_path(getattr(s_a, name))
+        lb = jax.tree.leaves(getattr(s_b, name))
+        assert len(la) == len(lb)
+        for (path, a), b in zip(la, lb, strict=True):
+            np.testing.assert_allclose(a, b, **TOL,
+                                       err_msg=f"{name}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("mode", ["sdpo", "grpo", "hybrid"])
+def test_accumulated_equals_full_batch_unsharded(mode):
+    ref = st.TrainStep(TINY, _cfg(mode))
+    acc = st.TrainStep(TINY, _cfg(mode), microbatch_rows=4)
+    assert acc.num_microbatches(B) == 4 and ref.num_microbatches(B) == 1
+    want, got = _run(ref), _run(acc)
+    _assert_same(got, want)
+    m = want[1][0]
+    assert m["num_loss_tokens"] > 0 and m["grad_norm"] > 0
+    if mode != "grpo":  # a real EMA teacher moved
+        assert not np.allclose(jax.tree.leaves(want[0].teacher)[0],
+                               np.asarray(jax.tree.leaves(_params(7))[0]))
+    # the accumulated program really loops over microbatches
+    hlo = acc.lower(acc.abstract_state(), _batch()).as_text()
+    assert "while" in hlo
+
+
+@pytest.mark.parametrize("mode", ["sdpo", "grpo", "hybrid"])
+def test_accumulated_equals_full_batch_on_mesh(mesh, mode):
+    rules = shd.ShardingRules.from_mapping()
+    ref = st.TrainStep(TINY, _cfg(mode), mesh=mesh, rules=rules)
+    acc = st.TrainStep(TINY, _cfg(mode), mesh=mesh, rules=rules, microbatch_rows=4)
+    assert acc.batch_divisor() == 4 and acc.num_microbatches(B) == 4
+    _assert_same(_run(acc), _run(ref))
+
+
+def test_microbatch_size_rule():
+    assert accumulate.microbatch_size(64, 0, 1) == 64  # off
+    assert accumulate.microbatch_size(64, 16, 8) == 16
+    assert accumulate.microbatch_size(8, 16, 8) == 8  # a small bucket is one microbatch
+    assert accumulate.microbatch_size(48, 32, 8) == 24  # 32 does not divide 48
+    assert accumulate.microbatch_size(40, 32, 8) == 8
+    with pytest.raises(accumulate.MicrobatchError, match="not a multiple of 8"):
+        accumulate.microbatch_size(64, 12, 8)
+    with pytest.raises(accumulate.MicrobatchError, match=">= 0"):
+        accumulate.check_microbatch_rows(-1, 1)
+
+
+def test_bad_microbatch_rows_fail_at_construction(mesh):
+    with pytest.raises(accumulate.MicrobatchError, match="multiple of 4"):
+        st.TrainStep(TINY, _cfg("sdpo"), mesh=mesh, microbatch_rows=6)
+    with pytest.raises(accumulate.MicrobatchError, match="GRPO group"):
+        st.TrainStep(TINY, _cfg("grpo"), microbatch_rows=3)
+
+
+def test_weights_reproduce_a_global_token_mean():
+    """Direct formula: sum_i w_i * mean_i == the mean over all rows, incl. empty microbatches."""
+    r = np.random.default_rng(1)
+    x = r.normal(size=(12, 5)).astype(np.float32)
+    resp = (r.random((12, 5)) < 0.5).astype(np.float32)
+    resp[3:6] = 0.0
+    sd = np.ones(12, np.float32)
+    w = accumulate._weights({"response_mask": jnp.asarray(resp), "sd_mask": jnp.asarray(sd)},
+                            4)["response"]
+    per = [(x[i:i + 3] * resp[i:i + 3]).sum() / max(resp[i:i + 3].sum(), 1.0)
+           for i in range(0, 12, 3)]
+    np.testing.assert_allclose(float(np.sum(np.asarray(w) * per)),
+                               (x * resp).sum() / resp.sum(), rtol=1e-6)
+
+
+def test_unknown_metric_is_an_error():
+    with pytest.raises(KeyError, match="no accumulation rule"):
+        accumulate.combine_metrics({"new_metric": jnp.zeros(2)},
+                                   {"rows": jnp.full(2, 0.5)}, "sdpo")
