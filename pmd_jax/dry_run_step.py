@@ -134,20 +134,29 @@ def format_step_memory(r: dict[str, Any]) -> str:
             + f"; arrays with two sequence axes: {r.get('seq_x_seq_shapes') or 'none'}")
 
 
-def dry_run_from_config(cfg: Any) -> dict[str, Any]:
-    import jax
-
-    from pmd_jax.dry_run import dry_run
+def _model_config(cfg: Any) -> Any:
     from pmd_jax.models.config import ConfigError, preset
-    from pmd_jax.sharding import ShardingRules, make_mesh
+    from pmd_jax.wiring import attention_options
 
     if not cfg.model.preset:
         raise ConfigError("--dry_run needs model.preset (e.g. 'olmo3-7b', 'qwen3-8b')")
-    from pmd_jax.wiring import attention_options
+    return preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
+                                            param_dtype=cfg.model.param_dtype,
+                                            **attention_options(cfg))
 
-    mc = preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
-                                           param_dtype=cfg.model.param_dtype,
-                                           **attention_options(cfg))
+
+def dry_run_from_config(cfg: Any) -> dict[str, Any]:
+    target = cfg.dry_run.get("target", "") if hasattr(cfg.dry_run, "get") else ""
+    if target:
+        from pmd_jax.dry_run_target import target_report
+
+        return target_report(cfg, target)
+    import jax
+
+    from pmd_jax.dry_run import dry_run
+    from pmd_jax.sharding import ShardingRules, make_mesh
+
+    mc = _model_config(cfg)
     n = jax.device_count()
     shape = _mesh_shape(cfg, n)
     rules_map = cfg.mesh.rules.to_dict() if cfg.mesh.rules else None

@@ -1,0 +1,262 @@
+"""``--dry_run --config.dry_run.target=NAME``: will this config's step fit that hardware, and
+how fast could it go?
+
+On a simulated mesh with the target's chip count (fake CPU devices; ``cfg.mesh`` with its -1
+axis resolved against that count), two programs are compiled on abstract arrays, no weights:
+
+1. the REAL distillation step (:class:`pmd_jax.distill.step.TrainStep`) at the config's update
+   batch (``rollout.problems_per_step x rollout.n`` rows, split into ``train.microbatch_rows``
+   microbatches when set), student ``max_prompt_tokens + max_tokens``, teacher
+   ``teacher_prompt.max_tokens + max_tokens`` tokens;
+2. ONE DECODE STEP of the JAX sampler (``jax_sampler._decode_logits``: one token per row
+   through the KV cache) at ``rollout.max_batch`` rows (at least the mesh's batch size) and a
+   cache of ``max_prompt_tokens + max_tokens`` (or ``rollout.max_context``) tokens, params in
+   the compute dtype, per-layer arrays as the sampler holds them.
+
+For each: per-device bytes from ``compiled.memory_analysis()`` (arguments, outputs, aliased,
+temporaries; total = arguments + outputs - aliased + temporaries) against the chip's HBM:
+FITS / DOES NOT FIT and the headroom (:func:`pmd_jax.targets.verdict`). And a roofline step
+time ``max(flops / peak, bytes / bandwidth)`` per device from ``compiled.cost_analysis()``:
+a LOWER BOUND (perfect overlap, no communication, no launch or host time), with the MFU that
+bound allows (model FLOPs: 3 x student forward + teacher forward(s), ``flops_per_token``).
+
+XLA's cost analysis counts a loop body once, so the FLOPs and bytes come from extra compiles
+without loops: one microbatch, the layers unrolled at depth 1 and 2 and extrapolated linearly
+to the full depth (as :mod:`pmd_jax.dry_run` does), the loss in one chunk, dense attention
+(which counts the whole T x S score matrix: about 2x the causal attention FLOPs), times the
+number of microbatches (the optimizer update is then counted once per microbatch: a few GB
+of traffic per step, small against the forward/backward).
+
+Caveats (as :mod:`pmd_jax.dry_run`): these are XLA:CPU compiles. XLA:CPU does not keep bf16
+dots in bf16 the way TPU/GPU backends do, fuses and schedules differently, and its "bytes
+accessed" counts every fusion's operands: the temporaries and the bytes are estimates of
+what a TPU/GPU compile would need, not measurements. Params, optimizer state and KV cache
+bytes (the arguments) follow from shapes and shardings and are exact. A GPU runtime also
+keeps part of the HBM for itself (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by default).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from pmd_jax import targets as tg
+
+log = logging.getLogger("pmd_jax")
+GiB = 1024**3
+
+
+def _depth(mc: Any, n: int) -> Any:
+    over: dict[str, Any] = {"num_layers": n}
+    if mc.layer_types is not None:
+        over["layer_types"] = tuple(mc.layer_types[-n:])
+    return mc.replace(**over)
+
+
+def _cost(compiled: Any) -> tuple[float, float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    cost = dict(cost or {})
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def _extrapolate(f1: tuple[float, float], f2: tuple[float, float], layers: int
+                 ) -> tuple[float, float]:
+    return tuple(a + (layers - 1) * (b - a) for a, b in zip(f1, f2, strict=True))  # type: ignore
+
+
+def _memory(compiled: Any, hbm: int) -> dict[str, Any]:
+    need = tg.memory_need(compiled.memory_analysis())
+    v = tg.verdict(need["total"], hbm)
+    return {**need, "fits": v.fits, "verdict": v.word, "headroom": v.headroom_bytes,
+            "headroom_frac": round(v.headroom_frac, 4)}
+
+
+def _timing(flops: float, nbytes: float, t: tg.Target, model_flops: float) -> dict[str, Any]:
+    r = tg.roofline(flops, nbytes, t, model_flops)
+    return {"flops_per_device": flops, "bytes_per_device": nbytes,
+            "model_flops_per_device": model_flops, "roofline_s": r.seconds,
+            "compute_s": r.compute_s, "memory_s": r.memory_s, "bound": r.bound, "mfu": r.mfu}
+
+
+def _batch(ts: Any, rows: int, s: int, t: int, r: int) -> dict[str, Any]:
+    from pmd_jax.dry_run_step import abstract_batch
+
+    b = abstract_batch(ts, rows, s, t, r)
+    b.pop("old_logp", None)  # one update per rollout batch: the trainer passes no old_logp
+    return b
+
+
+def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
+                      count_cost: bool = True) -> dict[str, Any]:
+    from pmd_jax.distill.step import BatchError, TrainStep
+
+    rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
+    resp = int(cfg.rollout.max_tokens)
+    s_len = int(cfg.rollout.max_prompt_tokens) + resp
+    t_len = int(cfg.teacher_prompt.max_tokens) + resp
+    mb = int(cfg.train.get("microbatch_rows", 0))
+    ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules, microbatch_rows=mb)
+    if rows % ts.batch_divisor():
+        raise BatchError(f"the update batch of {rows} rows does not split over the mesh's "
+                         f"batch axes ({ts.batch_divisor()} devices) of target {t.name}")
+    n_micro = ts.num_microbatches(rows)
+    t0 = time.perf_counter()
+    compiled = ts.lower(ts.abstract_state(), _batch(ts, rows, s_len, t_len, resp)).compile()
+    out: dict[str, Any] = {
+        "rows": rows, "microbatch_rows": rows // n_micro, "microbatches": n_micro,
+        "student_len": s_len, "teacher_len": t_len, "response_len": resp,
+        "loss_mode": cfg.distill.loss.mode, "teacher_rule": cfg.distill.teacher.rule,
+        "compile_s": round(time.perf_counter() - t0, 1),
+        **_memory(compiled, t.hbm_bytes),
+    }
+    del compiled
+    mode = cfg.distill.loss.mode
+    n_teacher = 0 if mode == "grpo" else (2 if cfg.distill.teacher.rule == "trust_region" else 1)
+    model_flops = rows * (3 * s_len * mc.flops_per_token(s_len)
+                          + n_teacher * t_len * mc.flops_per_token(t_len)) / mesh.size
+    if count_cost:
+        dc = copy.deepcopy(cfg.distill)
+        dc.precision.layer_loop = "unrolled"
+        dc.loss.chunk_size = resp
+        costs = []
+        for depth in (1, 2):
+            m = _depth(mc, depth).replace(attention_impl="dense")
+            small = TrainStep(m, dc, mesh=mesh, rules=rules)
+            c = small.lower(small.abstract_state(),
+                            _batch(small, rows // n_micro, s_len, t_len, resp)).compile()
+            costs.append(_cost(c))
+        flops, nbytes = _extrapolate(costs[0], costs[1], mc.num_layers)
+        out.update(_timing(n_micro * flops, n_micro * nbytes, t, model_flops))
+    return out
+
+
+def decode_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
+                       count_cost: bool = True) -> dict[str, Any]:
+    """One cached decode forward of the JAX sampler (``jax_sampler._decode_logits``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from pmd_jax.models import decoder
+    from pmd_jax.sampling.jax_sampler import _decode_logits
+
+    batch_div = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
+    rows = max(int(cfg.rollout.max_batch), batch_div)
+    rows = -(-rows // batch_div) * batch_div
+    ctx = int(cfg.rollout.max_context) or (int(cfg.rollout.max_prompt_tokens)
+                                           + int(cfg.rollout.max_tokens))
+
+    def sds(shape: Any, dtype: Any, axes: Any) -> Any:
+        return jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=NamedSharding(mesh, rules.spec(tuple(axes))))
+
+    def compile_for(m: Any) -> Any:
+        shapes = decoder.param_shapes(m)
+        axes = decoder.param_axes(m)
+        dt = jnp.dtype(m.dtype)
+        params = {k: sds(shapes[k].shape, dt, axes[k]) for k in shapes if k != "layers"}
+        params["layers"] = tuple(
+            {k: sds(shapes["layers"][k].shape[1:], dt, axes["layers"][k][1:])
+             for k in shapes["layers"]} for _ in range(m.num_layers))
+        cache_sh = jax.eval_shape(functools.partial(decoder.init_cache, m, rows, ctx,
+                                                    jnp.dtype(m.dtype), per_layer=True))
+        cache_ax = decoder.cache_axes(m, per_layer=True)
+        cache = jax.tree.map(lambda a, ax: sds(a.shape, a.dtype, ax), cache_sh, cache_ax)
+        last = sds((rows,), jnp.int32, ("batch",))
+        pos = sds((rows, 1), jnp.int32, ("batch", None))
+        idx = jax.ShapeDtypeStruct((), jnp.int32)
+        fn = jax.jit(functools.partial(_decode_logits, cfg=m, shard_ctx=(mesh, rules)),
+                     donate_argnames=("cache",))
+        return fn.lower(params, cache, last, pos, idx).compile()
+
+    t0 = time.perf_counter()
+    compiled = compile_for(mc)
+    out: dict[str, Any] = {"rows": rows, "context": ctx,
+                           "compile_s": round(time.perf_counter() - t0, 1),
+                           **_memory(compiled, t.hbm_bytes)}
+    if count_cost:
+        c = compiled if mc.attention_impl == "dense" else compile_for(
+            mc.replace(attention_impl="dense"))
+        flops, nbytes = _cost(c)
+        out.update(_timing(flops, nbytes, t, rows * mc.flops_per_token(ctx) / mesh.size))
+        out["tokens_per_s"] = rows / out["roofline_s"] if out["roofline_s"] > 0 else 0.0
+    return out
+
+
+def format_target_report(r: dict[str, Any]) -> str:
+    t = tg.get_target(r["target"])
+
+    def g(b: float) -> str:
+        return f"{b / GiB:7.2f}"
+
+    lines = [
+        f"dry run {r['model']} on {t.name}: {t.chips} chips x {t.hbm_bytes / 1e9:.0f} GB HBM "
+        f"({t.hbm_bytes / GiB:.1f} GiB), {t.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{t.hbm_bytes_per_s / 1e9:.0f} GB/s ({t.source}); mesh {r['mesh']}",
+        "per device, GiB    args    outs aliased    temp   total     HBM headroom  verdict",
+    ]
+    for key, label in (("train_step", "train step "), ("decode_step", "decode step")):
+        x = r[key]
+        lines.append(
+            f"{label}     {g(x['arguments'])} {g(x['outputs'])} {g(x['aliased'])} "
+            f"{g(x['temporaries'])} {g(x['total'])} {g(t.hbm_bytes)} "
+            f"{100 * x['headroom_frac']:7.1f}%  {x['verdict']}")
+    tr, de = r["train_step"], r["decode_step"]
+    lines.append(
+        f"train step: {tr['rows']} rows = {tr['microbatches']} microbatch(es) of "
+        f"{tr['microbatch_rows']}, student {tr['student_len']} / teacher {tr['teacher_len']} "
+        f"tokens ({tr['loss_mode']}, teacher {tr['teacher_rule']})")
+    if "roofline_s" in tr:
+        lines.append(
+            f"  roofline (lower bound) {tr['roofline_s']:.2f} s/step, {tr['bound']}-bound "
+            f"(compute {tr['compute_s']:.2f} s, HBM {tr['memory_s']:.2f} s), MFU <= "
+            f"{100 * tr['mfu']:.0f}%; {tr['flops_per_device'] / 1e12:.1f} TFLOP and "
+            f"{tr['bytes_per_device'] / 1e9:.0f} GB per device")
+    lines.append(f"decode step: {de['rows']} rows, KV cache of {de['context']} tokens")
+    if "roofline_s" in de:
+        lines.append(
+            f"  roofline (lower bound) {1e3 * de['roofline_s']:.2f} ms/token, {de['bound']}-"
+            f"bound, <= {de['tokens_per_s']:.0f} tokens/s for the whole mesh; "
+            f"{de['flops_per_device'] / 1e9:.1f} GFLOP and {de['bytes_per_device'] / 1e9:.2f} "
+            "GB per device")
+    lines.append("XLA:CPU compile on simulated devices: temporaries and bytes are estimates, "
+                 "the roofline is a lower bound (see pmd_jax/dry_run_target.py)")
+    lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'} on {t.name}")
+    return "\n".join(lines)
+
+
+def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, Any]:
+    import jax
+
+    from pmd_jax.dry_run_step import _mesh_shape, _model_config
+    from pmd_jax.sharding import ShardingRules, make_mesh
+
+    t = tg.get_target(target)
+    n = jax.device_count()
+    if n != t.chips:
+        raise RuntimeError(f"target {t.name} needs {t.chips} simulated devices, jax has {n}; "
+                           f"run through `python -m pmd_jax.main --dry_run`, which sets "
+                           "XLA_FLAGS=--xla_force_host_platform_device_count before jax starts")
+    mc = _model_config(cfg)
+    shape = _mesh_shape(cfg, n)
+    if math.prod(shape.values()) != n:
+        raise ValueError(f"mesh {shape} (cfg.mesh) does not use the {n} chips of {t.name}")
+    mesh = make_mesh(shape)
+    rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
+    log.info("dry run: %s on %s (%d simulated devices, mesh %s)", cfg.model.preset, t.name,
+             n, shape)
+    report: dict[str, Any] = {"model": cfg.model.preset, "target": t.name, "mesh": shape,
+                              "params": mc.num_params()}
+    report["train_step"] = train_step_report(cfg, mc, mesh, rules, t, count_cost)
+    report["decode_step"] = decode_step_report(cfg, mc, mesh, rules, t, count_cost)
+    report["fits"] = bool(report["train_step"]["fits"] and report["decode_step"]["fits"])
+    print(json.dumps(report, default=str))
+    print(format_target_report(report), flush=True)
+    return report
