@@ -60,6 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.dry_run = ml_collections.ConfigDict()
     c.dry_run.enabled = False
     c.dry_run.target = ""
+    c.dry_run.roofline = True  # False: skip the extra loop-free compiles for the step time
 
     c.model = ml_collections.ConfigDict()
     # "smollm2" (embedded GGUF), a preset name (dry runs), or a path to a HF checkpoint folder.

@@ -150,7 +150,7 @@ def dry_run_from_config(cfg: Any) -> dict[str, Any]:
     if target:
         from pmd_jax.dry_run_target import target_report
 
-        return target_report(cfg, target)
+        return target_report(cfg, target, count_cost=bool(cfg.dry_run.get("roofline", True)))
     import jax
 
     from pmd_jax.dry_run import dry_run

@@ -192,3 +192,78 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
     # alone is 40.5 GiB); chunked: 54 GiB, 37 GiB of it the loss's lax.top_k all-gather;
     # with the vocab-sharded top-K (distill/sharded_topk.py): 19.0 GiB
     assert r["temp_size_gib"] < 24
+
+
+# --------------------------------------------------------------------------- hardware targets
+def test_verdict_and_roofline_on_numbers():
+    from pmd_jax import targets as tg
+
+    v = tg.verdict(60 * 10**9, 80 * 10**9)
+    assert v.fits and v.word == "FITS" and v.headroom_bytes == 20 * 10**9
+    assert v.headroom_frac == pytest.approx(0.25)
+    v = tg.verdict(100 * 10**9, 80 * 10**9)
+    assert not v.fits and v.word == "DOES NOT FIT" and v.headroom_bytes == -20 * 10**9
+    assert v.headroom_frac == pytest.approx(-0.25)
+    assert tg.verdict(80, 80).fits  # exactly full still fits
+    with pytest.raises(ValueError, match="HBM"):
+        tg.verdict(1, 0)
+    h100 = tg.get_target("8xH100")
+    assert (h100.chips, h100.hbm_bytes) == (8, 80 * 10**9)
+    assert tg.get_target("v5p-64").chips == 32  # 64 TensorCores, 2 per chip
+    # 989e12 FLOPs at 989 TFLOP/s: 1 s compute; 3.35e12 bytes at 3.35 TB/s: 1 s memory
+    r = tg.roofline(2 * 989e12, 3.35e12, h100, model_flops=989e12)
+    assert r.seconds == pytest.approx(2.0) and r.bound == "compute"
+    assert r.mfu == pytest.approx(0.5)
+    r = tg.roofline(989e12, 4 * 3.35e12, h100)
+    assert r.seconds == pytest.approx(4.0) and r.bound == "memory"
+    assert r.mfu == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="unknown dry-run target 'v9'"):
+        tg.get_target("v9")
+
+    class MA:  # the attribute names of jax's CompiledMemoryStats
+        argument_size_in_bytes, output_size_in_bytes = 10, 4
+        alias_size_in_bytes, temp_size_in_bytes = 3, 7
+
+    assert tg.memory_need(MA())["total"] == 10 + 4 - 3 + 7
+
+
+def _main(*args, timeout=1500):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py", "--dry_run",
+         *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_dry_run_target_bad_settings_fail_before_compiling():
+    p = _main("--config.dry_run.target=v9")
+    assert p.returncode == 2 and "dry_run.target='v9' is not one of" in p.stderr
+    p = _main("--config.dry_run.target=8xH100", "--config.train.microbatch_rows=5")
+    assert p.returncode == 2 and "train.microbatch_rows=5 does not divide" in p.stderr
+
+
+def test_dry_run_target_does_not_fit_exits_nonzero():
+    """tiny-llama (vocab 49152) with 8192 rows of 512 response tokens on 8 x H100: each
+    device's logits of one loss chunk alone are 1024 rows x 512 x 49152 x 4 bytes = 96 GiB.
+    The decode step's arguments are the compute-dtype params and the KV cache, checked
+    against the direct formula."""
+    import json
+
+    from pmd_jax.models.config import preset
+
+    p = _main("--config.dry_run.target=8xH100", "--config.model.preset=tiny-llama",
+              "--config.rollout.problems_per_step=2048", "--config.rollout.n=4",
+              "--config.rollout.max_tokens=512", "--config.dry_run.roofline=False")
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "DOES NOT FIT" in p.stdout
+    r = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("{")))
+    tr, de = r["train_step"], r["decode_step"]
+    assert r["fits"] is False and tr["verdict"] == "DOES NOT FIT" and tr["rows"] == 8192
+    assert tr["total"] > 80 * 10**9 and tr["headroom"] < 0
+    assert de["verdict"] == "FITS" and de["rows"] == 64 and de["context"] == 384 + 512
+    mc = preset("tiny-llama")
+    kv = 2 * mc.num_layers * (64 // 8) * mc.num_kv_heads * 896 * mc.head_dim * 4
+    params = mc.num_params() * 4 / 8  # float32, fsdp over 8 (norms replicated: tiny)
+    assert de["arguments"] == pytest.approx(params + kv, rel=0.02)
