@@ -8,6 +8,10 @@
 * ``step(state, batch) -> (state, metrics)``: one ``jax.jit`` call with in/out shardings from
   the logical-axis rules, the state donated (params, optimizer state, teacher).
 
+``microbatch_rows=N`` (``train.microbatch_rows``; 0 = off): gradient accumulation inside the
+same jitted step, a ``lax.scan`` over microbatches of N rows with full-batch loss
+normalisation, then one optimizer update (:mod:`pmd_jax.distill.accumulate`).
+
 One step: student forward (``return_hidden``) on student prompt + response; teacher
 forward(s) with ``stop_gradient`` params on teacher prompt + the same response; gather the
 response positions on both sides (:mod:`pmd_jax.distill.align` indices); the chunked loss from
