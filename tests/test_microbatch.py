@@ -177,3 +177,25 @@ def test_unknown_metric_is_an_error():
     with pytest.raises(KeyError, match="no accumulation rule"):
         accumulate.combine_metrics({"new_metric": jnp.zeros(2)},
                                    {"rows": jnp.full(2, 0.5)}, "sdpo")
+
+
+def test_config_validation_names_the_problem():
+    from pmd_jax.config import base_config, batch_plan_errors
+
+    c = base_config()  # 32 problems x 8 rollouts = 256 rows
+    assert batch_plan_errors(c) == []
+    c.train.microbatch_rows = 32
+    assert batch_plan_errors(c) == []
+    c.train.microbatch_rows = 48
+    assert batch_plan_errors(c) == ["train.microbatch_rows=48 does not divide the update batch "
+                                     "of rollout.problems_per_step x rollout.n = 256 rows"]
+    c.train.microbatch_rows = 4
+    c.distill.loss.mode = "hybrid"
+    assert any("not a multiple of distill.loss.group_size=8" in e for e in batch_plan_errors(c))
+    c.distill.loss.mode = "sdpo"
+    c.mesh.data, c.mesh.fsdp = 2, 4
+    assert batch_plan_errors(c) == [
+        "train.microbatch_rows=4 is not a multiple of mesh.data x mesh.fsdp = 8 (each "
+        "microbatch is split over them)"]
+    c.train.microbatch_rows = -1
+    assert "must be an int >= 0" in batch_plan_errors(c)[0]
