@@ -1,0 +1,365 @@
+"""The whole co-evolution loop in two JAX processes == the same loop in one (pmd_jax.multihost).
+
+``python -m pmd_jax.main`` runs as two processes joined by ``jax.distributed`` (coordinator on
+127.0.0.1 at a free port; ``PMD_COORDINATOR`` / ``PMD_NUM_PROCESSES`` / ``PMD_PROCESS_ID``),
+4 fake CPU devices each, and as one process with 8 devices; every run uses the same
+``(data=1, fsdp=4, tensor=2)`` mesh, so in the two-process job the fsdp axis (FSDP gathers,
+gradient reductions, the sampler's batch split) crosses the process boundary through gloo.
+A tiny random Llama (``tiny-llama``, SmolLM2's tokenizer, real SciQ problems) runs 2 steps
+with the JAX sampler, in PMD mode (memory with reflections, the default MiniLM embedder, as
+tests/test_trainer.py) and in GRPO mode.
+
+The PMD two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
+process 0 must stop on its own with jax's error naming the dead task within
+``HEARTBEAT_S + KILL_SLACK_S`` seconds (``PMD_HEARTBEAT_TIMEOUT_S`` sets jax.distributed's
+``heartbeat_timeout_seconds``; jax's default is 100 s). Rerunning both processes with the same
+command resumes from checkpoint 1, so its end state also shows that params, optimizer and
+teacher state, the memory (held and checkpointed by process 0 alone) and the data cursor came
+back intact: the resumed PMD job and the clean GRPO job must both end where the one-process
+runs end.
+
+Compared: the final checkpoint's whole train state (params, optimizer state, teacher, step,
+RNG) read with orbax as numpy, the exported HF weights (gathered, written by process 0), the
+memory (``memory.jsonl`` and the checkpoint's memory slot, byte for byte), and the per-step
+metrics (written once, by process 0).
+
+Tolerance: the two-process job reduces gradients and sharded matmuls partly through gloo, the
+one-process run inside XLA, in another summation order, so float32 values may differ in the
+last bits; observed (jax 0.10.2): params and Adam moments within 2e-7 absolute, per-step
+losses within 5e-5 relative (the loss is ~1e-7 here, a difference of nearly equal terms),
+the KL-to-initial estimate within 4e-8 absolute. We allow ``ATOL_STATE=2e-6`` on the state
+(far below the 2e-3 the two Adam steps at lr 1e-3 move each tensor; checked to be > 1e-4),
+``rtol=1e-3, atol=1e-6`` on float metrics. Host-side results (sampled tokens, hence rewards,
+response lengths, the memory's records and the teacher prompts) must be identical: a rounding
+difference that flipped one sampled token would show there. Two runs of the same job are
+bitwise reproducible (not asserted here: that would double the time).
+
+Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
+and process 1's cache keys differ, so process 1 compiles every program in every launch
+(~40 s per train-step shape on a busy 2-core machine); the whole module takes ~8-12 min there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_trainer import _env, cache_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_S = 15
+KILL_SLACK_S = 45  # the coordination service notices, then polls the error to process 0
+RUN_TIMEOUT_S = 1200.0
+ATOL_STATE = 2e-6
+MOVED_MIN = 10 * ATOL_STATE
+METRIC_RTOL, METRIC_ATOL = 1e-3, 1e-6
+STEPS = 2
+FLAGS = [
+    "--config.model.random_init=tiny-llama",
+    "--config.mesh.data=1",
+    "--config.mesh.fsdp=4",
+    "--config.mesh.tensor=2",
+    "--config.rollout.sampler=jax",
+    "--config.rollout.problems_per_step=2",
+    "--config.rollout.n=2",
+    "--config.rollout.max_tokens=12",
+    "--config.rollout.max_prompt_tokens=320",
+    "--config.task.max_eval_problems=2",
+    "--config.eval.n=1",
+    "--config.eval.max_tokens=8",
+    f"--config.train.steps={STEPS}",
+    "--config.train.checkpoint_every=1",
+    "--config.train.eval_every=-1",
+    "--config.train.eval_at_start=False",
+    "--config.memory.behavior.every_n_steps=2",
+    "--config.memory.behavior.min_problems=2",
+    "--config.memory.insight.sampling.max_tokens=16",
+    "--config.memory.behavior.sampling.max_tokens=16",
+    "--config.teacher_prompt.max_tokens=768",
+    "--config.distill.loss.topk=8",
+    "--config.teacher_prompt.include_feedback=True",  # every sample gets a teacher signal
+    "--config.distill.optim.warmup_steps=0",
+    "--config.distill.optim.lr=1e-3",
+]
+GRPO_EVAL = ("--config.train.eval_every=0",)  # evaluate once, after the last step
+# Computed on the host from the sampled tokens, the verifier and the memory: must be equal.
+EXACT_METRICS = (
+    "reward_mean", "success_group_fraction", "format_ok_fraction", "response_tokens_mean",
+    "truncated_fraction", "skipped_long_prompts", "rollout_staleness",
+    "rollout_weights_version", "reprompt_sample_fraction", "demo_from_sibling_fraction",
+    "demo_from_memory_fraction", "teacher_prompt_tokens_mean", "student_tokens_mean",
+)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_env(devices: int, extra: dict[str, str]) -> dict[str, str]:
+    env = _env()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env.update(extra)
+    return env
+
+
+def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str
+           ) -> list[tuple[subprocess.Popen, Path]]:
+    """Starts a run as ``nproc`` processes (8 devices in all); returns (process, log) pairs."""
+    port = _free_port()
+    out = []
+    for pid in range(nproc):
+        extra = {} if nproc == 1 else {
+            "PMD_COORDINATOR": f"127.0.0.1:{port}", "PMD_NUM_PROCESSES": str(nproc),
+            "PMD_PROCESS_ID": str(pid), "PMD_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
+        }
+        log = run_dir.parent / f"{run_dir.name}.{tag}.p{pid}.log"
+        cmd = [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
+               f"--config.run_dir={run_dir}", f"--config.mode={mode}", *FLAGS, *cache_flags(),
+               *flags]
+        fh = open(log, "wb")  # noqa: SIM115 - the child holds it; closed when we return
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_proc_env(8 // nproc, extra), stdout=fh,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        fh.close()
+        out.append((p, log))
+    return out
+
+
+def _kill(jobs: list[tuple[subprocess.Popen, Path]]) -> None:
+    for p, _ in jobs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=60)
+
+
+def _tails(jobs: list[tuple[subprocess.Popen, Path]]) -> str:
+    return "\n".join(f"--- {log.name}:\n" + "\n".join(
+        log.read_text(errors="replace").splitlines()[-30:]) for _, log in jobs)
+
+
+def _wait(jobs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
+    """Waits for every process to exit 0; fails (killing the others) on an error or timeout."""
+    try:
+        while True:
+            codes = [p.poll() for p, _ in jobs]
+            if any(c not in (None, 0) for c in codes):
+                pytest.fail(f"a process failed ({codes}):\n{_tails(jobs)}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"timeout ({codes}):\n{_tails(jobs)}")
+            time.sleep(0.5)
+    finally:
+        _kill(jobs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("mp_loop")
+    t0 = time.monotonic()
+    deadline = t0 + RUN_TIMEOUT_S
+    d = {k: tmp / k for k in ("pmd_1", "pmd_2", "grpo_1", "grpo_2")}
+    # wave 1: PMD in one process, and in two processes until its first checkpoint
+    pmd_1 = _start(d["pmd_1"], 1, "pmd", "run")
+    pmd_2 = _start(d["pmd_2"], 2, "pmd", "killed")
+    kill: dict = {}
+    try:
+        marker = d["pmd_2"] / "checkpoints" / "1" / "pmd_commit.json"
+        while not marker.exists():
+            if any(p.poll() is not None for p, _ in pmd_2) or time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint 1 in the two-process run:\n{_tails(pmd_2)}")
+            time.sleep(0.05)
+        (p0, log0), (p1, _) = pmd_2
+        os.killpg(p1.pid, signal.SIGKILL)
+        p1.wait()
+        t_kill = time.monotonic()
+        try:
+            rc0 = p0.wait(timeout=HEARTBEAT_S + KILL_SLACK_S)
+        except subprocess.TimeoutExpired:
+            rc0 = None
+        kill = {"rc0": rc0, "seconds": time.monotonic() - t_kill,
+                "log0": log0.read_text(errors="replace"),
+                "final_hf": (d["pmd_2"] / "final_hf").exists()}
+    finally:
+        _kill(pmd_2)
+    # wave 2: the killed job restarted with the same command; GRPO in one and two processes
+    resumed = _start(d["pmd_2"], 2, "pmd", "resumed")
+    # (with an evaluation at the end: process 0 evaluates, process 1 serves its sampler calls)
+    grpo_1 = _start(d["grpo_1"], 1, "grpo", "run", *GRPO_EVAL)
+    grpo_2 = _start(d["grpo_2"], 2, "grpo", "run", *GRPO_EVAL)
+    _wait(pmd_1 + resumed + grpo_1 + grpo_2, deadline)
+    print(f"all runs took {time.monotonic() - t0:.0f}s")
+    return {**d, "kill": kill,
+            "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
+
+
+# ----------------------------------------------------------------------------- readers
+def _state(run_dir: Path, step: int) -> dict[str, np.ndarray]:
+    """The checkpoint's train state as numpy arrays, by key path (orbax, no devices needed)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = run_dir / "checkpoints" / str(step) / "state"
+    meta = ocp.StandardCheckpointer().metadata(path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = ocp.PyTreeCheckpointer().restore(path, restore_args=args)
+    return {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(restored)}
+
+
+def _hf(run_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted((run_dir / "final_hf").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if r["kind"] == "train"]
+
+
+# ----------------------------------------------------------------------------- checks
+def _assert_same(a, b, path: str = "") -> None:
+    """Deep equality of unpickled state (dicts, lists, numpy arrays exactly)."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, path
+        np.testing.assert_array_equal(b, a, err_msg=path)
+    else:
+        assert a == b, (path, a, b)
+
+
+def _assert_state_equal(single: Path, multi: Path, trained: bool = True) -> None:
+    a, b = _state(single, STEPS), _state(multi, STEPS)
+    assert sorted(a) == sorted(b)
+    assert any("opt_state" in k for k in a) and any("params" in k for k in a)
+    before = _state(single, STEPS - 1)
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+        if np.issubdtype(a[k].dtype, np.floating):
+            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=ATOL_STATE, err_msg=k)
+        else:  # step counters, the RNG key
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    for k in a:  # the last step really moved every trained tensor (not a comparison of no-ops)
+        if trained and "params" in k and "teacher" not in k and "norm" not in k:
+            moved = float(np.abs(a[k].astype(np.float64) - before[k]).max())
+            assert moved > MOVED_MIN, (k, moved)
+
+
+def _assert_hf_equal(single: Path, multi: Path) -> None:
+    a, b = _hf(single), _hf(multi)
+    assert a and sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=ATOL_STATE, err_msg=k)
+
+
+def _assert_metrics_equal(single: Path, multi: Path) -> None:
+    a, b = _train_records(single), _train_records(multi)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(STEPS))
+    for ra, rb in zip(a, b, strict=True):
+        keys = {k for k in ra if not k.startswith("time_")}
+        assert keys == {k for k in rb if not k.startswith("time_")}
+        assert "loss" in keys and "grad_norm" in keys
+        for k in sorted(keys):
+            if k in EXACT_METRICS or k.startswith("memory_") or not isinstance(ra[k], float):
+                assert rb[k] == ra[k], (k, ra["step"], ra[k], rb[k])
+            else:
+                np.testing.assert_allclose(rb[k], ra[k], rtol=METRIC_RTOL, atol=METRIC_ATOL,
+                                           err_msg=f"{k} at step {ra['step']}")
+
+
+def test_pmd_two_processes_resumed_equal_one_process(runs):
+    single, multi = runs["pmd_1"], runs["pmd_2"]
+    _assert_state_equal(single, multi)
+    _assert_hf_equal(single, multi)
+    _assert_metrics_equal(single, multi)
+    recs = _train_records(multi)
+    assert recs[-1]["memory_experiences"] == STEPS * 4  # 2 problems x 2 rollouts per step
+    assert recs[-1]["loss"] != 0.0
+
+
+def test_pmd_memory_identical_and_written_once(runs):
+    single, multi = runs["pmd_1"], runs["pmd_2"]
+    # the memory as exported at the end of the run, and as checkpointed (process 0's slot)
+    assert (multi / "memory.jsonl").read_bytes() == (single / "memory.jsonl").read_bytes()
+    assert (multi / "memory.html").exists()
+    slot = multi / "checkpoints" / str(STEPS) / "memory" / "blob.bin"
+    ref = single / "checkpoints" / str(STEPS) / "memory" / "blob.bin"
+    mem = pickle.loads(slot.read_bytes())
+    assert isinstance(mem, dict) and "process" not in mem  # not process 1's placeholder
+    # (equal content; the pickle bytes themselves may differ in memo layout)
+    _assert_same(pickle.loads(ref.read_bytes()), mem)
+    assert len(mem["experience"]["items"]) == STEPS * 4  # both steps' records: resume kept them
+
+
+def test_killed_process_stops_the_other_and_both_resume(runs):
+    kill = runs["kill"]
+    assert kill["rc0"] is not None, (
+        f"process 0 still ran {HEARTBEAT_S + KILL_SLACK_S}s after process 1 was killed")
+    assert kill["rc0"] != 0 and not kill["final_hf"]
+    assert kill["seconds"] < HEARTBEAT_S + KILL_SLACK_S
+    log0 = kill["log0"]
+    assert "stopped sending heartbeats" in log0 or "another task died" in log0, log0[-3000:]
+    for log in runs["resumed_logs"]:
+        assert "resumed from checkpoint at step 1" in log, log[-3000:]
+
+
+def test_grpo_two_processes_equal_one_process(runs):
+    """GRPO's loop across processes: sampling, verification, checkpoints, export and the
+    final evaluation. A random model never answers a SciQ question right, so every reward is
+    0, every advantage is 0 and the updates are AdamW's weight decay alone: the cross-process
+    gradient math is what the PMD run (and tests/test_multiprocess.py) checks."""
+    single, multi = runs["grpo_1"], runs["grpo_2"]
+    _assert_state_equal(single, multi, trained=False)
+    _assert_hf_equal(single, multi)
+    _assert_metrics_equal(single, multi)
+    assert all(r["reward_mean"] == 0.0 and r["loss"] == 0.0 for r in _train_records(multi))
+    assert not (multi / "memory.jsonl").exists()
+    # the evaluation: run by process 0 with process 1 serving its generate calls
+    evals = [[r for r in map(json.loads, filter(None, (run / "metrics.jsonl").read_text()
+                                                 .splitlines())) if r["kind"] == "eval"]
+             for run in (single, multi)]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [STEPS]
+    for k in ("accuracy", "num_problems"):
+        assert evals[1][0][k] == evals[0][0][k], k
+    res = [(run / "eval" / f"step_{STEPS:06d}" / "results.jsonl").read_text()
+           for run in (single, multi)]
+    assert res[0] and res[1] == res[0]  # the same evaluation texts, written once
+
+
+def test_files_written_once_by_process_0(runs):
+    for name in ("pmd_2", "grpo_2"):
+        run = runs[name]
+        # one record per step: process 1 writes no metrics (and the resume truncated none away)
+        assert [r["step"] for r in _train_records(run)] == list(range(STEPS))
+        assert (run / "config.json").exists() and list((run / "plots").glob("*.png"))
+        assert len(list((run / "tensorboard").iterdir())) >= 1
