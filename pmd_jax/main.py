@@ -2,6 +2,7 @@
 
     python -m pmd_jax.main --config=configs/smollm2_sciq.py [--config.rollout.n=4 ...]
     python -m pmd_jax.main --config=configs/olmo3.py --dry_run
+    python -m pmd_jax.main --config=configs/olmo3.py --dry_run --config.dry_run.target=v5p-64
 
 The config is validated (unknown keys, impossible combinations, missing files) before any
 model is loaded or any array is allocated: every problem is printed, one line each, and the
@@ -25,7 +26,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
 )
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Lower and compile the full-size step on abstract arrays; no weights."
+    "dry_run", False, "Lower and compile the full-size step on abstract arrays; no weights "
+    "(= --config.dry_run.enabled; with --config.dry_run.target=v5p-64|v5e-256|8xH100|8xH200: "
+    "memory vs that hardware's HBM, FITS / DOES NOT FIT (exit 1), roofline step time).",
 )
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", 64, "Number of simulated CPU devices for --dry_run."
