@@ -144,7 +144,9 @@ class LeaderSampler:
 
     def generate(self, prompts: Any, params: Any, **kw: Any) -> Any:
         if self.leading:
-            broadcast_object(("generate", [list(map(int, p)) for p in prompts], params, kw))
+            # Callbacks (``progress``) stay here: they report on process 0's own call.
+            sent = {k: v for k, v in kw.items() if not callable(v)}
+            broadcast_object(("generate", [list(map(int, p)) for p in prompts], params, sent))
         return self.inner.generate(prompts, params, **kw)
 
     def __getattr__(self, name: str) -> Any:
