@@ -626,6 +626,13 @@ def save_hf_checkpoint(
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     maps = tensor_maps(cfg)
     check_params(params, cfg)
+    spread = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(params)
+              if isinstance(v, jax.Array) and not v.is_fully_addressable]
+    if spread:
+        raise ValueError(
+            f"save_hf_checkpoint: params{spread[0]} (and {len(spread) - 1} more) span several "
+            "processes; gather them on every process first (pmd_jax.multihost.gather_tree) "
+            "and write on process 0 (pmd_jax.wiring.export_hf does both)")
     # Plan shards from shapes (no data touched), then stream one shard at a time.
     sizes: list[tuple[str, int]] = []
     for m in maps:
