@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax import multihost, update_rows
+from pmd_jax import footprint, multihost, paths, update_rows
 from pmd_jax.config import to_dict
 from pmd_jax.data import DataCursor, ProblemStream
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
@@ -62,6 +62,9 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         times[f"time_{name}"] = times.get(f"time_{name}", 0.0) + time.perf_counter() - t0
+        # The process's peak RSS once this phase is done: the phase where it jumps is the one
+        # that sets the run's memory need.
+        times[f"rss_peak_gib_after_{name}"] = footprint.peak_rss_gib()
 
 
 def _retry(fn, what: str, retries: int, base_delay: float = 2.0):
@@ -112,14 +115,13 @@ class Trainer:
         from pmd_jax import wiring
 
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = paths.makedirs(cfg.run_dir)  # an epath.Path: local or gs://
         # With several processes (pmd_jax.multihost) process 0 writes every file of the run.
         self.is_main = wiring.is_main_process()
         self.multi = multihost.process_count() > 1
         if self.is_main:
-            (self.run_dir / "config.json").write_text(
-                json.dumps(to_dict(cfg), indent=2, default=str))
+            paths.write_text(self.run_dir / "config.json",
+                             json.dumps(to_dict(cfg), indent=2, default=str))
         self.metrics = (MetricsWriter(self.run_dir, use_tensorboard=True) if self.is_main
                         else _NoMetrics())
         self.times: dict[str, float] = {}
@@ -163,6 +165,12 @@ class Trainer:
         self._next: Future | StepBatch | None = None
         self._pool: ThreadPoolExecutor | None = None
         log.info("set-up took %.1fs", time.perf_counter() - t0)
+        log.info(footprint.format_breakdown(footprint.breakdown({
+            "params": self.state.state.params, "optimizer": self.state.state.opt_state,
+            "teacher": self.state.state.teacher, "initial_policy": self.state.initial_params,
+            "sampler_weights": getattr(self.sampler, "params", None),
+            "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
+        })))
 
     def _build_overlap(self):
         """Checks that overlap can run here; returns the sampler for reflections/evaluation.
@@ -567,7 +575,8 @@ def run_dir_summary(run_dir: str | Path) -> str:
     """A short text summary of a run's eval records (used by the experiment runner)."""
     from pmd_jax.metrics import read_metrics
 
-    evals = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "eval"]
+    recs = read_metrics(paths.run_path(run_dir) / "metrics.jsonl")
+    evals = [r for r in recs if r["kind"] == "eval"]
     return "\n".join(f"step {r['step']}: accuracy {r.get('accuracy', float('nan')):.4f}"
                      + (f" ({r['in_sample']})" if r.get("in_sample") else "")
                      for r in evals)

@@ -563,19 +563,21 @@ def make_generate_fn(
         sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
                             max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
                             seed=int(seed))
-        out: list[list[str]] = [[] for _ in convs]
-        bs = max(1, cfg.rollout.max_batch // max(1, n))
-        # Chunks of similar prompt length (each chunk is padded to its longest prompt).
-        order = sorted(range(len(convs)), key=lambda i: len(gen.encode_chat(convs[i])))
-        prog = Progress(len(order), f"eval (seed {seed}, {n} samples each)", unit="prompt")
-        for s in range(0, len(order), bs):
-            idx = order[s: s + bs]
-            texts = gen.generate_texts([convs[i] for i in idx], sp)
-            for i, ts in zip(idx, texts, strict=True):
-                out[i] = [prefixes.get(_user_text(convs[i]), "") + t for t in ts]
-            prog.update(len(idx))
+        # One request: the sampler sorts the rows by prompt length and cuts them into batches
+        # (for the JAX sampler, the plan of sampling/batching.py: little padding, programs
+        # it has already compiled); it reports rows as batches finish.
+        prog = Progress(len(convs), f"eval (seed {seed}, {n} samples each)", unit="prompt")
+        done = [0]
+
+        def progress(rows: int) -> None:
+            done[0] += rows
+            if done[0] // n > prog.count:
+                prog.update(done[0] // n - prog.count)
+
+        texts = gen.generate_texts(convs, sp, progress=progress)
         prog.close()
-        return out
+        return [[prefixes.get(_user_text(c), "") + t for t in ts]
+                for c, ts in zip(convs, texts, strict=True)]
 
     return generate
 

@@ -97,9 +97,14 @@ class Rollouts:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """Generate ``params.n`` samples for each token-id prompt; swap weights by version."""
+    """Generate ``params.n`` samples for each token-id prompt; swap weights by version.
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts: ...
+    ``progress``, if given, is called with the number of rows (prompt x sample) finished each
+    time some finish (a long request reports as it goes; at the latest once, at the end).
+    """
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 progress: Callable[[int], None] | None = None) -> Rollouts: ...
 
     def set_weights(self, version: int) -> None: ...
 
@@ -136,21 +141,24 @@ class TextGenerator:
         self.encode_chat = encode_chat
         self.decode = decode
 
-    def generate_replies(self, conversations: Sequence[Messages], params: SamplingParams
+    def generate_replies(self, conversations: Sequence[Messages], params: SamplingParams, *,
+                         progress: Callable[[int], None] | None = None
                          ) -> list[list[TextReply]]:
-        """Returns, for each conversation, ``params.n`` decoded responses with finish reasons."""
+        """Returns, for each conversation, ``params.n`` decoded responses with finish reasons
+        (``progress``: see :class:`Sampler`)."""
         if not conversations:
             return []
         prompts = [self.encode_chat(m) for m in conversations]
-        rollouts = self.sampler.generate(prompts, params)
+        kw = {} if progress is None else {"progress": progress}
+        rollouts = self.sampler.generate(prompts, params, **kw)
         out: list[list[TextReply]] = [[] for _ in conversations]
         for r in rollouts:
             out[r.prompt_index].append(
                 TextReply(self.decode(r.tokens.tolist()), r.finish_reason))
         return out
 
-    def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams) -> list[
-        list[str]
-    ]:
+    def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams, *,
+                       progress: Callable[[int], None] | None = None) -> list[list[str]]:
         """Returns, for each conversation, ``params.n`` decoded responses."""
-        return [[r.text for r in rs] for rs in self.generate_replies(conversations, params)]
+        return [[r.text for r in rs]
+                for rs in self.generate_replies(conversations, params, progress=progress)]

@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -53,22 +53,10 @@ from pmd_jax.multihost import to_host
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling import sample_ops
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
+from pmd_jax.sampling.batching import bucket_length, plan_batches, row_bucket
 from pmd_jax.sharding import ShardingRules, shard_tree
 
 Params = Any
-
-# Prompt-length buckets: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x powers of two).
-_MIN_BUCKET = 16
-
-
-def bucket_length(n: int, minimum: int = _MIN_BUCKET) -> int:
-    """Smallest bucket >= n among {minimum} U {2^k, 3 * 2^(k-1)}."""
-    if n <= minimum:
-        return minimum
-    p = 1 << (n - 1).bit_length()  # next power of two >= n
-    three_quarters = 3 * p // 4
-    return three_quarters if three_quarters >= n else p
-
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -291,7 +279,8 @@ class JaxSampler:
         return p_len, cache_len, out_len
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 grammar: grammar_lib.Grammar | None = None) -> Rollouts:
+                 grammar: grammar_lib.Grammar | None = None,
+                 progress: Callable[[int], None] | None = None) -> Rollouts:
         """Sample ``params.n`` continuations of each prompt (see the module docstring).
 
         With ``params.json_schema`` (or ``grammar``, which takes precedence: a Lark grammar or
@@ -329,8 +318,16 @@ class JaxSampler:
         )
         pending = []
         grammar_s = [0.0]
-        for start in range(0, len(order), self.max_batch):
-            chunk = order[start : start + self.max_batch]
+        seen = _SHAPES_RUN.setdefault(id(self._run if engine is None else self._constrained), set())
+        lengths = [len(arrays[rows[r][0]]) for r in order]
+        plan = plan_batches(
+            lengths, self.max_batch,
+            lambda b, plen: (b, *self._shapes(plen, params.max_tokens)),
+            bucket_length(params.max_tokens), divisor=self._batch_div, compiled=seen)
+        for start, end in plan:
+            chunk = order[start:end]
+            seen.add((row_bucket(end - start, self._batch_div),
+                      *self._shapes(lengths[end - 1], params.max_tokens)))
             if engine is None:
                 pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars)))
             else:
@@ -348,6 +345,8 @@ class JaxSampler:
                     tokens=toks[j, :ln].astype(np.int32), logprobs=lps[j, :ln].astype(np.float32),
                     finish_reason="stop" if bool(stopped[j]) else "length",
                 )
+            if progress is not None:
+                progress(len(chunk))
         self.last_metrics = SamplerMetrics(
             rows=len(rows), batches=len(pending), new_tokens=new_tokens,
             seconds=time.perf_counter() - t0, constrained=engine is not None,
@@ -357,8 +356,7 @@ class JaxSampler:
     def _batch_arrays(self, chunk, rows, arrays, sp: SamplingParams):
         """Left-padded host arrays of one batch and its shapes."""
         b_real = len(chunk)
-        b = _next_pow2(b_real)
-        b = -(-b // self._batch_div) * self._batch_div
+        b = row_bucket(b_real, self._batch_div)
         plen = max(len(arrays[rows[r][0]]) for r in chunk)
         p_len, cache_len, out_len = self._shapes(plen, sp.max_tokens)
         tokens = np.full((b, p_len), self.pad_id, np.int32)
@@ -525,6 +523,9 @@ def _sample_masked(logits: jax.Array, bitmask: jax.Array, prompt_idx: jax.Array,
     return sample_ops.sample_tokens(sample_ops.apply_token_bitmask(logits, bitmask), keys,
                                     temperature, top_k, top_p, needs_filter=needs_filter)
 
+
+# Batch shapes each compiled program family has run (plan_batches treats them as free).
+_SHAPES_RUN: dict[int, set[tuple[int, ...]]] = {}
 
 _LLG_TOKENIZERS: dict[tuple[int, int, Any], tuple[Any, Any]] = {}
 

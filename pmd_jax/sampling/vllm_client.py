@@ -33,7 +33,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -211,7 +211,8 @@ class VLLMSampler:
         return self.model
 
     # ------------------------------------------------------------------------- Sampler
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 progress: Callable[[int], None] | None = None) -> Rollouts:
         params.validate(self.vocab_size)
         if not prompts:
             return Rollouts(items=[], weights_version=self.weights_version)
@@ -259,7 +260,10 @@ class VLLMSampler:
                     f"{_excerpt(params.json_schema, 200)}: {e}"
                 ) from e
             raise
-        return self._parse_completions(out, len(clean), params)
+        rollouts = self._parse_completions(out, len(clean), params)
+        if progress is not None:  # one request: all rows finish together
+            progress(len(rollouts.items))
+        return rollouts
 
     def _parse_completions(self, out: Any, num_prompts: int, params: SamplingParams) -> Rollouts:
         where = f"{self.base_url}/v1/completions"

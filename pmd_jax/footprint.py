@@ -1,0 +1,78 @@
+"""Where a run's host memory goes: array bytes by role, and the process's resident set.
+
+On CPU the "device" is host RAM, so every copy of the weights the loop keeps is resident: the
+trainable params, AdamW's two moments, the EMA teacher, the initial policy (the KL-to-initial
+reference and what the sampler started from), the sampler's per-layer copy (its decode loop
+reads layer weights in place), the memory's embedder. Around them XLA allocates temporaries
+per compiled program (activations, logits chunks, KV caches) and holds the programs
+themselves. :func:`breakdown` sums the first group from the live trees; ``rss_*`` read the
+kernel's view of the whole process (``/proc/self/status``), so the difference is XLA's
+temporaries, compiled programs, Python and the allocator's cache.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+GiB = 1024**3
+
+
+def tree_bytes(tree: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct arrays in a pytree (an array reached twice counts once)."""
+    import jax
+
+    seen = set() if seen is None else seen
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        nbytes = getattr(leaf, "nbytes", None)
+        if nbytes is None or id(leaf) in seen:
+            continue
+        seen.add(id(leaf))
+        total += int(nbytes)
+    return total
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_gib() -> float:
+    """Resident set size now (0.0 where /proc is missing)."""
+    kib = _status_kib("VmRSS")
+    return (kib or 0) / 1024**2
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident set size so far (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (GiB if sys.platform == "darwin" else 1024**2)
+
+
+def breakdown(parts: Mapping[str, Any]) -> dict[str, float]:
+    """GiB per named tree, arrays shared between trees counted under the first name only,
+    plus ``rss`` (now) and ``rss_peak``."""
+    seen: set[int] = set()
+    out = {name: tree_bytes(tree, seen) / GiB for name, tree in parts.items() if tree is not None}
+    out["arrays_total"] = sum(out.values())
+    out["rss"] = rss_gib()
+    out["rss_peak"] = peak_rss_gib()
+    return out
+
+
+def format_breakdown(b: Mapping[str, float]) -> str:
+    named = ", ".join(f"{k} {v:.2f}" for k, v in b.items()
+                      if k not in ("arrays_total", "rss", "rss_peak"))
+    rest = b.get("rss", 0.0) - b.get("arrays_total", 0.0)
+    return (f"host memory (GiB): {named}; arrays {b.get('arrays_total', 0.0):.2f}; "
+            f"process RSS {b.get('rss', 0.0):.2f} (peak {b.get('rss_peak', 0.0):.2f}; "
+            f"{rest:.2f} beyond these arrays: XLA temporaries and programs, Python, allocator)")
