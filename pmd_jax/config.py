@@ -23,7 +23,16 @@ import ml_collections
 
 from pmd_jax.models.config import ConfigError
 
-MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy")
+# PMD with one change each, for the comparison grid: a critic control (the teacher sees the
+# memory of a random other problem: same form and size, wrong content) and level ablations.
+# The mode name stays in the run's config and metrics; apply_mode sets what it implies.
+PMD_VARIANTS: dict[str, dict[str, Any]] = {
+    "pmd_random_memory": {"control_mode": "random_other_problem"},
+    "pmd_no_insight": {"levels.insight": False},
+    "pmd_no_behaviors": {"levels.behavior": False},
+}
+MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
+                          *PMD_VARIANTS)
 SAMPLERS: tuple[str, ...] = ("jax", "vllm")
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
 # Environment variables jax reads at import; when set they win over the train.* options.
@@ -242,6 +251,7 @@ def config_errors(c: ml_collections.ConfigDict) -> list[str]:
             errs.append(msg)
 
     need(c.mode in MODES, f"mode={c.mode!r} is not one of {MODES}")
+    errs.extend(mode_errors(c))
     need(c.rollout.sampler in SAMPLERS, f"rollout.sampler={c.rollout.sampler!r} not in {SAMPLERS}")
     need(c.rollout.n >= 1, f"rollout.n must be >= 1, got {c.rollout.n}")
     need(c.rollout.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
@@ -415,7 +425,7 @@ def _path_task_errors(c: ml_collections.ConfigDict) -> list[str]:
     return errs
 
 
-MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy")
+MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
 
 
 def teacher_prompt_budget(c: ml_collections.ConfigDict) -> int:
@@ -655,7 +665,36 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             c.distill.loss.mode = "sdpo"
         c.distill.loss.group_size = int(c.rollout.n)
         c.distill.loss.temperature = float(c.rollout.temperature or 1.0)
+        defaults = _memory_defaults()
+        for key, value in PMD_VARIANTS.get(c.mode, {}).items():
+            # Set what the mode implies where the user left the default; a conflicting
+            # explicit value is reported by mode_errors.
+            if _get_dotted(c.memory, key) == _get_dotted(defaults, key):
+                _set_dotted(c.memory, key, value)
     return c
+
+
+def _get_dotted(c: Any, key: str) -> Any:
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _set_dotted(c: Any, key: str, value: Any) -> None:
+    *head, last = key.split(".")
+    for part in head:
+        c = c[part]
+    c[last] = value
+
+
+def mode_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """A PMD variant whose implied memory setting was overridden to something else (the
+    default is fine: apply_mode replaces it)."""
+    defaults = _memory_defaults()
+    return [f"mode={c.mode!r} implies memory.{key}={value!r}, but memory.{key}="
+            f"{_get_dotted(c.memory, key)!r} was set; drop the override or use mode='pmd'"
+            for key, value in PMD_VARIANTS.get(c.mode, {}).items()
+            if _get_dotted(c.memory, key) not in (value, _get_dotted(defaults, key))]
 
 
 def to_dict(c: Any) -> Any:

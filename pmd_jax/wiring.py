@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from pmd_jax import update_rows
+from pmd_jax.config import MEMORY_MODES
 from pmd_jax.data import select_demonstrations
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 
 log = logging.getLogger("pmd_jax")
 
-PMD_MODES = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy")
+PMD_MODES = MEMORY_MODES  # the modes with a procedural memory (config.MEMORY_MODES)
 
 
 def is_main_process() -> bool:

@@ -352,3 +352,34 @@ def test_command_line_none_reaches_the_trainer(tmp_path):
               code=fake)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["None", "None", "2.0", "2"]
+
+
+@pytest.mark.parametrize("mode,key,value", [
+    ("pmd_random_memory", ("control_mode",), "random_other_problem"),
+    ("pmd_no_insight", ("levels", "insight"), False),
+    ("pmd_no_behaviors", ("levels", "behavior"), False),
+])
+def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value):
+    from pmd_jax import wiring
+    from pmd_jax.config import config_errors
+
+    c = apply_mode(_variant(mode))
+    got = c.memory
+    for k in key:
+        got = got[k]
+    assert got == value and mode in wiring.PMD_MODES
+    assert not [e for e in config_errors(c) if "implies" in e]
+    bad = _variant(mode)
+    if key == ("control_mode",):
+        bad.memory.control_mode = "inverted_lessons"
+        msg = "implies memory.control_mode='random_other_problem'"
+    else:  # an ablation whose level was explicitly switched on again is still on: no conflict
+        return
+    errs = config_errors(apply_mode(bad))
+    assert any(msg in e for e in errs), errs
+
+
+def _variant(mode: str):
+    c = base_config()
+    c.mode = mode
+    return c
