@@ -1,50 +1,275 @@
-"""The grid runner's comparison table, on evaluation results written by tasks.evaluation."""
+"""The comparison grid (pmd_jax.experiments): cells on disk, resume/skip logic, the table.
 
+Finished cells are written by hand here (metrics.jsonl + eval/step_*/results.jsonl with known
+numbers, as the trainer writes them); the table's numbers are checked against direct numpy /
+scipy computations: means per seed and over (problem, seed) pairs, bootstrap CIs against the
+normal approximation, the sign test against scipy.stats.binomtest. The real end-to-end grid
+(two tiny cells through pmd_jax.main) is marked slow: a tiny run takes minutes on a loaded CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from pmd_jax.experiments import cell_command, compare_runs
-from pmd_jax.tasks import evaluation
+from pmd_jax import experiments as ex
+from pmd_jax.experiments import Cell, GridError
 
-
-def _write_run(root: Path, mode: str, seed: int, p_correct: float, rng) -> Path:
-    run = root / f"{mode}_seed{seed}"
-    records = []
-    for i in range(40):
-        rewards = (rng.random(2) < p_correct + (0.3 if i % 3 == 0 else 0.0)).astype(float)
-        records.append({"problem_id": f"q{i}", "seed": 0, "split": "validation",
-                        "rewards": rewards.tolist(), "reasons": [], "mean": rewards.mean()})
-    res = evaluation.EvalResult(name=mode, records=records)
-    evaluation.save_results(res, run / "eval" / "step_000000" / "results.jsonl")
-    evaluation.save_results(res, run / "eval" / "step_000010" / "results.jsonl")
-    return run
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/smollm2_sciq.py"
+STEPS = 4
+OVERRIDES = [f"--config.train.steps={STEPS}", "--config.train.eval_every=2"]
+BUDGET = {"config": CONFIG, "overrides": OVERRIDES, "train_steps": STEPS}
 
 
-def test_compare_runs_pools_seeds_and_tests_against_first_mode(tmp_path):
-    rng = np.random.default_rng(0)
-    cells = {
-        "grpo": [_write_run(tmp_path, "grpo", s, 0.2, rng) for s in (0, 1)],
-        "pmd": [_write_run(tmp_path, "pmd", s, 0.6, rng) for s in (0, 1)],
-    }
-    table = compare_runs(cells, tmp_path / "out")
-    assert "| grpo |" in table and "| pmd |" in table and "pmd - grpo" in table
-    # the reference: evaluation.compare on the pooled per-problem scores
-    pooled = {}
-    for mode, dirs in cells.items():
-        recs = []
-        for d in dirs:
-            r = evaluation.load_results(d / "eval" / "step_000010" / "results.jsonl")
-            recs += r.records
-        pooled[mode] = evaluation.EvalResult(name=mode, records=recs)
-    ref = evaluation.compare(pooled["grpo"], pooled["pmd"])
-    assert f"{ref['diff']:+.3f}" in table
-    assert ref["diff"] > 0.2 and ref["p_sign"] < 0.01
-    assert (tmp_path / "out" / "comparison.json").exists()
+def _write_cell(folder: Path, cell: Cell, rewards: np.ndarray, *, steps: int = STEPS,
+                last_train: int | None = None, final_eval: bool = True,
+                info: dict | None = BUDGET) -> np.ndarray:
+    """A run folder as the trainer leaves it: train records 0..steps-1, evals at 0, 2, ..,
+    steps (accuracy at step s: the final accuracy scaled by s / steps), results.jsonl of the
+    final evaluation with ``rewards[p]`` (k samples) for problem p. Returns the per-problem
+    scores."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scores = rewards.mean(axis=1)
+    final_acc = float(scores.mean())
+    last_train = steps - 1 if last_train is None else last_train
+    recs = []
+    for s in range(steps + 1):
+        if s % 2 == 0 and (s < steps or final_eval) and s <= last_train + 1:
+            recs.append({"kind": "eval", "step": s, "accuracy": final_acc * s / steps})
+        if s <= last_train:
+            recs.append({"kind": "train", "step": s, "loss": 0.1})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (folder / "config.json").write_text(json.dumps({"mode": cell.mode, "seed": cell.seed}))
+    if final_eval:
+        ev = folder / "eval" / f"step_{steps:06d}"
+        ev.mkdir(parents=True)
+        ev.joinpath("results.jsonl").write_text("".join(
+            json.dumps({"name": ev.name, "problem_id": f"q{p}", "seed": 0, "split": "validation",
+                        "rewards": r.tolist(), "reasons": [], "mean": float(r.mean()),
+                        "in_sample": False}) + "\n" for p, r in enumerate(rewards)))
+    if info is not None:
+        (folder / ex.CELL_INFO).write_text(json.dumps({**info, "mode": cell.mode,
+                                                        "seed": cell.seed}))
+    return scores
 
 
-def test_cell_command_is_the_main_entry_point(tmp_path):
-    cmd = cell_command("configs/smollm2_sciq.py", "sdpo", 3, tmp_path, ["--config.train.steps=2"])
-    assert cmd[1:3] == ["-m", "pmd_jax.main"]
-    assert "--config.mode=sdpo" in cmd and "--config.seed=3" in cmd
-    assert cmd[-1] == "--config.train.steps=2"
+# per-mode probability of a correct sample: pmd > sdpo > grpo
+P = {"grpo": 0.3, "sdpo": 0.45, "pmd": 0.65}
+
+
+@pytest.fixture
+def grid(tmp_path):
+    """3 modes x 2 seeds, 40 problems x 2 samples, all finished in out/."""
+    rng = np.random.default_rng(1)
+    out = tmp_path / "out"
+    scores = {}
+    for mode, p in P.items():
+        for seed in (0, 1):
+            rewards = (rng.random((40, 2)) < p).astype(float)
+            scores[Cell(mode, seed)] = _write_cell(out / f"{mode}_seed{seed}", Cell(mode, seed),
+                                                   rewards)
+    return out, scores
+
+
+def test_table_matches_direct_computation(grid):
+    from scipy.stats import binomtest
+
+    out, scores = grid
+    modes, seeds = list(P), [0, 1]
+    comp = ex.write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
+    assert comp["missing"] == []
+    by_mode = {s["mode"]: s for s in comp["summaries"]}
+    for mode in modes:
+        s = by_mode[mode]
+        units = np.concatenate([scores[Cell(mode, 0)], scores[Cell(mode, 1)]])
+        assert s["n_pairs"] == 80 and s["n_problems"] == 40 and s["seeds"] == [0, 1]
+        assert s["accuracy"] == pytest.approx(units.mean())
+        for seed in seeds:
+            assert s["per_seed"][str(seed)] == {
+                "accuracy": pytest.approx(scores[Cell(mode, seed)].mean()), "n_problems": 40}
+        # percentile bootstrap over the 80 pairs ~ normal approximation of the mean's CI
+        half = 1.96 * units.std(ddof=0) / np.sqrt(units.size)
+        assert s["ci_low"] == pytest.approx(units.mean() - half, abs=0.015)
+        assert s["ci_high"] == pytest.approx(units.mean() + half, abs=0.015)
+        # resampling problems (mean over seeds each): the CI of 40 problem means
+        pm = (scores[Cell(mode, 0)] + scores[Cell(mode, 1)]) / 2
+        half_p = 1.96 * pm.std(ddof=0) / np.sqrt(pm.size)
+        assert s["ci_problems_low"] == pytest.approx(pm.mean() - half_p, abs=0.015)
+        assert s["ci_problems_high"] == pytest.approx(pm.mean() + half_p, abs=0.015)
+    pairs = {(c["mode"], c["reference"]): c for c in comp["comparisons"]}
+    # every mode against SDPO, and against GRPO (grpo vs sdpo once)
+    assert set(pairs) == {("grpo", "sdpo"), ("pmd", "sdpo"), ("pmd", "grpo")}
+    for (mode, ref), c in pairs.items():
+        d = np.concatenate([scores[Cell(mode, s)] - scores[Cell(ref, s)] for s in seeds])
+        assert c["n_pairs"] == 80 and c["n_problems"] == 40 and c["seeds"] == [0, 1]
+        assert c["diff"] == pytest.approx(d.mean())
+        half = 1.96 * d.std(ddof=0) / np.sqrt(d.size)
+        assert c["ci_low"] == pytest.approx(d.mean() - half, abs=0.02)
+        assert c["ci_high"] == pytest.approx(d.mean() + half, abs=0.02)
+        pos, neg = int((d > 0).sum()), int((d < 0).sum())
+        assert (c["mode_better"], c["reference_better"], c["ties"]) == (pos, neg, 80 - pos - neg)
+        assert c["p_sign"] == pytest.approx(binomtest(pos, pos + neg, 0.5).pvalue, rel=1e-9)
+    assert pairs[("pmd", "grpo")]["p_sign"] < 0.01  # 0.65 vs 0.3: a real difference
+    # the files: markdown shows the same numbers, JSON round-trips them, the plot is a PNG
+    md = (out / "comparison.md").read_text()
+    pg = pairs[("pmd", "grpo")]
+    assert "| pmd - grpo | 80 | 40 | 2 |" in md and f"{pg['diff']:+.3f}" in md
+    s = by_mode["sdpo"]
+    assert f"{s['per_seed']['1']['accuracy']:.3f} (n=40)" in md
+    assert f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]" in md
+    js = json.loads((out / "comparison.json").read_text())
+    assert js["summaries"][0]["accuracy"] == pytest.approx(by_mode["grpo"]["accuracy"])
+    assert js["budget"] == BUDGET
+    png = (out / ex.PLOT_FILE).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out / ex.PLOT_FILE)
+    assert img.shape[0] > 200 and img.shape[1] > 300
+
+
+def test_report_lists_a_missing_cell(grid):
+    out, scores = grid
+    modes, seeds = list(P), [0, 1, 2]  # seed 2 never ran; pmd seed 1 stopped midway
+    (out / "pmd_seed1" / "eval" / f"step_{STEPS:06d}" / "results.jsonl").unlink()
+    comp = ex.write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
+    missing = {m["cell"]: m["why"] for m in comp["missing"]}
+    assert set(missing) == {"grpo:2", "sdpo:2", "pmd:2", "pmd:1"}
+    assert "results.jsonl" in missing["pmd:1"]
+    pmd = next(s for s in comp["summaries"] if s["mode"] == "pmd")
+    assert pmd["seeds"] == [0] and pmd["accuracy"] == pytest.approx(scores[Cell("pmd", 0)].mean())
+    c = next(c for c in comp["comparisons"] if (c["mode"], c["reference"]) == ("pmd", "sdpo"))
+    assert c["n_pairs"] == 40 and c["seeds"] == [0]  # matched pairs only
+    md = (out / "comparison.md").read_text()
+    assert "Cells finished: 5/9" in md and "pmd:1 (no eval/step_000004/results.jsonl)" in md
+    assert "| pmd | 4 |" in md and "missing" in md
+
+
+def test_cell_state_and_budget_checks(tmp_path):
+    rewards = np.ones((3, 1))
+    done, why = ex.cell_state(tmp_path / "none", STEPS)
+    assert not done and why == "not started"
+    _write_cell(tmp_path / "a", Cell("grpo", 0), rewards)
+    assert ex.cell_state(tmp_path / "a", STEPS) == (True, "finished")
+    _write_cell(tmp_path / "b", Cell("grpo", 0), rewards, last_train=1, final_eval=False)
+    done, why = ex.cell_state(tmp_path / "b", STEPS)
+    assert not done and "no evaluation at step 4" in why
+    with pytest.raises(GridError, match="past train.steps=2"):
+        ex.cell_state(tmp_path / "a", 2)
+    with pytest.raises(GridError, match="same budget"):
+        ex._check_budget({**BUDGET, "overrides": ["--config.train.steps=8"]}, BUDGET,
+                         tmp_path / "a")
+
+
+def test_overrides_of_grid_keys_are_refused():
+    assert ex.check_overrides(OVERRIDES) == OVERRIDES
+    for bad in ("--config.mode=pmd", "--config.seed=3", "--config.run_dir=/x"):
+        with pytest.raises(GridError, match="refused"):
+            ex.check_overrides([*OVERRIDES, bad])
+
+
+def test_parse_cells():
+    modes, seeds = ["grpo", "sdpo"], [0, 1]
+    assert ex.parse_cells([], modes, seeds) == [Cell(m, s) for m in modes for s in seeds]
+    assert ex.parse_cells(["sdpo:1", "grpo:0", "sdpo:1"], modes, seeds) == [
+        Cell("sdpo", 1), Cell("grpo", 0)]
+    with pytest.raises(GridError, match="not in the grid"):
+        ex.parse_cells(["pmd:0"], modes, seeds)
+    with pytest.raises(GridError, match="not mode:seed"):
+        ex.parse_cells(["grpo"], modes, seeds)
+
+
+def _never(cmd):
+    pytest.fail(f"a process was started for a finished cell: {cmd}")
+
+
+def test_run_grid_skips_finished_copies_scratch_and_reruns_unfinished(tmp_path):
+    out, scratch = tmp_path / "docs" / "grid", tmp_path / "runs" / "grid"
+    rewards = np.zeros((3, 2))
+    # grpo:0 finished in out; grpo:1 finished in scratch only (crash before the copy), with
+    # bulky files; grpo:2 stopped after step 1 (in scratch).
+    _write_cell(out / "grpo_seed0", Cell("grpo", 0), rewards)
+    _write_cell(scratch / "grpo_seed1", Cell("grpo", 1), rewards)
+    (scratch / "grpo_seed1" / "checkpoints" / "4").mkdir(parents=True)
+    (scratch / "grpo_seed1" / "checkpoints" / "4" / "state").write_bytes(b"x" * 100)
+    (scratch / "grpo_seed1" / "final_hf").mkdir()
+    _write_cell(scratch / "grpo_seed2", Cell("grpo", 2), rewards, last_train=1,
+                final_eval=False)
+    seeds = [0, 1, 2]
+    launched = ex.run_grid(CONFIG, ["grpo"], seeds, out, scratch, OVERRIDES,
+                           cells=[Cell("grpo", 0), Cell("grpo", 1)], runner=_never)
+    assert launched == []
+    copied = sorted(str(p.relative_to(out / "grpo_seed1"))
+                    for p in (out / "grpo_seed1").rglob("*") if p.is_file())
+    assert copied == ["cell.json", "config.json", "eval/step_000004/results.jsonl",
+                      "metrics.jsonl"]
+    calls = []
+
+    def runner(cmd):  # the unfinished cell is started again with the grid's command
+        calls.append(cmd)
+        return 3
+
+    with pytest.raises(ex.CellFailed, match="grpo:2 failed with exit code 3"):
+        ex.run_grid(CONFIG, ["grpo"], seeds, out, scratch, OVERRIDES, runner=runner)
+    assert calls == [ex.cell_command(CONFIG, "grpo", 2, scratch / "grpo_seed2", OVERRIDES)]
+    assert not (out / "grpo_seed2").exists()
+    # another budget for the same folders is refused before anything runs
+    with pytest.raises(GridError, match="same budget"):
+        ex.run_grid(CONFIG, ["grpo"], seeds, out, scratch, ["--config.train.steps=6"],
+                    runner=_never)
+    with pytest.raises(GridError, match="inside --out"):
+        ex.run_grid(CONFIG, ["grpo"], seeds, out, out / "runs", OVERRIDES, runner=_never)
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "pmd_jax.experiments", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_report_only_and_refusals(grid):
+    out, _ = grid
+    p = _cli(f"--config={CONFIG}", "--modes=grpo,sdpo,pmd", "--seeds=0,1,2",
+             f"--out={out}", "--report_only")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "| pmd - grpo |" in p.stdout and "Cells finished: 6/9" in p.stdout
+    assert "sdpo:2" in p.stderr  # the missing cells are logged too
+    p = _cli(f"--config={CONFIG}", "--modes=grpo", f"--out={out}", "--config.seed=4")
+    assert p.returncode == 2 and "--config.seed=4" in p.stderr and "refused" in p.stderr
+    p = _cli(f"--config={CONFIG}", "--modes=grpo", f"--out={out}", "--cells=pmd:0")
+    assert p.returncode == 2 and "not in the grid" in p.stderr
+
+
+@pytest.mark.slow
+def test_end_to_end_two_tiny_cells(tmp_path):
+    """Two real cells (tiny random Llama, 1 step each) through pmd_jax.main, then a second
+    invocation that starts no process."""
+    tiny = [
+        "--config.model.random_init=tiny-llama", "--config.rollout.problems_per_step=2",
+        "--config.rollout.n=2", "--config.rollout.max_tokens=8",
+        "--config.rollout.max_prompt_tokens=320", "--config.task.max_eval_problems=2",
+        "--config.eval.n=1", "--config.eval.max_tokens=8", "--config.train.steps=1",
+        "--config.train.eval_every=1", "--config.train.eval_at_start=False",
+        "--config.teacher_prompt.max_tokens=768", "--config.distill.loss.topk=8",
+        "--config.train.export_hf=False",
+    ]
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    args = [f"--config={CONFIG}", "--modes=grpo,sdpo", "--seeds=0", f"--out={out}",
+            f"--scratch={scratch}", *tiny]
+    p = _cli(*args)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "cell 2/2 sdpo:0: done" in p.stderr
+    for cell in ("grpo_seed0", "sdpo_seed0"):
+        assert (out / cell / "eval" / "step_000001" / "results.jsonl").is_file()
+        assert not (out / cell / "checkpoints").exists()
+        assert (scratch / cell / "checkpoints").is_dir()
+    assert "| sdpo - grpo |" not in p.stdout and "| grpo - sdpo |" in p.stdout
+    p = _cli(*args)
+    assert p.returncode == 0 and p.stderr.count("skipped") == 2
