@@ -248,7 +248,8 @@ def _check_budget(info: dict | None, budget: dict, where: Path) -> None:
     if info is None:
         return
     theirs = {k: info.get(k) for k in budget}
-    if theirs != budget:
+    if ({**theirs, "overrides": sorted(theirs["overrides"] or [])}
+            != {**budget, "overrides": sorted(budget["overrides"])}):
         raise GridError(
             f"{where} was run with {theirs}, this grid has {budget}: every cell must have the "
             "same budget; use the same config and overrides, or another --out / --scratch")
@@ -357,6 +358,8 @@ def build_comparison(results: Sequence[CellResult], modes: Sequence[str]) -> dic
 
 
 def _f(x: float, fmt: str = ".3f") -> str:
+    if fmt == ".4f" and x == 0.0:  # a p-value: no bootstrap draw on the other side of 0
+        return f"<{1 / N_BOOT:g}"
     return format(x, fmt) if isinstance(x, int | float) and math.isfinite(x) else "n/a"
 
 
@@ -402,32 +405,53 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(results: Sequence[CellResult], modes: Sequence[str], path: Path) -> Path:
+def accuracy_curves(results: Sequence[CellResult], modes: Sequence[str]) -> dict:
+    """Per mode: the steps every seed of the mode evaluated at, and the mean / min / max
+    over seeds of the held-out accuracy there (from the cells' metrics.jsonl)."""
+    curves = {}
+    for mode in modes:
+        cs = [dict(r.curve) for r in results if r.cell.mode == mode]
+        if not cs:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in cs)))
+        ys = np.array([[c[s] for s in steps] for c in cs], dtype=np.float64).reshape(
+            len(cs), len(steps))
+        curves[mode] = {
+            "steps": steps, "n_seeds": len(cs),
+            "mean": ys.mean(axis=0).tolist(), "min": ys.min(axis=0).tolist(),
+            "max": ys.max(axis=0).tolist(),
+            "per_seed": {str(r.cell.seed): [list(x) for x in r.curve]
+                         for r in results if r.cell.mode == mode},
+        }
+    return curves
+
+
+def plot_curves(curves: dict, path: Path) -> Path:
     """Held-out accuracy vs step: per mode the mean over seeds (at the steps every seed of
     the mode evaluated), a min-max band over seeds, and thin per-seed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from pmd_jax import paths
 
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, mode in enumerate(m for m in modes if any(r.cell.mode == m for r in results)):
+    for i, (mode, c) in enumerate(curves.items()):
         color = colors[i % len(colors)]
-        curves = [dict(r.curve) for r in results if r.cell.mode == mode]
-        for c in curves:
-            xs = sorted(c)
-            ax.plot(xs, [c[x] for x in xs], color=color, lw=0.7, alpha=0.35)
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        if not steps:
+        for pts in c["per_seed"].values():
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, color=color, lw=0.7, alpha=0.35)
+        if not c["steps"]:
             continue
-        ys = np.array([[c[s] for s in steps] for c in curves])
-        ax.plot(steps, ys.mean(axis=0), color=color, lw=2.0, marker="o", ms=3,
-                label=f"{mode} (mean of {len(curves)} seeds)")
-        if len(curves) > 1:
-            ax.fill_between(steps, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.15)
+        ax.plot(c["steps"], c["mean"], color=color, lw=2.0, marker="o", ms=3,
+                label=f"{mode} (mean of {c['n_seeds']} seeds)")
+        if c["n_seeds"] > 1:
+            ax.fill_between(c["steps"], c["min"], c["max"], color=color, alpha=0.15)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out accuracy (memory-free)")
     ax.set_title("Held-out accuracy vs step (band: min-max over seeds; thin: each seed)",
@@ -468,6 +492,7 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
     comp["missing"] = [{"cell": c.key, "why": why} for c, why in missing]
     comp["budget"] = {k: budget[k] for k in ("config", "overrides", "train_steps")}
     comp["cells"] = [r.cell.key for r in finished]
+    comp["curves"] = accuracy_curves(finished, modes)
     header = [
         "# Comparison grid", "",
         f"Config `{budget['config']}`, overrides (every cell): "
@@ -480,7 +505,7 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
     table = report_markdown(comp, header, seeds)
     (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(comp, indent=2, default=str) + "\n")
-    plot_curves(finished, modes, out / PLOT_FILE)
+    plot_curves(comp["curves"], out / PLOT_FILE)
     comp["markdown"] = table
     return comp
 

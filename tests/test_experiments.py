@@ -127,6 +127,13 @@ def test_table_matches_direct_computation(grid):
     js = json.loads((out / "comparison.json").read_text())
     assert js["summaries"][0]["accuracy"] == pytest.approx(by_mode["grpo"]["accuracy"])
     assert js["budget"] == BUDGET
+    # the plotted curves: evaluations at steps 0, 2, 4 (accuracy final * step / 4 per seed)
+    for mode in modes:
+        c = comp["curves"][mode]
+        finals = np.array([scores[Cell(mode, s)].mean() for s in seeds])
+        assert c["steps"] == [0, 2, 4] and c["n_seeds"] == 2
+        assert c["mean"] == pytest.approx([0.0, finals.mean() / 2, finals.mean()])
+        assert c["min"][2] == pytest.approx(finals.min()) and c["max"][2] == finals.max()
     png = (out / ex.PLOT_FILE).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
