@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     pre_errs = list(line.errors) if line is not None else []
     if line is not None:
         set_none(cfg, line.none_keys)
-    if _DRY_RUN.value or cfg.dry_run.enabled:
+    if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
         from pmd_jax.config import batch_plan_errors
 
         errs = pre_errs + batch_plan_errors(cfg)
