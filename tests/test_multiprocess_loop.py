@@ -37,7 +37,9 @@ bitwise reproducible (not asserted here: that would double the time).
 
 Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
 and process 1's cache keys differ, so process 1 compiles every program in every launch
-(~40 s per train-step shape on a busy 2-core machine); the whole module takes ~8-12 min there.
+(~40 s per train-step shape on a busy 2-core machine). The module took 5:56 and 6:38 on the
+2-core machine at load 11-16 (7 launches: 3 one-process, 3 two-process, a restart); it needs
+no accelerator.
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ import pytest
 from tests.test_trainer import _env, cache_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-HEARTBEAT_S = 15
-KILL_SLACK_S = 45  # the coordination service notices, then polls the error to process 0
+# jax.distributed's heartbeat timeout for the two-process runs: short enough to see a dead
+# peer noticed quickly, long enough that a process starved of CPU on a loaded machine (load
+# 70 on 2 cores was seen) is not declared dead while it compiles.
+HEARTBEAT_S = 60
+KILL_SLACK_S = 60  # the coordination service notices, then polls the error to process 0
 RUN_TIMEOUT_S = 1200.0
 ATOL_STATE = 2e-6
 MOVED_MIN = 10 * ATOL_STATE
@@ -152,8 +157,14 @@ def _kill(jobs: list[tuple[subprocess.Popen, Path]]) -> None:
 
 
 def _tails(jobs: list[tuple[subprocess.Popen, Path]]) -> str:
-    return "\n".join(f"--- {log.name}:\n" + "\n".join(
-        log.read_text(errors="replace").splitlines()[-30:]) for _, log in jobs)
+    """Each log's error lines (jax's fatal ones included) and its last lines."""
+    out = []
+    for _, log in jobs:
+        lines = log.read_text(errors="replace").splitlines()
+        errors = [x for x in lines if "Terminating process" in x or "unhealthy" in x
+                  or "Error:" in x][:10]
+        out.append(f"--- {log.name}:\n" + "\n".join(errors + ["..."] + lines[-30:]))
+    return "\n".join(out)
 
 
 def _wait(jobs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
