@@ -62,7 +62,8 @@ from tests.test_trainer import _env, cache_flags
 ROOT = Path(__file__).resolve().parents[1]
 # jax.distributed's heartbeat timeout for the two-process runs: short enough to see a dead
 # peer noticed quickly, long enough that a process starved of CPU on a loaded machine (load
-# 70 on 2 cores was seen) is not declared dead while it compiles.
+# 70 on 2 cores was seen; with 15 s both jobs of one run aborted while compiling there, most
+# likely declared dead) is not declared dead while it compiles.
 HEARTBEAT_S = 60
 KILL_SLACK_S = 60  # the coordination service notices, then polls the error to process 0
 RUN_TIMEOUT_S = 1200.0
@@ -218,7 +219,8 @@ def runs(tmp_path_factory) -> dict:
     grpo_1 = _start(d["grpo_1"], 1, "grpo", "run", *GRPO_EVAL)
     grpo_2 = _start(d["grpo_2"], 2, "grpo", "run", *GRPO_EVAL)
     _wait(pmd_1 + resumed + grpo_1 + grpo_2, deadline)
-    print(f"all runs took {time.monotonic() - t0:.0f}s")
+    print(f"all runs took {time.monotonic() - t0:.0f}s; process 0 stopped "
+          f"{kill.get('seconds', float('nan')):.0f}s after process 1 was killed")
     return {**d, "kill": kill,
             "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
 
