@@ -143,7 +143,9 @@ def test_max_tokens_one_and_large_batch_split(tiny_params):
     s = JaxSampler(TINY, tiny_params, max_len=64, max_batch=4)
     prompts = [[i + 1, (i * 7) % 90 + 1] for i in range(5)]
     out = s.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=1))
-    assert len(out) == 10 and s.last_metrics.batches == 3
+    # 10 rows, at most 4 per batch: 3 batches or more (the plan may prefer programs this
+    # process has already compiled, see sampling/batching.py)
+    assert len(out) == 10 and s.last_metrics.batches >= 3
     assert all(len(r.tokens) == 1 and r.finish_reason == "length" for r in out)
     # prompt + max_tokens exactly at max_len is allowed
     long = s.generate([list(range(1, 61))], SamplingParams(temperature=0.0, max_tokens=4))
