@@ -35,18 +35,8 @@ cd "$(dirname "$0")/.."
 die() { echo "gpu.sh: $*" >&2; exit 2; }
 PY=${PYTHON:-python3}
 
-run() {
-  if ((PRINT)); then
-    printf '%q ' "$@" | sed 's/ $//'
-    echo
-  else
-    "$@"
-  fi
-}
-q() { printf '%q ' "$@" | sed 's/ $//'; }
-
-"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || die "$PY is not a Python 3.11+ interpreter (set PYTHON to one)"
+# shellcheck source=launch/common.sh
+source launch/common.sh
 NEEDS=$("$PY" -m pmd_jax.launch_needs "$CONFIG" "$@") \
   || die "cannot read the config's needs (pmd_jax and its dependencies must import with $PY)"
 eval "$NEEDS"

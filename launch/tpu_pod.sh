@@ -47,18 +47,8 @@ PY=${PYTHON:-python3}
 GCLOUD_FLAGS=(--zone "$ZONE")
 if [[ -n "${PROJECT:-}" ]]; then GCLOUD_FLAGS+=(--project "$PROJECT"); fi
 
-# Print (--print) or run one command; the printed line is shell-quoted and can be pasted.
-run() {
-  if ((PRINT)); then
-    printf '%q ' "$@" | sed 's/ $//'
-    echo
-  else
-    "$@"
-  fi
-}
-
-"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || die "$PY is not a Python 3.11+ interpreter (set PYTHON to one)"
+# shellcheck source=launch/common.sh
+source launch/common.sh
 # The config's needs; the run dir goes first so that a --config.run_dir=... of the user wins.
 ARGS=(--config.run_dir="$RUN_DIR" "$@")
 NEEDS=$("$PY" -m pmd_jax.launch_needs "$CONFIG" "${ARGS[@]}") \
@@ -80,7 +70,6 @@ if [[ "$PMD_RUN_DIR_REMOTE" == 1 ]]; then pkgs+=(gcsfs google-cloud-storage); fi
 torch_index=()
 if [[ -n "${PMD_TORCH_INDEX_URL:-}" ]]; then torch_index=(--extra-index-url "$PMD_TORCH_INDEX_URL"); fi
 
-q() { printf '%q ' "$@" | sed 's/ $//'; }
 # The workers' script: one line per step here, joined with "; " for --command (set -e stops
 # it at the first failing step).
 steps=("set -e"
