@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_trainer import _env, cache_flags
+from tests.test_trainer import TINY, _env, cache_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 # jax.distributed's heartbeat timeout for the two-process runs: short enough to see a dead
@@ -71,32 +71,15 @@ ATOL_STATE = 2e-6
 MOVED_MIN = 10 * ATOL_STATE
 METRIC_RTOL, METRIC_ATOL = 1e-3, 1e-6
 STEPS = 2
+# test_trainer's tiny loop (random tiny-llama, feedback for a teacher signal, lr 1e-3 from
+# step 0) on a mesh whose fsdp axis crosses the two processes.
 FLAGS = [
-    "--config.model.random_init=tiny-llama",
     "--config.mesh.data=1",
     "--config.mesh.fsdp=4",
     "--config.mesh.tensor=2",
     "--config.rollout.sampler=jax",
-    "--config.rollout.problems_per_step=2",
-    "--config.rollout.n=2",
-    "--config.rollout.max_tokens=12",
-    "--config.rollout.max_prompt_tokens=320",
-    "--config.task.max_eval_problems=2",
-    "--config.eval.n=1",
-    "--config.eval.max_tokens=8",
+    *(a for a in TINY if not a.startswith("--config.train.steps=")),
     f"--config.train.steps={STEPS}",
-    "--config.train.checkpoint_every=1",
-    "--config.train.eval_every=-1",
-    "--config.train.eval_at_start=False",
-    "--config.memory.behavior.every_n_steps=2",
-    "--config.memory.behavior.min_problems=2",
-    "--config.memory.insight.sampling.max_tokens=16",
-    "--config.memory.behavior.sampling.max_tokens=16",
-    "--config.teacher_prompt.max_tokens=768",
-    "--config.distill.loss.topk=8",
-    "--config.teacher_prompt.include_feedback=True",  # every sample gets a teacher signal
-    "--config.distill.optim.warmup_steps=0",
-    "--config.distill.optim.lr=1e-3",
 ]
 GRPO_EVAL = ("--config.train.eval_every=0",)  # evaluate once, after the last step
 # Per-process measurements (wall clock, durations, this process's memory), not compared.
