@@ -16,6 +16,7 @@ import json
 import os
 import select
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -219,9 +220,28 @@ class _Session:
         raise exc
 
 
+# CPython 3.11 keeps the recursion depth of its AST <-> Python-object conversion in one
+# interpreter-wide slot (the state behind cpython gh-106905), so ``ast.parse`` or
+# ``compile(<AST object>)`` in two of verify_batch's threads at once can fail with
+# "SystemError: AST constructor recursion depth mismatch" (seen: a canonical HumanEval
+# solution graded 0). Every conversion of ours holds this lock; compiling source text and
+# running the code do not need it.
+_AST_LOCK = threading.Lock()
+
+
+def _parse(source: str) -> ast.Module:
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
+def _compile_expr(node: ast.expr):
+    with _AST_LOCK:
+        return compile(ast.Expression(node), "<test>", "eval")
+
+
 def _free_names(source: str) -> set[str]:
     """Names that ``source`` reads but never binds (candidates for the solution's globals)."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     loaded, bound = set(), set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Name):
@@ -254,7 +274,7 @@ def _test_line(e: BaseException, test: str) -> str:
 
 def _single_eq(test: str) -> tuple[ast.expr, ast.expr] | None:
     """(left, right) of a test that is exactly ``assert left == right``."""
-    body = ast.parse(test).body
+    body = _parse(test).body
     if (
         len(body) == 1
         and isinstance(body[0], ast.Assert)
@@ -272,8 +292,8 @@ def _run_one_assert(test: str, ns: dict) -> dict:
         pair = _single_eq(test)
         if pair is not None:  # show the call, the actual value and the expected one
             left, right = pair
-            got = eval(compile(ast.Expression(left), "<test>", "eval"), ns)
-            want = eval(compile(ast.Expression(right), "<test>", "eval"), ns)
+            got = eval(_compile_expr(left), ns)
+            want = eval(_compile_expr(right), ns)
             shown = {"call": ast.unparse(left)[:ERR_LIMIT], "expected": ast.unparse(right)}
             if isinstance(got, Remote):
                 return {"status": "fail", "actual": f"TypeError: {_refusal(got)}", **shown}
