@@ -20,6 +20,7 @@ import pytest
 
 from pmd_jax import experiments as ex
 from pmd_jax.experiments import Cell, GridError
+from pmd_jax.grid.report import PLOT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/smollm2_sciq.py"
@@ -134,11 +135,11 @@ def test_table_matches_direct_computation(grid):
         assert c["steps"] == [0, 2, 4] and c["n_seeds"] == 2
         assert c["mean"] == pytest.approx([0.0, finals.mean() / 2, finals.mean()])
         assert c["min"][2] == pytest.approx(finals.min()) and c["max"][2] == finals.max()
-    png = (out / ex.PLOT_FILE).read_bytes()
+    png = (out / PLOT_FILE).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    img = matplotlib.image.imread(out / ex.PLOT_FILE)
+    img = matplotlib.image.imread(out / PLOT_FILE)
     assert img.shape[0] > 200 and img.shape[1] > 300
 
 
@@ -171,7 +172,7 @@ def test_cell_state_and_budget_checks(tmp_path):
     with pytest.raises(GridError, match="past train.steps=2"):
         ex.cell_state(tmp_path / "a", 2)
     with pytest.raises(GridError, match="same budget"):
-        ex._check_budget({**BUDGET, "overrides": ["--config.train.steps=8"]}, BUDGET,
+        ex.check_budget({**BUDGET, "overrides": ["--config.train.steps=8"]}, BUDGET,
                          tmp_path / "a")
 
 

@@ -1,0 +1,1 @@
+"""The comparison grid (``python -m pmd_jax.experiments``): its cells and its report."""
