@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from pmd_jax.tasks import sandbox, sandbox_sweep
+from pmd_jax.tasks import sandbox
 from pmd_jax.tasks.sandbox import Limits, run_python
+from pmd_jax.tasks.sandbox import sweep as sandbox_sweep
+from pmd_jax.tasks.sandbox.cgroups import cgroup_bases
 
 LIM = Limits(
     cpu_s=2,
@@ -598,7 +600,7 @@ def _temp_dirs_of(pid: int) -> list[str]:
 
 def _cgroups_of(pid: int) -> list[str]:
     return sorted(
-        p for b in sandbox._cgroup_bases().values() for p in glob.glob(f"{b}/pmd-sbx-p{pid}-t*")
+        p for b in cgroup_bases().values() for p in glob.glob(f"{b}/pmd-sbx-p{pid}-t*")
     )
 
 
@@ -657,7 +659,7 @@ def test_sweep_after_verifier_killed(backend, cgroups):
             sandbox_sweep.make_temp_dir(),
         ]
         os.mkdir(decoys[1])
-        for b in sandbox._cgroup_bases().values():
+        for b in cgroup_bases().values():
             for name in (f"pmd-sbx-{child.pid}-7", sandbox_sweep.cgroup_name(999_999)):
                 (b / name).mkdir()
                 cg_decoys.append(b / name)

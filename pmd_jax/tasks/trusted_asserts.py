@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from pmd_jax.tasks import code_runner, sandbox
 from pmd_jax.tasks.harness import MAX_WALL_S, framed, harness, site_paths
+from pmd_jax.tasks.sandbox import process
 
 MAX_FRAME = 64 << 20  # bytes of one answer from the sandbox
 ERR_LIMIT = code_runner.ERR_LIMIT
@@ -99,7 +100,7 @@ def _frame(obj) -> bytes:
 class _Session:
     """The host end of one solution server: requests out on its stdin, answers on stdout."""
 
-    def __init__(self, st: sandbox._Started):
+    def __init__(self, st: process.Started):
         self.st = st
         self.rfd = st.proc.stdout.fileno()  # type: ignore[union-attr]
         self.wfd = st.proc.stdin.fileno()  # type: ignore[union-attr]
@@ -176,7 +177,7 @@ class _Session:
             self.buf += chunk
 
     def _exit_text(self, when: str) -> str:
-        rc, _ = sandbox._wait(self.st.proc, 0.5)
+        rc, _ = process.wait(self.st.proc, 0.5)
         return (
             f"the program exited (status {rc}) {when}"
             if rc is not None
@@ -185,7 +186,7 @@ class _Session:
 
     def _fail(self, e: SolutionFailed) -> SolutionFailed:
         self.dead = str(e)
-        sandbox._kill_tree(self.st.proc)
+        process.kill_tree(self.st.proc)
         return e
 
     def request(self, req: dict):
@@ -324,13 +325,13 @@ def _refusal(r: Remote) -> str:
 
 def _acquire(
     pool: sandbox.WarmPool | None, backend: str | None, limits: sandbox.Limits | None
-) -> sandbox._Started:
+) -> process.Started:
     if pool is not None and limits is None:
         return pool.acquire()
     b = backend or sandbox.detect_backend()
     script, files = harness(b)
     lim = limits or sandbox.Limits(cpu_s=MAX_WALL_S, wall_s=MAX_WALL_S)
-    return sandbox._start(script, files, None, lim, b, ("-I", "-S"))
+    return process.start(script, files, None, lim, b, ("-I", "-S"))
 
 
 def run_assert_tests(
@@ -408,7 +409,7 @@ def run_assert_tests(
         with contextlib.suppress(OSError, ValueError):
             os.set_blocking(st.proc.stderr.fileno(), False)  # type: ignore[union-attr]
             err = st.proc.stderr.read(8192) or b""  # type: ignore[union-attr]
-        sandbox._cleanup(st)
+        process.cleanup(st)
     res = sandbox.ExecResult(
         status,
         st.proc.returncode,
