@@ -21,13 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-# metrics that measure the machine, not the computation
-_VOLATILE = ("time", "_s", "rss", "per_s", "tok_s", "wall", "eta", "elapsed", "gib")
+# metrics that measure the machine (wall time, host memory, rates), not the computation
+_VOLATILE_PREFIXES = ("time", "rss_", "wall")
+_VOLATILE_SUFFIXES = ("_s", "_per_s", "_per_min", "_gib", "_eta")
 
 
 def _volatile(key: str) -> bool:
     k = key.lower()
-    return any(v in k for v in _VOLATILE)
+    return k.startswith(_VOLATILE_PREFIXES) or k.endswith(_VOLATILE_SUFFIXES)
 
 
 def run(run_dir: Path, extra: list[str]) -> None:
