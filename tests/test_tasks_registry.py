@@ -1,0 +1,53 @@
+"""The task registry: every spec's config kwargs fit its loader; names, paths, errors."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from pmd_jax.config import base_config
+from pmd_jax.tasks import TaskError, get_task, registry
+from pmd_jax.tasks.jsonl_schema import KINDS
+
+
+@pytest.mark.parametrize("name", registry.task_names())
+def test_spec_kwargs_bind_to_the_loader(name):
+    """The keyword arguments built from the default config are all parameters of the
+    loader (a misspelt or stale one would only fail when that task is run)."""
+    spec = registry.get_spec(name)
+    cfg = base_config()
+    kw = registry.task_kwargs(cfg.task, name, cfg.seed)
+    if spec.needs_path:
+        kw["path"] = "x.jsonl"
+    inspect.signature(spec.load).bind(**kw)
+    assert set(spec.prompt_styles) <= set(registry.PROMPT_STYLES)
+
+
+def test_names_and_path_tasks():
+    assert registry.task_names() == sorted(s.name for s in registry.TASKS)
+    assert set(KINDS) <= set(registry.PATH_TASKS)
+    assert {"sciknoweval", "livecodebench"} <= set(registry.PATH_TASKS)
+    assert registry.get_spec("mbpp").split_total == 500
+    assert registry.get_spec("gsm8k").split_total == 1319
+
+
+def test_unknown_task_and_missing_path():
+    with pytest.raises(TaskError, match="known tasks"):
+        get_task("no_such_task")
+    with pytest.raises(TaskError, match="needs path"):
+        get_task("jsonl_math")
+    with pytest.raises(TaskError, match="already registered"):
+        registry.register_task(registry.get_spec("sciq"))
+
+
+def test_build_task_kwargs_agree_with_the_registry():
+    """build.task_kwargs (the run's loader arguments) and the registry's spec kwargs agree
+    for every task and prompt style."""
+    from pmd_jax.build import task_kwargs
+
+    cfg = base_config()
+    for style in registry.PROMPT_STYLES:
+        cfg.task.prompt_style = style
+        for name in registry.task_names():
+            assert task_kwargs(cfg, name) == registry.task_kwargs(cfg.task, name, cfg.seed)
