@@ -21,23 +21,37 @@ Behaviors are indexed in ScaNN by their cluster centroid (default; teacher retri
 behaviors by similarity of the problem to the centroid they were extracted for) or by their
 own text embedding. When the bank exceeds ``max_bank_size`` the least recently updated
 behavior is evicted first.
+
+As a memory level (:class:`BehaviorLevel`) it fills the teacher context's numbered behaviors:
+the ``top_k`` nearest the rollout's problem (random ones in control mode
+"random_other_problem").
 """
 
 from __future__ import annotations
 
+import html
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from pmd_jax.memory import prompts
-from pmd_jax.memory.calls import BEHAVIOR_CALLS, CALL_COUNTS, call_params, generate_first
+from pmd_jax.memory.calls import (
+    BEHAVIOR_CALLS,
+    CALL_COUNTS,
+    TimedGenerator,
+    call_params,
+    generate_first,
+)
+from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors, parse_summary
-from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import evolution_schema, extraction_schema, summary_schema
-from pmd_jax.memory.types import Behavior, Provenance
+from pmd_jax.memory.types import Behavior, MemoryUpdateStats, Provenance
 from pmd_jax.sampling.base import TextGenerator
 
 
@@ -341,3 +355,93 @@ class _DefaultCallCfg:
 
     structured_output = True
     stop_token_ids: tuple[int, ...] = ()
+
+
+class BehaviorLevel(MemoryLevel):
+    """Level 3 of :class:`~pmd_jax.memory.memory.ProceduralMemory` (memory/level.py)."""
+
+    name = "behavior"
+    state_key = "behaviors"
+    context_rank = 20  # after the strategies and lessons, before the solution
+
+    def __init__(self, memory: Any) -> None:
+        super().__init__(memory)
+        c = memory.config
+        self.store = BehaviorBank(c.behavior, memory.dim, c.index, memory.extra_tokens)
+
+    def update(self, batch: StepRollouts, stats: MemoryUpdateStats) -> float:
+        """A behavior round when one is due; returns the seconds spent generating."""
+        mem = self.memory
+        if not (self.enabled and self.store.due(batch.step, len(mem.problems))):
+            return 0.0
+        c, exp, ins = mem.config, mem.experience, mem.insights
+        pids = mem.problems.docids()
+        tg = time.perf_counter()
+        timed = TimedGenerator(batch.generator)
+        counts = self.store.run_round(
+            batch.step, pids, mem.problems.matrix(pids), exp.problem_text,
+            lambda p: (ins.texts(p, "strategy"), ins.texts(p, "lesson")),
+            exp.success_rate, exp.leak_strings, timed, mem.embed, memory_cfg=c)
+        stats.merge({f"behavior/{k}": v for k, v in counts.items()})
+        stats.add("behavior_round")
+        stats.seconds["behavior_round"] = time.perf_counter() - tg
+        return timed.seconds
+
+    def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        top_k = self.memory.config.behavior.top_k
+        bank = self.store
+        if not (self.enabled and top_k > 0 and bank.behaviors):
+            return
+        if query.rng is not None:
+            ids = sorted(bank.behaviors)
+            pick = query.rng.permutation(len(ids))[:top_k]
+            chosen = [bank.behaviors[ids[i]] for i in pick]
+        else:
+            q = self.memory.problem_vector(query.problem_id, query.problem_text)
+            chosen = bank.retrieve(q, top_k)
+        toks = self.memory.extra_tokens
+        for b in chosen:
+            name, ins = resanitize(b.name, toks), resanitize(b.instruction, toks)
+            if name and ins:
+                ctx.behaviors.append((name, ins))
+                ctx.provenance.append(dict(item=b.docid, **b.provenance.to_json()))
+
+    def stats(self) -> dict[str, Any]:
+        bank = self.store
+        return dict(behaviors=len(bank.behaviors), clusters=len(bank.centroids),
+                    behavior_rounds=bank.rounds)
+
+    def index_rebalances(self) -> int:
+        return self.store.index.rebalances
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state)
+
+    def export_rows(self) -> Iterator[dict[str, Any]]:
+        bank = self.store
+        for b in bank.behaviors.values():
+            yield dict(level="behavior", docid=b.docid, name=b.name, instruction=b.instruction,
+                       cluster_id=b.cluster_id, version=b.version, created_step=b.created_step,
+                       updated_step=b.updated_step, provenance=b.provenance.to_json())
+        for i, s in enumerate(bank.summaries):
+            yield dict(level="cluster", cluster_id=i, summary=s, members=bank.members.get(i, []))
+
+    def html_section(self) -> list[str]:
+        e = html.escape
+        bb = self.store
+        out = ["<h2>Behaviors per cluster</h2>"]
+        clusters = sorted({b.cluster_id for b in bb.behaviors.values()} | set(bb.members))
+        for cid in clusters:
+            summ = bb.summaries[cid] if cid < len(bb.summaries) else ""
+            out.append(f"<h3>Cluster {cid}</h3><p>{e(summ)}</p><ol>")
+            for b in bb.behaviors.values():
+                if b.cluster_id == cid:
+                    p = b.provenance
+                    out.append(f"<li><b>{e(b.name)}</b>: {e(b.instruction)} <span class=prov>"
+                               f"[{e(p.source)}, step {p.step}, v{b.version}, problems "
+                               f"{e(', '.join(p.problem_ids[:8]))}]</span></li>")
+            out.append("</ol>")
+        return out

@@ -19,6 +19,7 @@ where no call ran still logs them.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -84,3 +85,25 @@ def zero_counts() -> dict[str, int]:
     out.update({f"behavior/{k}": 0 for k in CALL_COUNTS})
     out.update({f"behavior/{c}/{k}": 0 for c in BEHAVIOR_CALLS for k in CALL_COUNTS})
     return out
+
+
+class TimedGenerator:
+    """Wraps a TextGenerator and records the seconds spent generating (for stats).
+
+    ``generate_replies`` answers with the wrapped generator's ``generate_replies`` (texts and
+    finish reasons) or, for a generator that has only ``generate_texts``, with its texts.
+    """
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.seconds = 0.0
+
+    def generate_replies(self, conversations: Sequence[Messages], params: SamplingParams) -> Any:
+        if self.gen is None:
+            return []
+        t = time.perf_counter()
+        try:
+            fn = getattr(self.gen, "generate_replies", None) or self.gen.generate_texts
+            return fn(conversations, params)
+        finally:
+            self.seconds += time.perf_counter() - t

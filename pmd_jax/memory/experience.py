@@ -6,16 +6,24 @@ Eviction policy (bounded size):
 - globally at most ``max_records``: the globally oldest record (insertion order) goes;
 - the last few successes per problem (``SUCCESSES_KEPT``) are kept apart from these records
   and survive their eviction, so a problem solved long ago still has a remembered attempt.
+
+As a memory level (:class:`ExperienceLevel`) it stores every rollout even when switched off
+(``memory.levels.experience`` only gates the teacher context): the other levels read its
+problem texts, gold-leak strings and success rates. In a teacher context it fills the
+"Correct solution" part with the latest remembered success when no sibling's is given.
 """
 
 from __future__ import annotations
 
+import html
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pmd_jax.memory.context import TeacherContext
+from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.sanitize import sanitize_text
-from pmd_jax.memory.types import ExperienceItem, RolloutRecord
+from pmd_jax.memory.types import ExperienceItem, MemoryUpdateStats, RolloutRecord
 
 SUCCESSES_KEPT = 4
 MAX_PROBLEM_CHARS = 20_000
@@ -133,3 +141,77 @@ class ExperienceStore:
         self.problem_text = dict(state["problem_text"])
         self.leak_strings = {p: list(v) for p, v in state["leak_strings"].items()}
         self.seq = int(state["seq"])
+
+
+class ExperienceLevel(MemoryLevel):
+    """Level 1 of :class:`~pmd_jax.memory.memory.ProceduralMemory` (memory/level.py)."""
+
+    name = "experience"
+    state_key = "experience"
+    context_rank = 30  # after insight and behavior: the teacher text's order of parts
+
+    def __init__(self, memory: Any) -> None:
+        super().__init__(memory)
+        c = memory.config
+        self.store = ExperienceStore(c.experience, c.success_threshold, memory.extra_tokens)
+
+    def update(self, batch: StepRollouts, stats: MemoryUpdateStats) -> float:
+        stats.merge(self.store.add(batch.records))  # always: the other levels read it
+        return 0.0
+
+    def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        """The latest remembered success, unless a sibling's is shown (or it is the student's
+        own response)."""
+        if ctx.successful_attempt or not self.enabled:
+            return
+        mem, st = self.memory, self.store
+        c, toks = mem.config, mem.extra_tokens
+        cx = c.context
+        src: str | None = query.problem_id
+        if query.rng is not None:
+            others = [p for p in st.successes if p != query.problem_id]
+            src = others[int(query.rng.integers(len(others)))] if others else None
+        before = (mem.last_update_step if c.experience.remembered_success_previous_steps_only
+                  else None)
+        item = st.remembered_success(src, before) if src else None
+        if item is not None and query.student_response is not None and (
+                item.response_text == sanitize_text(query.student_response,
+                                                     c.experience.max_response_chars, toks)):
+            item = None
+        if item is not None:
+            succ = sanitize_text(item.response_text, cx.max_attempt_chars, toks,
+                                 drop_thinking=cx.strip_thinking)
+            if succ:
+                ctx.successful_attempt = succ
+                ctx.successful_attempt_source = "memory"
+                ctx.provenance.append(dict(item=item.docid, **item.provenance().to_json()))
+
+    def stats(self) -> dict[str, Any]:
+        st = self.store
+        return dict(
+            experience_records=len(st.items),
+            experience_problems=len(st.by_problem),
+            problems_with_success=sum(1 for v in st.successes.values() if v),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state)
+
+    def export_rows(self) -> Iterator[dict[str, Any]]:
+        for it in self.store.items.values():
+            yield dict(level="experience", **it.__dict__)
+
+    def html_problems(self) -> set[str]:
+        return set(self.store.successes)
+
+    def html_problem(self, problem_id: str) -> list[str]:
+        s = self.store.remembered_success(problem_id, None)
+        if s is None:
+            return []
+        e = html.escape
+        return [f"<details><summary>latest success (step {s.step}, rollout "
+                f"{s.rollout_index})</summary><pre>{e(s.response_text[:2000])}</pre>"
+                "</details>"]

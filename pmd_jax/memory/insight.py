@@ -15,22 +15,31 @@ items salvaged into strategies and lessons, then filtered:
 
 Per problem at most ``max_strategies_per_problem`` / ``max_lessons_per_problem`` items; the
 least recently confirmed (then least supported) item is evicted first.
+
+As a memory level (:class:`InsightLevel`) it fills the teacher context's strategies and
+lessons of the rollout's problem (of another problem in control mode
+"random_other_problem").
 """
 
 from __future__ import annotations
 
+import html
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from pmd_jax.memory import prompts
+from pmd_jax.memory.calls import call_params, generate_first
+from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import parse_reflection
-from pmd_jax.memory.sanitize import leaks_gold, sanitize_text
+from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import reflection_schema
-from pmd_jax.memory.types import InsightItem, Provenance, RolloutRecord
+from pmd_jax.memory.types import InsightItem, MemoryUpdateStats, Provenance, RolloutRecord
 
 KINDS = ("strategy", "lesson")
 
@@ -221,3 +230,99 @@ class InsightStore:
                            for p, kinds in state["order"].items()}
         self.index.load_state_dict(state["index"])
         self.next_id = int(state["next_id"])
+
+
+class InsightLevel(MemoryLevel):
+    """Level 2 of :class:`~pmd_jax.memory.memory.ProceduralMemory` (memory/level.py)."""
+
+    name = "insight"
+    state_key = "insights"
+    context_rank = 10  # strategies and lessons come first in the teacher text
+
+    def __init__(self, memory: Any) -> None:
+        super().__init__(memory)
+        c = memory.config
+        self.store = InsightStore(c.insight, c.success_threshold, memory.dim, c.index,
+                                  memory.extra_tokens)
+
+    def update(self, batch: StepRollouts, stats: MemoryUpdateStats) -> float:
+        """One reflection per problem of this step; returns the seconds spent generating."""
+        if not (self.enabled and batch.by_problem):
+            return 0.0
+        mem = self.memory
+        c, exp = mem.config, mem.experience
+        shown = {p: select_attempts(rs, c.insight.max_attempts_shown, c.success_threshold)
+                 for p, rs in batch.by_problem.items()}
+        pids = list(batch.by_problem)
+        convs = [reflection_conversation(exp.problem_text[p], *shown[p], c.insight,
+                                         mem.extra_tokens) for p in pids]
+        params = call_params(c.insight.sampling, batch.step, c, reflection_schema(c.insight))
+        counts: Counter = Counter()
+        tg = time.perf_counter()
+        texts = generate_first(batch.generator, convs, params, counts)
+        gen_s = time.perf_counter() - tg
+        counts.update(self.store.ingest(batch.step, dict(zip(pids, texts)), shown,
+                                        exp.leak_strings, mem.embed))
+        stats.merge(dict(counts))
+        return gen_s
+
+    def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        if not self.enabled:
+            return
+        st = self.store
+        src: str | None = query.problem_id
+        if query.rng is not None:
+            others = [p for p in st.problems() if p != query.problem_id]
+            src = others[int(query.rng.integers(len(others)))] if others else None
+        if src is None:
+            return
+        for kind, dest in (("strategy", ctx.strategies), ("lesson", ctx.lessons)):
+            for d in st.ids(src, kind):
+                it = st.items[d]
+                text = resanitize(it.text, self.memory.extra_tokens)
+                if text:
+                    dest.append(text)
+                    ctx.provenance.append(dict(item=d, **it.provenance.to_json()))
+
+    def stats(self) -> dict[str, Any]:
+        items = self.store.items.values()
+        return dict(
+            strategies=sum(1 for i in items if i.kind == "strategy"),
+            lessons=sum(1 for i in items if i.kind == "lesson"),
+            problems_with_insights=len(self.store.problems()),
+        )
+
+    def index_rebalances(self) -> int:
+        return self.store.index.rebalances
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state)
+
+    def export_rows(self) -> Iterator[dict[str, Any]]:
+        for it in self.store.items.values():
+            yield dict(level="insight", docid=it.docid, problem_id=it.problem_id, kind=it.kind,
+                       text=it.text, support=it.support, last_step=it.last_step,
+                       provenance=it.provenance.to_json())
+
+    def html_problems(self) -> set[str]:
+        return set(self.store.problems())
+
+    def html_problem(self, problem_id: str) -> list[str]:
+        e = html.escape
+        out: list[str] = []
+        for kind, label in (("strategy", "Strategies"), ("lesson", "Lessons")):
+            ids = self.store.ids(problem_id, kind)
+            if not ids:
+                continue
+            out.append(f"<h4>{label}</h4><ul>")
+            for d in ids:
+                it = self.store.items[d]
+                p = it.provenance
+                out.append(f"<li>{e(it.text)} <span class=prov>[step {p.step}, rollouts "
+                           f"{list(p.rollout_indices)}, rewards {list(p.rewards)}, support "
+                           f"{it.support}]</span></li>")
+            out.append("</ul>")
+        return out

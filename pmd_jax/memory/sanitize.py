@@ -216,3 +216,13 @@ def leaks_gold(text: str, leak_strings: Sequence[str]) -> bool:
         if re.search(pat, text, flags):
             return True
     return False
+
+
+def resanitize(text: str, control_tokens: Sequence[str]) -> str:
+    """A stored item sanitised again, uncut, against this memory's control tokens.
+
+    Items were sanitised when stored; doing it again as they enter a teacher context covers a
+    state restored from a memory that was built with another tokenizer's list (or none). On an
+    item already clean it is the identity.
+    """
+    return sanitize_text(text, max(len(text), 1), control_tokens)

@@ -1,0 +1,104 @@
+"""The interface every procedural-memory level implements (issue 16, item 3).
+
+:class:`~pmd_jax.memory.memory.ProceduralMemory` holds its levels as a list (``LEVELS`` in
+memory/memory.py, the one place a level is registered) and only ever talks to them through
+this interface:
+
+- ``update(batch, stats)``: take in one step's rollouts (between training steps), in list
+  order; returns the seconds spent generating with the policy;
+- ``fill_context(ctx, query)``: write this level's sections of one teacher context (the
+  sections are keyed by level: :data:`pmd_jax.memory.context.SECTIONS`); levels fill in
+  increasing ``context_rank``, which fixes the order of the control modes' RNG draws and of
+  the provenance entries;
+- ``stats()`` / ``index_rebalances()``: the level's part of ``ProceduralMemory.stats()``;
+- ``state_dict()`` / ``load_state_dict()``: its part of the checkpoint, under ``state_key``;
+- ``export_rows()``: its rows of ``memory.jsonl`` (each with ``level=...``);
+  ``html_section()``: its own section of ``memory.html``; ``html_problems()`` /
+  ``html_problem(pid)``: its part of the per-problem section (in ``context_rank`` order).
+
+A level is built as ``Level(memory)`` and reads what it needs from the memory: ``config``
+(its section is ``config.<name>``, its switch ``config.levels.<name>``), ``dim``,
+``extra_tokens``, ``embed``, the problem index ``problems`` and the other levels
+(``memory.level(name)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from pmd_jax.memory.context import TeacherContext
+from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
+from pmd_jax.sampling.base import TextGenerator
+
+if TYPE_CHECKING:
+    from pmd_jax.memory.memory import ProceduralMemory
+
+
+@dataclasses.dataclass
+class StepRollouts:
+    """One step's rollouts as every level's ``update`` sees them (validated)."""
+
+    step: int
+    records: Sequence[RolloutRecord]
+    by_problem: dict[str, list[RolloutRecord]]  # in first-seen order
+    generator: TextGenerator | None
+
+
+@dataclasses.dataclass
+class ContextQuery:
+    """The rollout a teacher context is built for."""
+
+    problem_id: str
+    problem_text: str
+    student_response: str | None
+    rng: np.random.Generator | None  # set in control mode "random_other_problem"
+
+
+class MemoryLevel:
+    """Base class of a memory level; the defaults make every part optional."""
+
+    name: ClassVar[str]  # config switch memory.levels.<name>; the JSONL rows' "level"
+    state_key: ClassVar[str]  # its key in ProceduralMemory.state_dict()
+    context_rank: ClassVar[int] = 0  # levels fill a teacher context in increasing rank
+
+    def __init__(self, memory: ProceduralMemory) -> None:
+        self.memory = memory
+
+    @property
+    def enabled(self) -> bool:
+        """``config.levels.<name>``: updated and shown to the teacher (ablations)."""
+        return bool(getattr(self.memory.config.levels, self.name))
+
+    def update(self, batch: StepRollouts, stats: MemoryUpdateStats) -> float:
+        return 0.0
+
+    def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def index_rebalances(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def export_rows(self) -> Iterator[dict[str, Any]]:
+        return iter(())
+
+    def html_section(self) -> list[str]:
+        return []
+
+    def html_problems(self) -> set[str]:
+        return set()
+
+    def html_problem(self, problem_id: str) -> list[str]:
+        return []
