@@ -1,0 +1,111 @@
+"""The losses the train step knows, by name (``distill.loss.name``).
+
+A loss is a :class:`LossSpec`: its name, its function and what it needs. The train step
+(:mod:`pmd_jax.distill.step`), gradient accumulation (:mod:`pmd_jax.distill.accumulate`) and
+config validation ask the registry; nothing else branches on loss names.
+
+* ``needs_teacher``: the step runs the teacher forward(s) on the teacher prompt and keeps a
+  teacher tree (rule ``distill.teacher.rule``); ``fn`` gets the chunked distillation statistics.
+  Without it the step drops the ``teacher_*`` arrays and computes only the student's token
+  log-probs.
+* ``needs_rewards``: the batch carries ``rewards`` in prompt-major groups of
+  ``distill.loss.group_size`` rows (the batch and each microbatch are whole groups).
+* ``needs_old_logprobs``: ``old_logp`` must be in the batch (else it is optional: absent
+  means on-policy).
+* ``batch_keys``: the arrays the loss reads beyond those every loss reads (the student
+  sequence, the response maps and ``sd_mask``, :data:`pmd_jax.distill.batch.BASE_KEYS`);
+  ``check_batch`` requires them.
+* ``metric_kinds``: how each metric ``fn`` returns combines over microbatches (see
+  :mod:`pmd_jax.distill.accumulate`); ``"loss"`` names the mask that normalises the loss.
+
+The built-in losses (``sdpo``, ``grpo``, ``hybrid``) are registered in
+:mod:`pmd_jax.distill.objectives`; adding a loss is one function and one
+:func:`register_loss` call there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+
+# the combination rules a metric may declare (pmd_jax.distill.accumulate)
+METRIC_KINDS = ("loss_mask", "response", "rows", "sum", "max")
+TEACHER_KEYS = ("teacher_tokens", "teacher_positions", "teacher_attn_mask")
+
+_BUILTIN_MODULE = "pmd_jax.distill.objectives"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """One loss of the train step (see the module docstring for each field)."""
+
+    name: str
+    fn: Callable
+    needs_teacher: bool
+    needs_rewards: bool
+    needs_old_logprobs: bool
+    batch_keys: tuple[str, ...]
+    doc: str
+    metric_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+
+    def required_keys(self) -> tuple[str, ...]:
+        """The arrays this loss reads beyond the base keys, including ``old_logp`` if needed."""
+        extra = ("old_logp",) if self.needs_old_logprobs and "old_logp" not in self.batch_keys \
+            else ()
+        return (*self.batch_keys, *extra)
+
+
+_LOSSES: dict[str, LossSpec] = {}
+
+
+def _check(spec: LossSpec) -> None:
+    if not spec.name or not isinstance(spec.name, str):
+        raise ValueError(f"a loss needs a non-empty name, got {spec.name!r}")
+    if not callable(spec.fn):
+        raise TypeError(f"loss {spec.name!r}: fn must be callable")
+    has_teacher = all(k in spec.batch_keys for k in TEACHER_KEYS)
+    if spec.needs_teacher != has_teacher:
+        raise ValueError(f"loss {spec.name!r}: needs_teacher={spec.needs_teacher} but batch_keys "
+                         f"{spec.batch_keys} {'lack' if spec.needs_teacher else 'hold'} "
+                         f"{TEACHER_KEYS}")
+    if spec.needs_rewards != ("rewards" in spec.batch_keys):
+        raise ValueError(f"loss {spec.name!r}: needs_rewards={spec.needs_rewards} but "
+                         f"'rewards' is{'' if 'rewards' in spec.batch_keys else ' not'} in "
+                         f"batch_keys {spec.batch_keys}")
+    bad = {k: v for k, v in spec.metric_kinds.items() if v not in METRIC_KINDS}
+    if bad:
+        raise ValueError(f"loss {spec.name!r}: unknown metric kinds {bad}; known: {METRIC_KINDS}")
+    if spec.metric_kinds.get("loss") not in ("loss_mask", "response"):
+        raise ValueError(f"loss {spec.name!r}: metric_kinds['loss'] must be 'loss_mask' or "
+                         "'response' (the mask whose token count normalises the loss)")
+
+
+def register_loss(spec: LossSpec) -> LossSpec:
+    """Add ``spec`` to the registry (a second spec under a taken name is an error)."""
+    _check(spec)
+    old = _LOSSES.get(spec.name)
+    if old is not None and old is not spec:
+        raise ValueError(f"loss {spec.name!r} is already registered (by "
+                         f"{getattr(old.fn, '__module__', '?')})")
+    _LOSSES[spec.name] = spec
+    return spec
+
+
+def _load_builtin() -> None:
+    importlib.import_module(_BUILTIN_MODULE)
+
+
+def get_loss(name: str) -> LossSpec:
+    """The spec registered under ``name``; an unknown name is a ValueError listing the known."""
+    _load_builtin()
+    spec = _LOSSES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown loss {name!r}; known losses: {loss_names()}")
+    return spec
+
+
+def loss_names() -> tuple[str, ...]:
+    """The registered loss names, in registration order."""
+    _load_builtin()
+    return tuple(_LOSSES)
