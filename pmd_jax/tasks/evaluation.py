@@ -27,9 +27,6 @@ from pmd_jax.tasks.base import Messages, Problem, Task
 
 GenerateFn = Callable[[list[Messages], int, int], list[list[str]]]
 
-DEFAULT_TEMPERATURE = 0.6
-DEFAULT_TOP_P = 0.95
-
 
 @dataclass
 class EvalResult:

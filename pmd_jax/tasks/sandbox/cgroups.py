@@ -20,7 +20,7 @@ class Cgroup:
     """A cgroup for one uid slot (v1 memory+pids hierarchies, or v2 unified) when writable.
 
     Created once per slot and reused (mkdir/rmdir per run costs tens of ms); the limits are
-    rewritten and the OOM / pids-limit counters re-read as a baseline at every run; all
+    rewritten and the OOM counter re-read as a baseline at every run; all
     groups are removed at exit. The name marks the owner (``sweep.cgroup_name``), so
     the groups of a process that was killed are swept by the next one.
     """
@@ -32,7 +32,6 @@ class Cgroup:
     def __init__(self, dirs: dict[str, Path]):
         self.dirs = dirs
         self._oom0 = 0
-        self._pids0 = 0
 
     @classmethod
     def for_uid(cls, uid: int, limits: Limits) -> Cgroup | None:
@@ -53,7 +52,7 @@ class Cgroup:
         except OSError as e:
             log.debug("cgroup limits failed: %s", e)
             return None
-        cg._oom0, cg._pids0 = cg._oom_count(), cg._pids_count()
+        cg._oom0 = cg._oom_count()
         return cg
 
     @classmethod
@@ -104,22 +103,8 @@ class Cgroup:
             pass
         return 0
 
-    def _pids_count(self) -> int:
-        d = self.dirs.get("pids") or self.dirs.get("unified")
-        try:
-            if d is not None:
-                for ln in (d / "pids.events").read_text().splitlines():
-                    if ln.startswith("max"):
-                        return int(ln.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        return 0
-
     def oom_killed(self) -> bool:
         return self._oom_count() > self._oom0
-
-    def pids_limited(self) -> bool:
-        return self._pids_count() > self._pids0
 
     def kill_all(self) -> int:
         def pids() -> set[int]:
