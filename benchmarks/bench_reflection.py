@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pmd_jax import wiring  # noqa: E402
+from pmd_jax import build, teaching  # noqa: E402
 from pmd_jax.config_cli import load_config_file  # noqa: E402
 from pmd_jax.memory import calls  # noqa: E402
 from pmd_jax.memory.insight import reflection_conversation, select_attempts  # noqa: E402
@@ -50,7 +50,7 @@ def rollouts(cfg, model, task, sampler, n_problems: int, seed: int) -> dict[str,
     rng = np.random.default_rng(seed)
     train = task.problems("train")
     probs = [train[i] for i in rng.choice(len(train), n_problems, replace=False)]
-    prefixes = [wiring.response_prefix(task, p) for p in probs]
+    prefixes = [teaching.response_prefix(task, p) for p in probs]
     prompts = [model.encode_prompt(task.prompt(p), pre) for p, pre in zip(probs, prefixes)]
     r = cfg.rollout
     sp = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -62,7 +62,7 @@ def rollouts(cfg, model, task, sampler, n_problems: int, seed: int) -> dict[str,
         text = prefixes[ro.prompt_index] + model.decode(ro.tokens.tolist())
         res = task.verify(p, text, "train")
         out.setdefault(str(p.id), []).append(RolloutRecord(
-            problem_id=str(p.id), problem_text=wiring._user_text(task.prompt(p)), step=0,
+            problem_id=str(p.id), problem_text=teaching.user_text(task.prompt(p)), step=0,
             rollout_index=int(ro.sample_index), response_text=text, reward=float(res.reward),
             feedback=res.feedback or "", leak_strings=list(task.gold_leak_strings(p))))
     return out
@@ -118,9 +118,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
     cfg = load_config_file(args.config)
-    task = wiring.build_task(cfg)
-    model = wiring.load_model(cfg)
-    sampler = wiring.build_sampler(cfg, model)
+    task = build.build_task(cfg)
+    model = build.load_model(cfg)
+    sampler = build.build_sampler(cfg, model)
     t0 = time.perf_counter()
     recs = rollouts(cfg, model, task, sampler, args.problems, args.seed)
     n_ok = sum(r.reward >= 1.0 for rs in recs.values() for r in rs)

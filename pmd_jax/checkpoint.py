@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import shutil
 import threading
 import time
@@ -474,3 +475,66 @@ class Checkpointer:
         self._mgr.reload()
         detail = "; ".join(f"step {s}: {r}" for s, r in skipped)
         raise CheckpointError(f"no usable checkpoint in {self.directory} ({detail})")
+
+
+# --------------------------------------------------------------------------------------------
+# the run's checkpoints: train state + the loop's slots
+class RunCheckpointer:
+    """The trainer's checkpoints under ``<run_dir>/checkpoints``: the train state and the
+    memory, data-cursor, trainer-counter and prefetched-rollouts slots."""
+
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
+                                 slots=("memory", "data_cursor", "trainer", "prefetch"))
+
+    def save(self, step: int, bundle: Any, extras: dict[str, Any]) -> None:
+        """Saves ``bundle.state`` (a distill.train.TrainBundle) and the trainer's ``extras``."""
+        mem = extras.get("memory")
+        slots = {
+            "data_cursor": extras["data_cursor"],
+            "trainer": {"step": int(step),
+                        "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0)),
+                        "skipped_long_prompts": int(extras.get("skipped_long_prompts", 0))},
+            "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
+            # rollout.overlap: the next step's rollouts, already sampled (pickled bytes)
+            "prefetch": extras.get("prefetch"),
+        }
+        self.ckpt.wait()  # surface a failed background write before starting the next one
+        self.ckpt.save(int(step), bundle.state, slots=slots)
+
+    def restore_latest(self, bundle: Any) -> tuple[Any, dict[str, Any]] | None:
+        """The latest usable checkpoint into ``bundle`` and the trainer's extras, or None."""
+        if not self.ckpt.all_steps():
+            return None
+        try:
+            r = self.ckpt.restore(bundle.step_fn.abstract_state())
+        except CheckpointError as e:
+            log.error("%s; starting from scratch", e)
+            return None
+        for s, why in r.skipped:
+            log.warning("skipped corrupt checkpoint %d: %s", s, why)
+        bundle.state = r.state
+        tr = r.slots.get("trainer") or {"step": r.step}
+        mem = r.slots.get("memory")
+        extras = {
+            "step": int(tr["step"]),
+            "data_cursor": r.slots["data_cursor"],
+            "nonfinite_in_a_row": int(tr.get("nonfinite_in_a_row", 0)),
+            "skipped_long_prompts": int(tr.get("skipped_long_prompts", 0)),
+            "memory": pickle.loads(mem) if mem else None,
+            "prefetch": r.slots.get("prefetch"),
+        }
+        return bundle, extras
+
+    def latest_committed(self) -> int | None:
+        try:
+            return self.ckpt.latest_step()
+        except Exception:  # noqa: BLE001 - only used in an error message
+            return None
+
+    def wait(self) -> None:
+        self.ckpt.wait()
+
+
+def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:
+    return RunCheckpointer(run_dir, int(cfg.train.keep_checkpoints))

@@ -1,5 +1,17 @@
-"""The co-evolution loop (DESIGN.md "The loop"): sample, verify, update memory, build teacher
-prompts, one jitted distillation step, publish weights; checkpoint and evaluate memory-free.
+"""The co-evolution loop (DESIGN.md "The loop"), one step after another:
+
+1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch)
+2. verify        reward each rollout (``tasks/``)
+3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``)
+4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
+5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
+                 ``distill/kl.py`` for the KL to the initial model)
+6. publish       hand the new weights to the sampler
+7. checkpoint    train state, memory, data cursor (``checkpoint.RunCheckpointer``)
+8. evaluate      memory-free, on held-out problems (``evaluate.py``)
+9. export        the final weights as a HF checkpoint (``export.py``)
+
+The parts are built once at start-up (``build.py``). This file reads in that order.
 
 No math lives here: the numbers come from ``distill/``, the memory from ``memory/``, rewards
 from ``tasks/``. Every mode (grpo, sdpo, pmd, frozen variants, level ablations, controls) runs
@@ -16,7 +28,6 @@ it). The joined batch goes into the checkpoint, so a resume trains on the very s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -24,18 +35,22 @@ import pickle
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pmd_jax import footprint, multihost, paths, update_rows
-from pmd_jax.config import to_dict
-from pmd_jax.data import DataCursor, ProblemStream
+from pmd_jax import build, footprint, multihost, paths, teaching
+from pmd_jax.checkpoint import build_checkpointer
+from pmd_jax.config import MEMORY_MODES, to_dict
+from pmd_jax.distill import kl, train
+from pmd_jax.distill.update_rows import rows_for_update
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
+from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollouts, SamplerError, SamplingParams, TextGenerator
 
 log = logging.getLogger("pmd_jax")
+
+__all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by older checkpoints
 
 
 class TrainingError(RuntimeError):
@@ -81,43 +96,13 @@ def _retry(fn, what: str, retries: int, base_delay: float = 2.0):
     raise AssertionError("unreachable")
 
 
-@dataclasses.dataclass
-class StepBatch:
-    """Host-side record of one step's rollouts (prompt-major, G rollouts per problem)."""
-
-    problems: list[Any]
-    student_prompts: list[list[int]]
-    rollouts: Rollouts
-    texts: list[str]
-    rewards: np.ndarray  # [B, G]
-    results: list[Any]
-    step: int = -1  # the training step these rollouts are for
-    weights_version: int = 0  # the policy version (published step) that sampled them
-    skipped: int = 0  # problems skipped for over-long prompts while drawing this batch
-    sample_seconds: float = 0.0  # wall time of the generate() call (wherever it ran)
-    prefetched: bool = False  # sampled during the previous step (rollout.overlap)
-
-
-@dataclasses.dataclass
-class _Drawn:
-    """A step's problems and prompts, drawn from the data stream (main thread) before the
-    generate() call, which may run in the background sampler thread."""
-
-    step: int
-    problems: list[Any]
-    prefixes: list[str]
-    prompts: list[list[int]]
-    skipped: int
-
-
 class Trainer:
+    # ------------------------------------------------------------------ start-up
     def __init__(self, cfg: Any) -> None:
-        from pmd_jax import wiring
-
         self.cfg = cfg
         self.run_dir = paths.makedirs(cfg.run_dir)  # an epath.Path: local or gs://
         # With several processes (pmd_jax.multihost) process 0 writes every file of the run.
-        self.is_main = wiring.is_main_process()
+        self.is_main = build.is_main_process()
         self.multi = multihost.process_count() > 1
         if self.is_main:
             paths.write_text(self.run_dir / "config.json",
@@ -127,7 +112,7 @@ class Trainer:
         self.times: dict[str, float] = {}
 
         t0 = time.perf_counter()
-        self.task = wiring.build_task(cfg)
+        self.task = build.build_task(cfg)
         self.train_problems = self.task.problems("train")
         if cfg.task.max_train_problems:
             self.train_problems = self.train_problems[: cfg.task.max_train_problems]
@@ -136,12 +121,12 @@ class Trainer:
             "task %s: %d train / %d %s problems",
             cfg.task.name, len(self.train_problems), len(self.eval_problems), cfg.task.eval_split,
         )
-        self.model = wiring.load_model(cfg)  # ModelBundle: cfg, params, tokenizer, chat, mesh
+        self.model = build.load_model(cfg)  # ModelBundle: cfg, params, tokenizer, chat, mesh
         # ``sampler`` draws the training rollouts; with rollout.overlap it is used by the
         # background rollout thread only, and the memory's reflections and evaluation get a
         # sampler of their own (``reflect_sampler``; see _build_overlap).
-        self.sampler = wiring.build_sampler(cfg, self.model)
-        self.overlap = bool(cfg.rollout.get("overlap", False))
+        self.sampler = build.build_sampler(cfg, self.model)
+        self.overlap = bool(cfg.rollout.overlap)
         self.reflect_sampler = self._build_overlap() if self.overlap else self.sampler
         # Reflections and evaluation run on process 0 (multihost.lead), which forwards their
         # generate calls to the other processes through this wrapper.
@@ -149,11 +134,11 @@ class Trainer:
         self.textgen = TextGenerator(self.leader_sampler, self.model.encode_chat,
                                      self.model.decode)
         # The memory lives on process 0 only (one owner; the others never read it).
-        self.uses_memory = cfg.mode in wiring.PMD_MODES
-        self.memory = wiring.build_memory(cfg, self.model) if self.is_main else None
-        self.state = wiring.init_train_state(cfg, self.model)
+        self.uses_memory = cfg.mode in MEMORY_MODES
+        self.memory = build.build_memory(cfg, self.model) if self.is_main else None
+        self.state = train.init_train_state(cfg, self.model)
         self.stream = ProblemStream(self.train_problems, seed=cfg.seed)
-        self.ckpt = wiring.build_checkpointer(cfg, self.run_dir)
+        self.ckpt = build_checkpointer(cfg, self.run_dir)
         self.nonfinite_in_a_row = 0
         self.skipped_long_prompts = 0
         self.step = 0
@@ -188,8 +173,6 @@ class Trainer:
         """
         import jax
 
-        from pmd_jax import wiring
-
         if jax.process_count() > 1:
             raise TrainingError(
                 "rollout.overlap=True is single-process only: with several processes the "
@@ -197,91 +180,10 @@ class Trainer:
                 "can differ between processes (deadlock); set rollout.overlap=False"
             )
         if self.cfg.rollout.sampler == "jax":
-            return wiring.build_sampler(self.cfg, self.model)
+            return build.build_sampler(self.cfg, self.model)
         return self.sampler
 
-    # ------------------------------------------------------------------ resume / save
-    def _restore(self) -> None:
-        if not self.cfg.resume:
-            return
-        restored = self.ckpt.restore_latest(self.state)
-        if restored is None:
-            return
-        self.state, extras = restored
-        self.step = int(extras["step"])
-        self.stream.cursor = DataCursor.from_state(extras["data_cursor"])
-        if self.memory is not None and extras.get("memory") is not None:
-            self.memory.load_state_dict(extras["memory"])
-        self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
-        self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
-        nxt = extras.get("prefetch")
-        if nxt is not None:
-            # The batch for this step was sampled (one version stale) before the checkpoint
-            # and the data cursor is already past it: train on it exactly as the killed run
-            # would have (its stale weights are not in the checkpoint to sample it again).
-            sb = pickle.loads(nxt)
-            if sb.step != self.step:
-                raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
-                                    f"rollouts of step {sb.step}")
-            self._next = sb
-        self.metrics.truncate_after(self.step - 1)
-        if self.cfg.mode != "pmd_frozen_policy":  # (that mode never changes the weights)
-            self._publish(self.step)
-        log.info("resumed from checkpoint at step %d%s", self.step,
-                 " (with its prefetched rollouts)" if nxt is not None else "")
-
-    def _save(self) -> None:
-        self._finish_prefetch()  # (already done: each step joins its prefetch before publish)
-        nxt = self._next
-        memory_state = self.memory.state_dict() if self.memory is not None else None
-        if memory_state is None and self.uses_memory:
-            # Not process 0: the slot must exist on every process of a multi-process save
-            # (process 0 alone writes it), its value here is never written.
-            memory_state = {"process": "not written"}
-        extras = {
-            "step": self.step,
-            "data_cursor": self.stream.cursor.state_dict(),
-            "memory": memory_state,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
-            "skipped_long_prompts": self.skipped_long_prompts,
-            # rollout.overlap: the next step's rollouts (the cursor above is already past them)
-            "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
-        }
-        self._wait_checkpoint()  # a failed background write of the previous save stops here
-        try:
-            self.ckpt.save(self.step, self.state, extras)
-        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
-            raise self._checkpoint_error(self.step, e) from e
-        self._ckpt_inflight = self.step
-
-    def _wait_checkpoint(self) -> None:
-        """Blocks until the in-flight (async) checkpoint is committed; a failure names its step."""
-        step, self._ckpt_inflight = self._ckpt_inflight, None
-        try:
-            self.ckpt.wait()
-        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
-            raise self._checkpoint_error(step, e) from e
-
-    def _checkpoint_error(self, step: int | None, e: Exception) -> TrainingError:
-        prev = self.ckpt.latest_committed()
-        intact = (f"the previous checkpoint (step {prev}) is intact" if prev is not None
-                  else "there is no earlier checkpoint")
-        return TrainingError(
-            f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
-
-    def _publish(self, version: int) -> None:
-        from pmd_jax import wiring
-
-        # With overlap the sampler must own its weights: the next train step donates the
-        # train state's buffers while the rollout thread is still reading the published ones.
-        wiring.publish(self.cfg, self.sampler, self.state, version, copy=self.overlap)
-        if self.reflect_sampler is not self.sampler:
-            # Same class and config: share the rollout sampler's placed (possibly per-layer
-            # unstacked) arrays as they are, so the weights exist once for both.
-            self.reflect_sampler.share_weights(self.sampler)
-        self.weights_version = int(version)
-
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self._restore()
@@ -316,6 +218,91 @@ class Trainer:
             if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:
                 results[f"step_{self.step}"] = self.evaluate(self.step)
 
+    def train_one_step(self) -> dict[str, Any]:
+        """One step of the loop (phases 1-6); returns and writes the step's metrics."""
+        cfg, step = self.cfg, self.step
+        times: dict[str, float] = {}
+        t_step = time.perf_counter()
+        # 1. rollout
+        with _timed(times, "sample"):  # 0 when the batch was prefetched during the last step
+            sb = self._take_batch(step)
+        self.skipped_long_prompts += sb.skipped
+        if sb.skipped:
+            log.warning("step %d: skipped %d problems whose prompts exceed "
+                        "rollout.max_prompt_tokens", step, sb.skipped)
+        staleness = self.weights_version - sb.weights_version
+        if not 0 <= staleness <= int(sb.prefetched):
+            raise TrainingError(
+                f"step {step}: rollouts sampled with weights version {sb.weights_version} but "
+                f"the policy is at version {self.weights_version} (staleness must be 0, or "
+                "at most 1 with rollout.overlap)")
+        if self.overlap and step + 1 < cfg.train.steps:
+            with _timed(times, "prefetch_launch"):
+                self._prefetch(step + 1)  # sampled with the current weights while we train
+        # 2-4. Verification, the memory update and the teacher prompts: process 0's work with
+        # several processes (its reflections' generate calls are served by all of them), the
+        # others receive the results (pmd_jax.multihost).
+        batch, prompt_stats, mem_stats, sb.rewards, sb.results, lead_times = multihost.lead(
+            lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
+        times.update(lead_times)
+        train_metrics = self._train(batch, step, times)
+        if self._kl_due(step):
+            with _timed(times, "kl_initial"):
+                train_metrics["kl_policy_initial"] = kl.kl_to_initial(
+                    cfg, self.model, self.state, batch)
+        # 6. publish (after the background batch: it is sampled with one weights version)
+        if self.overlap:
+            with _timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
+                self._finish_prefetch()
+        if cfg.mode != "pmd_frozen_policy":
+            with _timed(times, "publish"):
+                self._publish(step + 1)
+        times["time_step"] = time.perf_counter() - t_step
+        times["time_rollout_generate"] = sb.sample_seconds
+        rewards = sb.rewards
+        out: dict[str, Any] = {
+            "reward_mean": float(rewards.mean()),
+            "success_group_fraction": float(
+                (rewards >= cfg.teacher_prompt.success_threshold).any(axis=1).mean()
+            ),
+            "format_ok_fraction": float(np.mean([r.ok for r in sb.results])),
+            "response_tokens_mean": float(np.mean([len(r.tokens) for r in sb.rollouts])),
+            "skipped_long_prompts": float(self.skipped_long_prompts),
+            "truncated_fraction": float(
+                np.mean([r.finish_reason == "length" for r in sb.rollouts])
+            ),
+            "rollout_staleness": float(staleness),
+            "rollout_weights_version": float(sb.weights_version),
+            **prompt_stats,
+            **{k: float(v) for k, v in train_metrics.items() if np.ndim(v) == 0},
+            **mem_stats,
+            **times,
+        }
+        self.metrics.write("train", step, out)
+        return out
+
+    def _host_work(self, sb: StepBatch, times: dict[str, float]) -> tuple[Any, ...]:
+        """Verifies, updates the memory, builds the train batch; returns the batch, its
+        stats, the memory's stats and what every process needs of ``sb`` (rewards, verifier
+        results) and of ``times`` (process 0's timings, with several processes)."""
+        cfg, step = self.cfg, sb.step
+        with _timed(times, "verify"):  # 2. verify
+            self.verify(sb)
+        mem_stats: dict[str, Any] = {}
+        if self.memory is not None:
+            with _timed(times, "memory"):  # 3. memory update
+                mem_stats = teaching.update_memory(
+                    cfg, self.memory, step, sb, self.task, self.textgen
+                )
+            times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
+            times["time_memory"] -= times["time_reflect"]
+        with _timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
+            batch, prompt_stats = teaching.build_train_batch(
+                cfg, self.model, self.task, self.memory, sb
+            )
+        return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
+
+    # ------------------------------------------------------------------ 1. rollout
     def _sampling_params(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
@@ -329,10 +316,8 @@ class Trainer:
         drawn = self._draw(step)
         return self._decode(drawn, self._generate(drawn))
 
-    def _draw(self, step: int) -> _Drawn:
+    def _draw(self, step: int) -> Drawn:
         """The next problems of the data stream (advances the cursor) and their prompts."""
-        from pmd_jax.wiring import response_prefix
-
         cfg = self.cfg
         problems: list[Any] = []
         prefixes: list[str] = []
@@ -340,7 +325,7 @@ class Trainer:
         skipped = 0
         while len(problems) < cfg.rollout.problems_per_step:
             for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
-                pre = response_prefix(self.task, p)
+                pre = teaching.response_prefix(self.task, p)
                 ids = self.model.encode_prompt(self.task.prompt(p), pre)
                 if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
                     skipped += 1
@@ -353,9 +338,9 @@ class Trainer:
                 problems.append(p)
                 prefixes.append(pre)
                 prompts.append(ids)
-        return _Drawn(step, problems, prefixes, prompts, skipped)
+        return Drawn(step, problems, prefixes, prompts, skipped)
 
-    def _generate(self, drawn: _Drawn) -> tuple[Rollouts, float]:
+    def _generate(self, drawn: Drawn) -> tuple[Rollouts, float]:
         """The generate() call alone: the only part that runs in the rollout thread (it
         touches nothing but ``self.sampler``; tokenizing and the data stream stay on the
         main thread)."""
@@ -365,7 +350,7 @@ class Trainer:
                           "rollout generation", self.cfg.rollout.retries)
         return rollouts, time.perf_counter() - t0
 
-    def _decode(self, drawn: _Drawn, generated: tuple[Rollouts, float]) -> StepBatch:
+    def _decode(self, drawn: Drawn, generated: tuple[Rollouts, float]) -> StepBatch:
         rollouts, seconds = generated
         texts = [drawn.prefixes[r.prompt_index] + self.model.decode(r.tokens.tolist())
                  for r in rollouts]
@@ -412,45 +397,25 @@ class Trainer:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    # ------------------------------------------------------------------ 2. verify
     def verify(self, sb: StepBatch) -> None:
         g = self.cfg.rollout.n
         probs = [sb.problems[r.prompt_index] for r in sb.rollouts]
         sb.results = self.task.verify_batch(probs, sb.texts, "train")
         sb.rewards = np.array([r.reward for r in sb.results], np.float64).reshape(-1, g)
 
-    def train_one_step(self) -> dict[str, Any]:
-        from pmd_jax import wiring
-
-        cfg, step = self.cfg, self.step
-        times: dict[str, float] = {}
-        t_step = time.perf_counter()
-        with _timed(times, "sample"):  # 0 when the batch was prefetched during the last step
-            sb = self._take_batch(step)
-        self.skipped_long_prompts += sb.skipped
-        if sb.skipped:
-            log.warning("step %d: skipped %d problems whose prompts exceed "
-                        "rollout.max_prompt_tokens", step, sb.skipped)
-        staleness = self.weights_version - sb.weights_version
-        if not 0 <= staleness <= int(sb.prefetched):
-            raise TrainingError(
-                f"step {step}: rollouts sampled with weights version {sb.weights_version} but "
-                f"the policy is at version {self.weights_version} (staleness must be 0, or "
-                "at most 1 with rollout.overlap)")
-        if self.overlap and step + 1 < cfg.train.steps:
-            with _timed(times, "prefetch_launch"):
-                self._prefetch(step + 1)  # sampled with the current weights while we train
-        # Verification, the memory update and the teacher prompts: process 0's work with
-        # several processes (its reflections' generate calls are served by all of them), the
-        # others receive the results (pmd_jax.multihost).
-        batch, prompt_stats, mem_stats, sb.rewards, sb.results, lead_times = multihost.lead(
-            lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
-        times.update(lead_times)
+    # ------------------------------------------------------------------ 5. train step
+    def _train(self, batch: dict[str, np.ndarray], step: int,
+               times: dict[str, float]) -> dict[str, Any]:
+        """One update on the train batch (none in pmd_frozen_policy mode); tracks non-finite
+        updates and stops the run after train.max_nonfinite_in_a_row of them."""
+        cfg = self.cfg
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
             with _timed(times, "train"):
-                update, row_stats = update_rows.rows_for_update(
+                update, row_stats = rows_for_update(
                     cfg, batch, self.state.step_fn.batch_divisor())
-                train_metrics = wiring.train_step(self.state, update)
+                train_metrics = train.train_step(self.state, update)
                 if update is not batch:  # the step saw the signal rows only
                     train_metrics["masked_sample_fraction"] = float(
                         1.0 - batch["sd_mask"].mean())
@@ -471,77 +436,102 @@ class Trainer:
                     )
             else:
                 self.nonfinite_in_a_row = 0
-        if self._kl_due(step):
-            with _timed(times, "kl_initial"):
-                train_metrics["kl_policy_initial"] = wiring.kl_to_initial(
-                    cfg, self.model, self.state, batch)
-        if self.overlap:
-            with _timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
-                self._finish_prefetch()
-        if cfg.mode != "pmd_frozen_policy":
-            with _timed(times, "publish"):
-                self._publish(step + 1)
-        times["time_step"] = time.perf_counter() - t_step
-        times["time_rollout_generate"] = sb.sample_seconds
-        rewards = sb.rewards
-        out: dict[str, Any] = {
-            "reward_mean": float(rewards.mean()),
-            "success_group_fraction": float(
-                (rewards >= cfg.teacher_prompt.success_threshold).any(axis=1).mean()
-            ),
-            "format_ok_fraction": float(np.mean([r.ok for r in sb.results])),
-            "response_tokens_mean": float(np.mean([len(r.tokens) for r in sb.rollouts])),
-            "skipped_long_prompts": float(self.skipped_long_prompts),
-            "truncated_fraction": float(
-                np.mean([r.finish_reason == "length" for r in sb.rollouts])
-            ),
-            "rollout_staleness": float(staleness),
-            "rollout_weights_version": float(sb.weights_version),
-            **prompt_stats,
-            **{k: float(v) for k, v in train_metrics.items() if np.ndim(v) == 0},
-            **mem_stats,
-            **times,
-        }
-        self.metrics.write("train", step, out)
-        return out
-
-    def _host_work(self, sb: StepBatch, times: dict[str, float]) -> tuple[Any, ...]:
-        """Verifies, updates the memory, builds the train batch; returns the batch, its
-        stats, the memory's stats and what every process needs of ``sb`` (rewards, verifier
-        results) and of ``times`` (process 0's timings, with several processes)."""
-        from pmd_jax import wiring
-
-        cfg, step = self.cfg, sb.step
-        with _timed(times, "verify"):
-            self.verify(sb)
-        mem_stats: dict[str, Any] = {}
-        if self.memory is not None:
-            with _timed(times, "memory"):
-                mem_stats = wiring.update_memory(
-                    cfg, self.memory, step, sb, self.task, self.textgen
-                )
-            times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
-            times["time_memory"] -= times["time_reflect"]
-        with _timed(times, "teacher_prompts"):
-            batch, prompt_stats = wiring.build_train_batch(
-                cfg, self.model, self.task, self.memory, sb
-            )
-        return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
+        return train_metrics
 
     def _kl_due(self, step: int) -> bool:
         every = self.cfg.train.kl_initial_every
         return every > 0 and ((step + 1) % every == 0 or step == 0)
 
-    # ------------------------------------------------------------------ evaluation
+    # ------------------------------------------------------------------ 6. publish
+    def _publish(self, version: int) -> None:
+        # With overlap the sampler must own its weights: the next train step donates the
+        # train state's buffers while the rollout thread is still reading the published ones.
+        _publish_weights(self.cfg, self.sampler, self.state, version, copy=self.overlap)
+        if self.reflect_sampler is not self.sampler:
+            # Same class and config: share the rollout sampler's placed (possibly per-layer
+            # unstacked) arrays as they are, so the weights exist once for both.
+            self.reflect_sampler.share_weights(self.sampler)
+        self.weights_version = int(version)
+
+    # ------------------------------------------------------------------ 7. checkpoint
+    def _save(self) -> None:
+        self._finish_prefetch()  # (already done: each step joins its prefetch before publish)
+        nxt = self._next
+        memory_state = self.memory.state_dict() if self.memory is not None else None
+        if memory_state is None and self.uses_memory:
+            # Not process 0: the slot must exist on every process of a multi-process save
+            # (process 0 alone writes it), its value here is never written.
+            memory_state = {"process": "not written"}
+        extras = {
+            "step": self.step,
+            "data_cursor": self.stream.cursor.state_dict(),
+            "memory": memory_state,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "skipped_long_prompts": self.skipped_long_prompts,
+            # rollout.overlap: the next step's rollouts (the cursor above is already past them)
+            "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
+        }
+        self._wait_checkpoint()  # a failed background write of the previous save stops here
+        try:
+            self.ckpt.save(self.step, self.state, extras)
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            raise self._checkpoint_error(self.step, e) from e
+        self._ckpt_inflight = self.step
+
+    def _wait_checkpoint(self) -> None:
+        """Blocks until the in-flight (async) checkpoint is committed; a failure names its step."""
+        step, self._ckpt_inflight = self._ckpt_inflight, None
+        try:
+            self.ckpt.wait()
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            raise self._checkpoint_error(step, e) from e
+
+    def _checkpoint_error(self, step: int | None, e: Exception) -> TrainingError:
+        prev = self.ckpt.latest_committed()
+        intact = (f"the previous checkpoint (step {prev}) is intact" if prev is not None
+                  else "there is no earlier checkpoint")
+        return TrainingError(
+            f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
+
+    def _restore(self) -> None:
+        if not self.cfg.resume:
+            return
+        restored = self.ckpt.restore_latest(self.state)
+        if restored is None:
+            return
+        self.state, extras = restored
+        self.step = int(extras["step"])
+        self.stream.cursor = DataCursor.from_state(extras["data_cursor"])
+        if self.memory is not None and extras.get("memory") is not None:
+            self.memory.load_state_dict(extras["memory"])
+        self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
+        self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
+        nxt = extras.get("prefetch")
+        if nxt is not None:
+            # The batch for this step was sampled (one version stale) before the checkpoint
+            # and the data cursor is already past it: train on it exactly as the killed run
+            # would have (its stale weights are not in the checkpoint to sample it again).
+            sb = pickle.loads(nxt)
+            if sb.step != self.step:
+                raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
+                                    f"rollouts of step {sb.step}")
+            self._next = sb
+        self.metrics.truncate_after(self.step - 1)
+        if self.cfg.mode != "pmd_frozen_policy":  # (that mode never changes the weights)
+            self._publish(self.step)
+        log.info("resumed from checkpoint at step %d%s", self.step,
+                 " (with its prefetched rollouts)" if nxt is not None else "")
+
+    # ------------------------------------------------------------------ 8. evaluate
     def evaluate(self, step: int) -> dict[str, Any]:
-        from pmd_jax import wiring
+        from pmd_jax import evaluate as evaluation  # (module attribute: tests patch it)
 
         t0 = time.perf_counter()
         # Process 0 evaluates and writes the results; the others serve its generate calls.
         res = multihost.lead(
-            lambda: wiring.evaluate(self.cfg, self.model, self.task, self.textgen,
-                                    self.eval_problems,
-                                    self.run_dir / "eval" / f"step_{step:06d}", self.memory),
+            lambda: evaluation.evaluate(self.cfg, self.model, self.task, self.textgen,
+                                        self.eval_problems,
+                                        self.run_dir / "eval" / f"step_{step:06d}", self.memory),
             self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
         self.metrics.write("eval", step, res)
@@ -554,13 +544,13 @@ class Trainer:
         )
         return res
 
-    # ------------------------------------------------------------------ end of run
+    # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:
-        from pmd_jax import wiring
+        from pmd_jax.export import export_hf
 
         if self.cfg.train.export_hf:
             # Every process takes part in gathering the params; process 0 writes them.
-            wiring.export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")
+            export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")
         if not self.is_main:
             return
         plots = write_plots(self.run_dir)
@@ -571,13 +561,34 @@ class Trainer:
         self.metrics.close()
 
 
-def run_dir_summary(run_dir: str | Path) -> str:
-    """A short text summary of a run's eval records (used by the experiment runner)."""
-    from pmd_jax.metrics import read_metrics
+def _publish_weights(cfg: Any, sampler: Any, bundle: train.TrainBundle, step: int,
+                     copy: bool = False) -> None:
+    """Hand the current weights to the sampler (in-process, or a tensorstore version).
 
-    recs = read_metrics(paths.run_path(run_dir) / "metrics.jsonl")
-    evals = [r for r in recs if r["kind"] == "eval"]
-    return "\n".join(f"step {r['step']}: accuracy {r.get('accuracy', float('nan')):.4f}"
-                     + (f" ({r['in_sample']})" if r.get("in_sample") else "")
-                     for r in evals)
+    In process the sampler may get the train state's own arrays, which the next (donating)
+    train step deletes; ``copy=True`` gives it a copy it keeps while training runs
+    (rollout.overlap samples during the train step)."""
+    params = train.current_params(cfg, bundle)
+    if hasattr(sampler, "set_params"):
+        if copy:
+            import jax
+            import jax.numpy as jnp
 
+            # A sampler that splits the layers (JaxSampler.unstack_layers) already makes new
+            # per-layer arrays; only the other leaves need their own copy.
+            skip = "layers" if getattr(sampler, "unstack_layers", False) else None
+            params = {k: v if k == skip else jax.tree.map(jnp.copy, v)
+                      for k, v in params.items()}
+        sampler.set_params(params, version=int(step))
+        return
+    from pmd_jax.models.hf_io import iter_hf_tensors
+    from pmd_jax.sampling.weight_store import WeightStore
+
+    url = cfg.rollout.weight_store
+    store = _STORES.get(url) or _STORES.setdefault(url, WeightStore(url))
+    store.publish(dict(iter_hf_tensors(params, bundle.step_fn.model_cfg)), version=int(step),
+                  step=int(step))
+    sampler.set_weights(int(step))
+
+
+_STORES: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from pmd_jax.data import DataCursor, ProblemStream, select_demonstrations
+from pmd_jax.rollout import DataCursor, ProblemStream
+from pmd_jax.teaching import select_demonstrations
 
 
 def test_stream_covers_each_epoch_once_and_resumes_exactly():

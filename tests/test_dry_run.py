@@ -9,8 +9,8 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from pmd_jax import dry_run as dr  # noqa: E402
 from pmd_jax import sharding as sh  # noqa: E402
+from pmd_jax.dry_run import forward_backward as dr  # noqa: E402
 from pmd_jax.models.config import olmo3_7b, qwen3_8b  # noqa: E402
 
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -117,7 +117,7 @@ def test_chunked_next_token_loss_equals_full_logits_loss():
 
 def _small_step_report(impl: str, student: int, teacher: int, response: int):
     from pmd_jax.config import base_config
-    from pmd_jax.dry_run_step import distill_step_report
+    from pmd_jax.dry_run.distill_step import distill_step_report
     from pmd_jax.models.config import ModelConfig
 
     cfg = base_config()
@@ -136,7 +136,7 @@ def test_distill_step_memory_bounded_with_chunked_attention():
     small-width model at long-ish sequences: dense attention needs at least one [T, S] score
     tensor per device, chunked attention has no array with two sequence axes and a temp
     figure far below one such tensor."""
-    from pmd_jax.dry_run_step import format_step_memory
+    from pmd_jax.dry_run.distill_step import format_step_memory
 
     S, T, R = 2048, 3072, 1024
     one_scores_gib = 8 * T * T * 4 / 2**30  # 1 row per device x 8 heads x T x T float32
@@ -163,10 +163,10 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "import os, json, importlib.util\n"
         "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=64'\n"
         "import jax\n"
-        "from pmd_jax.dry_run_step import distill_step_report, _mesh_shape\n"
+        "from pmd_jax.dry_run.distill_step import distill_step_report, _mesh_shape\n"
         "from pmd_jax.models.config import preset\n"
         "from pmd_jax.sharding import ShardingRules, make_mesh\n"
-        "from pmd_jax.wiring import attention_options\n"
+        "from pmd_jax.build import attention_options\n"
         "spec = importlib.util.spec_from_file_location('c', 'configs/qwen3.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "cfg = m.get_config()\n"
@@ -196,7 +196,7 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
 
 # --------------------------------------------------------------------------- hardware targets
 def test_verdict_and_roofline_on_numbers():
-    from pmd_jax import targets as tg
+    from pmd_jax.dry_run import hardware as tg
 
     v = tg.verdict(60 * 10**9, 80 * 10**9)
     assert v.fits and v.word == "FITS" and v.headroom_bytes == 20 * 10**9

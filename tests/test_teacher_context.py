@@ -3,7 +3,7 @@
 A memory holding known strategies, lessons, behaviors and remembered successes (each with a
 distinctive marker word) is loaded through ``ProceduralMemory.load_state_dict``; a
 deterministic stand-in embedder replaces the sentence-transformers model. The teacher prompts
-come from ``wiring.build_train_batch``, the function the trainer calls: each rollout's teacher
+come from ``teaching.build_train_batch``, the function the trainer calls: each rollout's teacher
 prompt is cut from the batch's teacher tokens (up to the logit that predicts the first
 response token) and decoded with SmolLM2's own tokenizer, so every assertion is on the token
 sequence the teacher actually scores.
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pmd_jax import wiring
+from pmd_jax import build, teaching
 from pmd_jax.config import apply_mode, base_config
 from pmd_jax.memory import prompts
 from pmd_jax.memory.index import ScannIndex
@@ -175,12 +175,12 @@ def install_known(mem, problem_text: dict[str, str], items: dict[str, dict],
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model() -> wiring.ModelBundle:
+def model() -> build.ModelBundle:
     from pmd_jax.models.gguf_io import smollm2_hf_dir
     from pmd_jax.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(smollm2_hf_dir(), chat_format="chatml")  # as load_model
-    return wiring.ModelBundle(cfg=None, params=None, tokenizer=tok, mesh=None, rules=None)
+    return build.ModelBundle(cfg=None, params=None, tokenizer=tok, mesh=None, rules=None)
 
 
 @pytest.fixture(autouse=True)
@@ -212,7 +212,7 @@ def run_config(n: int = 1, **over):
 
 
 def make_memory(cfg, model, pids=("pA", "pB", "pC")):
-    mem = wiring.build_memory(cfg, model)  # the trainer's constructor (control tokens etc.)
+    mem = build.build_memory(cfg, model)  # the trainer's constructor (control tokens etc.)
     items = known_items(pids)
     install_known(mem, {p: PROBLEMS[p] for p in pids}, items)
     return mem, items
@@ -220,7 +220,7 @@ def make_memory(cfg, model, pids=("pA", "pB", "pC")):
 
 def step_batch(cfg, model, pids):
     """A StepBatch of failed rollouts (no sibling success: the memory's success is shown)."""
-    from pmd_jax.trainer import StepBatch
+    from pmd_jax.rollout import StepBatch
 
     task = Task()
     g = cfg.rollout.n
@@ -240,7 +240,7 @@ def step_batch(cfg, model, pids):
 
 def teacher_user_texts(cfg, model, mem, sb) -> tuple[list[str], dict]:
     """build_train_batch's teacher prompts, decoded; returns each one's user message."""
-    batch, _ = wiring.build_train_batch(cfg, model, Task(), mem, sb)
+    batch, _ = teaching.build_train_batch(cfg, model, Task(), mem, sb)
     out = []
     head, end = "<|im_start|>user\n", "<|im_end|>"
     for k, r in enumerate(sb.rollouts):
@@ -253,7 +253,7 @@ def teacher_user_texts(cfg, model, mem, sb) -> tuple[list[str], dict]:
         user = prompt.split(head, 1)[1].split(end, 1)[0]
         # The user message takes exactly count_tokens(user) of the row's tokens: the budget,
         # counted on the text, bounds what the teacher sees.
-        bare = model.encode_prompt(wiring.teacher_messages(Task().prompt(sb.problems[
+        bare = model.encode_prompt(teaching.teacher_messages(Task().prompt(sb.problems[
             r.prompt_index]), ""))
         assert n == len(bare) + model.count_tokens(user)
         out.append(user)
@@ -417,8 +417,9 @@ def test_inverted_lessons_swaps_strategies_and_lessons_under_the_headers(model):
     pos = [user.index(m) for m in marks]
     assert pos == sorted(pos)
     assert all(behavior_line(n, i) in user for n, i in BEHAVIORS)
-    # The same memory without the control shows them the right way round.
-    cfg.memory.control_mode = "none"
+    # The same memory without the control shows them the right way round (the memory holds
+    # its own copy of the memory section: build.memory_config never writes into the run's).
+    mem.config.control_mode = "none"
     (plain,), _ = teacher_user_texts(cfg, model, mem, sb)
     assert block_items(plain, STRATEGIES_HEADER) == own["strategies"]
     assert block_items(plain, LESSONS_HEADER) == own["lessons"]
@@ -428,7 +429,8 @@ def test_inverted_lessons_swaps_strategies_and_lessons_under_the_headers(model):
 EVAL_RUN = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from pmd_jax import wiring
+    from pmd_jax import evaluate as evaluation
+    from pmd_jax import teaching
     from pmd_jax.config import apply_mode, config_errors
     from pmd_jax.config_cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
@@ -465,12 +467,12 @@ EVAL_RUN = textwrap.dedent("""
     from pmd_jax.trainer import Trainer
 
     tr = Trainer(cfg)
-    texts = {str(p.id): wiring._user_text(tr.task.prompt(p)) for p in tr.eval_problems}
+    texts = {str(p.id): teaching.user_text(tr.task.prompt(p)) for p in tr.eval_problems}
     items = known_items(list(texts))
     install_known(tr.memory, texts, items)
 
     calls, evals, phase = [], [], []
-    real_generate, real_evaluate = JaxSampler.generate, wiring.evaluate
+    real_generate, real_evaluate = JaxSampler.generate, evaluation.evaluate
 
     def generate(self, prompts, params, **kw):
         calls.append(dict(phase=phase[-1] if phase else "train", n=params.n,
@@ -480,7 +482,7 @@ EVAL_RUN = textwrap.dedent("""
     def evaluate(cfg, model, task, textgen, problems, out_dir, memory=None):
         s = memory.stats()
         mem_text = {str(p.id): memory.teacher_context(
-            str(p.id), wiring._user_text(task.prompt(p))).render() for p in problems}
+            str(p.id), teaching.user_text(task.prompt(p))).render() for p in problems}
         evals.append(dict(stats=s, memory_conditioned=mem_text, calls_before=len(calls)))
         phase.append("eval")
         try:
@@ -489,10 +491,10 @@ EVAL_RUN = textwrap.dedent("""
             phase.pop()
 
     JaxSampler.generate = generate
-    wiring.evaluate = evaluate
+    evaluation.evaluate = evaluate
     tr.run()
     free = {str(p.id): tr.model.encode_prompt(tr.task.prompt(p),
-                                              wiring.response_prefix(tr.task, p))
+                                              teaching.response_prefix(tr.task, p))
             for p in tr.eval_problems}
     json.dump(dict(calls=calls, evals=evals, items=items, free=free,
                    seeds=list(cfg.eval.seeds)), open(out_path, "w"))

@@ -19,9 +19,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax import update_rows  # noqa: E402
 from pmd_jax.config import base_config  # noqa: E402
-from pmd_jax.distill import align  # noqa: E402
+from pmd_jax.distill import align, update_rows  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402

@@ -36,7 +36,7 @@ def eval_overlap(cfg: Any, task: Any) -> tuple[list[str], int]:
 
 
 def in_sample_message(cfg: Any, overlap: list[str], n_eval: int) -> str:
-    src = cfg.task.get("eval_task", "") or cfg.task.name
+    src = cfg.task.eval_task or cfg.task.name
     shown = ", ".join(overlap[:3]) + (", ..." if len(overlap) > 3 else "")
     return (
         f"in-sample evaluation: {len(overlap)} of the {n_eval} evaluation problems (task "
@@ -106,7 +106,7 @@ def _task_key(c: Any) -> str:
 def _cached_overlap(key: str) -> tuple[list[str], int]:
     import ml_collections
 
-    from pmd_jax.wiring import build_task
+    from pmd_jax.build import build_task
 
     d = json.loads(key)
     cfg = ml_collections.ConfigDict({"task": d["task"], "seed": d["seed"],

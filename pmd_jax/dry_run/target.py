@@ -15,7 +15,7 @@ axis resolved against that count), two programs are compiled on abstract arrays,
 
 For each: per-device bytes from ``compiled.memory_analysis()`` (arguments, outputs, aliased,
 temporaries; total = arguments + outputs - aliased + temporaries) against the chip's HBM:
-FITS / DOES NOT FIT and the headroom (:func:`pmd_jax.targets.verdict`). And a roofline step
+FITS / DOES NOT FIT and the headroom (:func:`pmd_jax.dry_run.hardware.verdict`). And a roofline step
 time ``max(flops / peak, bytes / bandwidth)`` per device from ``compiled.cost_analysis()``:
 a LOWER BOUND (perfect overlap, no communication, no launch or host time), with the MFU that
 bound allows (model FLOPs: 3 x student forward + teacher forward(s), ``flops_per_token``
@@ -30,12 +30,12 @@ real step time lies above the floor.
 
 XLA's cost analysis counts a loop body once, so the FLOPs and bytes come from extra compiles
 without loops: one microbatch, the layers unrolled at depth 1 and 2 and extrapolated linearly
-to the full depth (as :mod:`pmd_jax.dry_run` does), the loss in one chunk, dense attention
+to the full depth (as ``dry_run.forward_backward`` does), the loss in one chunk, dense attention
 (which counts the whole T x S score matrix: about 2x the causal attention FLOPs), times the
 number of microbatches (the optimizer update is then counted once per microbatch: a few GB
 of traffic per step, small against the forward/backward).
 
-Caveats (as :mod:`pmd_jax.dry_run`): these are XLA:CPU compiles. XLA:CPU does not keep bf16
+Caveats (as ``dry_run.forward_backward``): these are XLA:CPU compiles. XLA:CPU does not keep bf16
 dots in bf16 the way TPU/GPU backends do, fuses and schedules differently, and its "bytes
 accessed" counts every fusion's operands: the temporaries and the bytes are estimates of
 what a TPU/GPU compile would need, not measurements. Params, optimizer state and KV cache
@@ -53,7 +53,7 @@ import math
 import time
 from typing import Any
 
-from pmd_jax import targets as tg
+from pmd_jax.dry_run import hardware as tg
 
 log = logging.getLogger("pmd_jax")
 GiB = 1024**3
@@ -98,7 +98,7 @@ def _timing(flops: float, nbytes: float, t: tg.Target, model_flops: float,
 
 
 def _batch(ts: Any, rows: int, s: int, t: int, r: int) -> dict[str, Any]:
-    from pmd_jax.dry_run_step import abstract_batch
+    from pmd_jax.dry_run.distill_step import abstract_batch
 
     b = abstract_batch(ts, rows, s, t, r)
     b.pop("old_logp", None)  # one update per rollout batch: the trainer passes no old_logp
@@ -113,7 +113,7 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
     resp = int(cfg.rollout.max_tokens)
     s_len = int(cfg.rollout.max_prompt_tokens) + resp
     t_len = int(cfg.teacher_prompt.max_tokens) + resp
-    mb = int(cfg.train.get("microbatch_rows", 0))
+    mb = int(cfg.train.microbatch_rows)
     ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules, microbatch_rows=mb)
     if rows % ts.batch_divisor():
         raise BatchError(f"the update batch of {rows} rows does not split over the mesh's "
@@ -259,7 +259,7 @@ def format_target_report(r: dict[str, Any]) -> str:
             f"{de['floor_tokens_per_s']:.0f} tokens/s")
     lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth): a lower bound on the time "
                  "for those counts; XLA:CPU compile on simulated devices: temporaries and bytes "
-                 "accessed are estimates (see pmd_jax/dry_run_target.py)")
+                 "accessed are estimates (see pmd_jax/dry_run/target.py)")
     lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'} on {t.name}")
     return "\n".join(lines)
 
@@ -267,7 +267,7 @@ def format_target_report(r: dict[str, Any]) -> str:
 def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, Any]:
     import jax
 
-    from pmd_jax.dry_run_step import _mesh_shape, _model_config
+    from pmd_jax.dry_run.distill_step import _mesh_shape, _model_config
     from pmd_jax.sharding import ShardingRules, make_mesh
 
     t = tg.get_target(target)

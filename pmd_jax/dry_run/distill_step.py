@@ -2,8 +2,8 @@
 
 Two compiles on abstract arrays for a simulated mesh (``--dry_run_devices`` fake CPU devices):
 
-1. ``pmd_jax.dry_run.dry_run``: forward + backward + AdamW of the model (next-token loss), for
-   the params / optimizer / activation bytes per device and FLOPs per token;
+1. ``dry_run.forward_backward.dry_run``: forward + backward + AdamW of the model (next-token
+   loss), for the params / optimizer / activation bytes per device and FLOPs per token;
 2. the real distillation step of the config (``distill.step.TrainStep``: student forward and
    backward, teacher forward(s) per the teacher rule, chunked top-K / full-vocab divergence,
    optimizer, EMA update) with student sequence = prompt + response and teacher sequence =
@@ -135,8 +135,8 @@ def format_step_memory(r: dict[str, Any]) -> str:
 
 
 def _model_config(cfg: Any) -> Any:
+    from pmd_jax.build import attention_options
     from pmd_jax.models.config import ConfigError, preset
-    from pmd_jax.wiring import attention_options
 
     if not cfg.model.preset:
         raise ConfigError("--dry_run needs model.preset (e.g. 'olmo3-7b', 'qwen3-8b')")
@@ -146,14 +146,14 @@ def _model_config(cfg: Any) -> Any:
 
 
 def dry_run_from_config(cfg: Any) -> dict[str, Any]:
-    target = cfg.dry_run.get("target", "") if hasattr(cfg.dry_run, "get") else ""
+    target = cfg.dry_run.target
     if target:
-        from pmd_jax.dry_run_target import target_report
+        from pmd_jax.dry_run.target import target_report
 
-        return target_report(cfg, target, count_cost=bool(cfg.dry_run.get("roofline", True)))
+        return target_report(cfg, target, count_cost=bool(cfg.dry_run.roofline))
     import jax
 
-    from pmd_jax.dry_run import dry_run
+    from pmd_jax.dry_run.forward_backward import dry_run
     from pmd_jax.sharding import ShardingRules, make_mesh
 
     mc = _model_config(cfg)

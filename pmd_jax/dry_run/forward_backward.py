@@ -338,10 +338,10 @@ def dry_run_subprocess(
     model: str, mesh: str, batch: int, seq: int, *, remat: str = "full",
     num_layers: int | None = None, timeout: float | None = None, count_flops: bool = True,
 ) -> dict[str, Any]:
-    """Run ``python -m pmd_jax.dry_run`` in a fresh interpreter (so the fake device count can
-    be set) and return its JSON report."""
-    cmd = [sys.executable, "-m", "pmd_jax.dry_run", f"--model={model}", f"--mesh={mesh}",
-           f"--batch={batch}", f"--seq={seq}", f"--remat={remat}", "--json"]
+    """Run ``python -m pmd_jax.dry_run.forward_backward`` in a fresh interpreter (so the fake
+    device count can be set) and return its JSON report."""
+    cmd = [sys.executable, "-m", "pmd_jax.dry_run.forward_backward", f"--model={model}",
+           f"--mesh={mesh}", f"--batch={batch}", f"--seq={seq}", f"--remat={remat}", "--json"]
     if not count_flops:
         cmd.append("--skip_flop_count")
     if num_layers is not None:

@@ -1,7 +1,9 @@
-"""Deterministic problem stream with a resumable cursor.
+"""The rollout phase's data: the problem stream and a step's rollout record.
 
-Each epoch is a seeded permutation of the training problems; the cursor (epoch, position) is
-all the state there is, so a restored run draws exactly the batches it would have drawn.
+:class:`ProblemStream` draws the training problems: each epoch is a seeded permutation of them;
+the cursor (epoch, position) is all the state there is, so a restored run draws exactly the
+batches it would have drawn. :class:`StepBatch` is what one step's rollouts carry through the
+loop (sampled, then verified, then turned into teacher prompts and a train batch).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+
+from pmd_jax.sampling.base import Rollouts
 
 T = TypeVar("T")
 
@@ -56,25 +60,31 @@ class ProblemStream(Generic[T]):
         return out
 
 
-def select_demonstrations(
-    rewards: np.ndarray, threshold: float, exclude_self: bool = True
-) -> np.ndarray:
-    """For rewards [B, G], the index of the demonstration each rollout's teacher sees, or -1.
 
-    The demonstration is the first successful rollout (reward >= threshold) of the same group;
-    with ``exclude_self`` a rollout never gets its own attempt (SDPO's
-    ``dont_reprompt_on_self_success``), so a lone success gets -1.
-    """
-    rewards = np.asarray(rewards, dtype=np.float64)
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards must be [groups, rollouts], got shape {rewards.shape}")
-    success = rewards >= threshold
-    b, g = rewards.shape
-    out = np.full((b, g), -1, dtype=np.int64)
-    for i in range(b):
-        wins = np.flatnonzero(success[i])
-        for j in range(g):
-            cands = wins[wins != j] if exclude_self else wins
-            if cands.size:
-                out[i, j] = int(cands[0])
-    return out
+@dataclasses.dataclass
+class StepBatch:
+    """Host-side record of one step's rollouts (prompt-major, G rollouts per problem)."""
+
+    problems: list[Any]
+    student_prompts: list[list[int]]
+    rollouts: Rollouts
+    texts: list[str]
+    rewards: np.ndarray  # [B, G]
+    results: list[Any]
+    step: int = -1  # the training step these rollouts are for
+    weights_version: int = 0  # the policy version (published step) that sampled them
+    skipped: int = 0  # problems skipped for over-long prompts while drawing this batch
+    sample_seconds: float = 0.0  # wall time of the generate() call (wherever it ran)
+    prefetched: bool = False  # sampled during the previous step (rollout.overlap)
+
+
+@dataclasses.dataclass
+class Drawn:
+    """A step's problems and prompts, drawn from the data stream (main thread) before the
+    generate() call, which may run in the background sampler thread."""
+
+    step: int
+    problems: list[Any]
+    prefixes: list[str]
+    prompts: list[list[int]]
+    skipped: int

@@ -1,0 +1,266 @@
+"""The parts of a run, built from its config: the task, the model (weights, tokenizer, mesh),
+the rollout sampler and the procedural memory.
+
+The trainer calls these once at start-up (``Trainer.__init__``); nothing here runs per step.
+None of them writes into the run config: run-time values (the tokenizer's control and stop
+tokens) go into the memory's own copy of its section (:func:`memory_config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pmd_jax.config import MEMORY_MODES
+from pmd_jax.sampling.base import Messages
+
+log = logging.getLogger("pmd_jax")
+
+PMD_MODES = MEMORY_MODES  # old name (tests/test_config.py reads it); use config.MEMORY_MODES
+
+
+def is_main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+# ----------------------------------------------------------------------------- task
+class _TaskNamed:
+    """cfg.task seen as the section of task ``name`` (for registry.config_kwargs)."""
+
+    def __init__(self, task_cfg: Any, name: str) -> None:
+        self.name, self._cfg = name, task_cfg
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self._cfg, key, default)
+
+
+def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
+    """get_task arguments of task ``name`` from the run config (task.path excluded)."""
+    from pmd_jax.tasks.registry import config_kwargs
+
+    t, kw = cfg.task, {}
+    if name in ("sciq", "mmlu_science", "sciknoweval"):
+        kw["seed"] = int(cfg.seed)
+        kw["prompt_style"] = t.prompt_style
+    if name == "sciq":
+        kw["valid_fraction"] = float(t.valid_fraction)
+        kw["include_support"] = bool(t.include_support)
+    # Held-out splits (pmd_jax.tasks.heldout): SciQ / SciKnowEval / MBPP / GSM8K problem permutation.
+    split_seed = int(t.split_seed)
+    if name in ("sciq", "sciknoweval", "gsm8k"):
+        kw["split_seed"] = split_seed
+    if name == "mbpp":
+        kw.update(train_size=int(t.mbpp_train_size), eval_size=int(t.mbpp_eval_size),
+                  problem_seed=split_seed)
+    if name == "gsm8k":
+        kw.update(train_size=int(t.gsm8k_train_size), eval_size=int(t.gsm8k_eval_size),
+                  prompt_style=t.prompt_style)
+    kw.update(config_kwargs(_TaskNamed(t, name), int(cfg.seed)))  # jsonl_*, SciKnowEval, shuffle
+    return kw
+
+
+def build_task(cfg: Any, check_heldout: bool = True):
+    """The run's task. With task.eval_task set (another task) a TransferTask: "train" from
+    task.name, the evaluation split from task.eval_task (e.g. MBPP -> HumanEval).
+
+    ``check_heldout``: evaluation problems that are also training problems (pmd_jax.tasks.heldout)
+    raise TaskError unless eval.allow_in_sample=True; then ``task.eval_in_sample`` is True and
+    the evaluation labels its numbers "in-sample"."""
+    from pmd_jax.tasks.registry import get_task
+    from pmd_jax.tasks.splits import TransferTask
+
+    kw = task_kwargs(cfg, cfg.task.name)
+    if cfg.task.path:
+        kw["path"] = cfg.task.path
+    task = get_task(cfg.task.name, **kw)
+    eval_name = str(cfg.task.eval_task or "")
+    if eval_name and eval_name != cfg.task.name:
+        task = TransferTask(task, get_task(eval_name, **task_kwargs(cfg, eval_name)))
+    if check_heldout:
+        from pmd_jax.tasks.base import TaskError
+        from pmd_jax.tasks.heldout import eval_overlap, in_sample_message
+
+        overlap, n_eval = eval_overlap(cfg, task)
+        if overlap and not cfg.eval.allow_in_sample:
+            raise TaskError(in_sample_message(cfg, overlap, n_eval))
+        task.eval_in_sample = bool(overlap)
+        if overlap:
+            log.warning("evaluation is IN-SAMPLE: %d of %d evaluation problems are training "
+                        "problems (eval.allow_in_sample=True)", len(overlap), n_eval)
+    return task
+
+
+# ----------------------------------------------------------------------------- model
+@dataclasses.dataclass
+class ModelBundle:
+    cfg: Any  # ModelConfig
+    params: Any  # initial params (compute dtype), placed on the mesh
+    tokenizer: Any
+    mesh: Any
+    rules: Any
+
+    def encode_chat(self, messages: Messages, enable_thinking: bool = False) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                          enable_thinking=enable_thinking)
+
+    def encode_prompt(self, messages: Messages, prefix: str = "",
+                      enable_thinking: bool = False) -> list[int]:
+        """Chat prompt with the generation prompt, then the task's response prefix (if any)."""
+        ids = self.encode_chat(messages, enable_thinking=enable_thinking)
+        return ids + self.tokenizer.encode(prefix) if prefix else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.tokenizer.stop_ids)
+
+    @property
+    def pad_id(self) -> int:
+        p = self.tokenizer.pad_id
+        return int(p if p is not None else self.tokenizer.eos_id or 0)
+
+
+def build_mesh(cfg: Any):
+    from pmd_jax.sharding import ShardingRules, make_mesh
+
+    mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
+    return mesh, rules
+
+
+def attention_options(cfg: Any) -> dict[str, Any]:
+    """The ModelConfig attention fields from the run config (model.attention_impl/_chunk)."""
+    return {"attention_impl": str(cfg.model.attention_impl),
+            "attention_chunk": int(cfg.model.attention_chunk)}
+
+
+def load_model(cfg: Any) -> ModelBundle:
+    from pmd_jax.models import hf_io
+    from pmd_jax.models.config import from_hf_config
+    from pmd_jax.models.gguf_io import smollm2_hf_dir
+    from pmd_jax.models.tokenizer import Tokenizer
+
+    mesh, rules = build_mesh(cfg)
+    t0 = time.perf_counter()
+    src = smollm2_hf_dir() if cfg.model.source == "smollm2" else Path(cfg.model.source)
+    model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
+        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **attention_options(cfg)
+    )
+    if cfg.model.random_init:
+        model_cfg, params = _random_model(cfg, mesh, rules)
+    else:
+        model_cfg, params = hf_io.load_hf_checkpoint(src, cfg=model_cfg, mesh=mesh, rules=rules)
+    fmt = None if cfg.model.chat_template == "auto" else cfg.model.chat_template
+    if cfg.model.source == "smollm2":
+        fmt = fmt or "chatml"
+    tok = Tokenizer.from_pretrained(src, chat_format=fmt)
+    log.info(
+        "model %s (%s, %.1fM params) loaded from %s in %.1fs; mesh %s",
+        model_cfg.family, cfg.model.source, model_cfg.num_params() / 1e6, src,
+        time.perf_counter() - t0, dict(mesh.shape),
+    )
+    return ModelBundle(model_cfg, params, tok, mesh, rules)
+
+
+def _random_model(cfg: Any, mesh: Any, rules: Any):
+    import jax
+
+    from pmd_jax.models import decoder
+    from pmd_jax.models.config import preset
+    from pmd_jax.sharding import shard_tree
+
+    mc = preset(cfg.model.random_init).replace(dtype=cfg.model.dtype,
+                                               param_dtype=cfg.model.param_dtype,
+                                               **attention_options(cfg))
+    params = decoder.init_params(mc, jax.random.PRNGKey(int(cfg.seed)))
+    return mc, shard_tree(params, mesh, rules, decoder.param_axes(mc))
+
+
+# ----------------------------------------------------------------------------- sampler
+def build_sampler(cfg: Any, model: ModelBundle):
+    r = cfg.rollout
+    # The KV cache is sized per request bucket; max_len only bounds prompt + generation
+    # (reflection prompts can be longer than the task prompts).
+    max_len = int(r.max_context or model.cfg.max_position_embeddings)
+    need = r.max_prompt_tokens + max(r.max_tokens, cfg.eval.max_tokens)
+    if need > max_len:
+        raise ValueError(
+            f"rollout.max_prompt_tokens + max generation = {need} exceeds the context "
+            f"{max_len} (rollout.max_context / the model's max_position_embeddings)"
+        )
+    if r.sampler == "jax":
+        from pmd_jax.sampling.jax_sampler import JaxSampler
+
+        # The tokenizer serves constrained requests (SamplingParams.json_schema).
+        return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
+                          max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch,
+                          tokenizer=model.tokenizer)
+    from pmd_jax.sampling.vllm_client import VLLMSampler
+
+    return VLLMSampler(r.vllm_url, r.vllm_model or None, store_url=r.weight_store,
+                       vocab_size=model.cfg.vocab_size, max_model_len=max_len)
+
+
+# ----------------------------------------------------------------------------- memory
+def _with_values(section: Any, values: dict[str, Any]) -> Any:
+    """A copy of a config section with dotted ``values`` set; the section itself is unchanged
+    (a frozen dataclass gets ``dataclasses.replace``, an ml_collections ConfigDict a deep copy)."""
+    if dataclasses.is_dataclass(section):
+        nested: dict[str, dict[str, Any]] = {}
+        flat: dict[str, Any] = {}
+        for key, v in values.items():
+            head, _, rest = key.partition(".")
+            if rest:
+                nested.setdefault(head, {})[rest] = v
+            else:
+                flat[key] = v
+        for head, sub in nested.items():
+            flat[head] = _with_values(getattr(section, head), sub)
+        return dataclasses.replace(section, **flat)
+    out = copy.deepcopy(section)
+    with out.unlocked():
+        for key, v in values.items():
+            node = out
+            *path, last = key.split(".")
+            for part in path:
+                node = getattr(node, part)
+            setattr(node, last, v)
+    return out
+
+
+def memory_config(cfg: Any, tokenizer: Any) -> Any:
+    """The memory's config: the run's ``memory`` section plus what is known only once the
+    model is loaded (its control and stop tokens) and what the run mode implies."""
+    mc = cfg.memory
+    values: dict[str, Any] = {
+        "context.extra_control_tokens": list(tokenizer.special_tokens),
+        # The memory's replies end at the model's stop tokens, as rollouts do (without them
+        # the JAX sampler runs every unconstrained reply to max_tokens: all "truncated").
+        "stop_token_ids": [int(t) for t in tokenizer.stop_ids],
+        "success_threshold": float(cfg.teacher_prompt.success_threshold),
+    }
+    if cfg.mode == "pmd_frozen_memory" and mc.frozen_after_step < 0:
+        # "memory built once, then fixed": the first fifth of the run builds it (ours).
+        values["frozen_after_step"] = max(0, cfg.train.steps // 5 - 1)
+    return _with_values(mc, values)
+
+
+def build_memory(cfg: Any, model: Any):
+    """The run's ProceduralMemory (None for the modes without one: grpo, sdpo)."""
+    if cfg.mode not in MEMORY_MODES:
+        return None
+    from pmd_jax.memory.memory import ProceduralMemory
+
+    return ProceduralMemory(memory_config(cfg, model.tokenizer))

@@ -1,0 +1,46 @@
+"""KL(policy || initial model) on a step's rollouts: one extra jitted forward of the initial
+params (``train.kl_initial_every``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_KL_FNS: dict[Any, Any] = {}
+
+
+def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray]) -> float:
+    """KL(policy || initial model) on this step's rollouts, sampled-token estimator.
+
+    The rollouts were sampled from the policy, so the mean over response tokens of
+    ``log pi(y_t) - log pi_0(y_t)`` (the sampler's log-probs minus the initial model's, at the
+    sampling temperature) estimates the sequence-level KL per token. One extra forward.
+    ``model``: a build.ModelBundle; ``bundle``: a distill.train.TrainBundle.
+    """
+    import jax
+
+    from pmd_jax.distill import align
+    from pmd_jax.distill.chunked import chunked_token_logprobs
+    from pmd_jax.models import decoder
+
+    mc = model.cfg
+    temp = float(cfg.distill.loss.temperature)
+    key = (mc, temp)
+    if key not in _KL_FNS:
+        def fn(params, tokens, positions, mask, index, responses):
+            h, _ = decoder.forward(params, tokens, positions, mc, attn_mask=mask,
+                                   return_hidden=True)
+            h = align.gather_response(h, index)
+            return chunked_token_logprobs(h, decoder.unembed_matrix(params, mc), responses,
+                                          temp)
+
+        _KL_FNS[key] = jax.jit(fn)
+    from pmd_jax.multihost import to_host
+
+    lp0 = to_host(_KL_FNS[key](  # (gathered when sharded over several processes)
+        bundle.initial_params, batch["student_tokens"], batch["student_positions"],
+        batch["student_attn_mask"], batch["student_index"], batch["responses"]))
+    m = batch["response_mask"].astype(np.float64)
+    diff = (batch["sampler_logp"] - lp0) * m
+    return float(diff.sum() / max(m.sum(), 1.0))

@@ -1,0 +1,11 @@
+"""Full-size compiles on abstract arrays, no weights (``python -m pmd_jax.main --dry_run``).
+
+* ``distill_step``: the entry point from a run config (``dry_run_from_config``): the model's
+  forward + backward and the config's real distillation step on a simulated mesh.
+* ``forward_backward``: forward + backward + AdamW of a model preset (next-token loss);
+  ``python -m pmd_jax.dry_run`` runs it from the command line.
+* ``target``: ``--config.dry_run.target=NAME``: does the step fit that hardware, and a
+  roofline step time; ``hardware``: the targets' figures and the fit / roofline maths.
+
+Nothing is imported here: ``forward_backward`` sets the fake device count before JAX starts.
+"""

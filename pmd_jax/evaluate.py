@@ -1,0 +1,94 @@
+"""Evaluation during a run: the policy answers the task's evaluation problems memory-free
+(``tasks.evaluation`` scores them); in ``pmd_frozen_policy`` mode also with the memory's
+context. ``Trainer.evaluate`` calls :func:`evaluate` on process 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+from pmd_jax.teaching import response_prefix, teacher_messages, user_text
+
+if TYPE_CHECKING:
+    from pmd_jax.build import ModelBundle
+
+
+def make_generate_fn(
+    cfg: Any, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
+    pid_by_text: dict[str, str] | None = None, prefix_by_text: dict[str, str] | None = None,
+) -> Callable[[list[Messages], int, int], list[list[str]]]:
+    """``generate(conversations, n, seed) -> n texts each`` for tasks.evaluation (memory-free
+    unless ``memory`` is given). A task's response prefix is appended to the prompt and
+    prepended to each text, as in training."""
+    from pmd_jax.metrics import Progress
+
+    e = cfg.eval
+    prefixes = prefix_by_text or {}
+    gen = TextGenerator(
+        textgen.sampler,
+        lambda conv: model.encode_prompt(conv, prefixes.get(user_text(conv), "")),
+        textgen.decode,
+    )
+
+    def generate(convs: list[Messages], n: int, seed: int) -> list[list[str]]:
+        if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
+            pids = pid_by_text or {}
+            convs = [teacher_messages(c, memory.teacher_context(
+                pids.get(user_text(c), ""), user_text(c)).render(model.count_tokens))
+                for c in convs]
+        sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
+                            max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
+                            seed=int(seed))
+        # One request: the sampler sorts the rows by prompt length and cuts them into batches
+        # (for the JAX sampler, the plan of sampling/batching.py: little padding, programs
+        # it has already compiled); it reports rows as batches finish.
+        prog = Progress(len(convs), f"eval (seed {seed}, {n} samples each)", unit="prompt")
+        done = [0]
+
+        def progress(rows: int) -> None:
+            done[0] += rows
+            if done[0] // n > prog.count:
+                prog.update(done[0] // n - prog.count)
+
+        texts = gen.generate_texts(convs, sp, progress=progress)
+        prog.close()
+        return [[prefixes.get(user_text(c), "") + t for t in ts]
+                for c, ts in zip(convs, texts, strict=True)]
+
+    return generate
+
+
+def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
+             problems: Sequence[Any], out_dir: Path, memory: Any = None) -> dict[str, Any]:
+    from pmd_jax.tasks import evaluation
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix_by_text = {user_text(task.prompt(p)): response_prefix(task, p) for p in problems}
+    res = evaluation.evaluate(
+        task, make_generate_fn(cfg, model, textgen, prefix_by_text=prefix_by_text),
+        split=cfg.task.eval_split, k=cfg.eval.n,
+        seeds=tuple(cfg.eval.seeds), problems=problems, out_path=out_dir / "results.jsonl",
+        name=out_dir.name, n_boot=2000,
+    )
+    s = res.summarize()
+    out = {"accuracy": float(s["mean"]), "accuracy_ci_low": float(s["ci_low"]),
+           "accuracy_ci_high": float(s["ci_high"]), "num_problems": len(problems)}
+    if s.get("in_sample"):  # eval.allow_in_sample: the problems are training problems
+        out["in_sample"] = "in-sample"
+    if memory is not None and cfg.mode == "pmd_frozen_policy":
+        rm = evaluation.evaluate(
+            task,
+            make_generate_fn(cfg, model, textgen, memory,
+                             {user_text(task.prompt(p)): str(p.id) for p in problems},
+                             prefix_by_text),
+            split=cfg.task.eval_split,
+            k=cfg.eval.n, seeds=tuple(cfg.eval.seeds), problems=problems,
+            out_path=out_dir / "results_with_memory.jsonl", name=out_dir.name + "_mem",
+            n_boot=2000,
+        )
+        sm = rm.summarize()
+        out.update({"accuracy_with_memory": float(sm["mean"])})
+    return out
