@@ -7,6 +7,7 @@
 The config is validated (unknown keys, impossible combinations, missing files) before any
 model is loaded or any array is allocated: every problem is printed, one line each, and the
 exit status is 2. ``--config.a.b=none`` sets a nullable field (e.g. distill.loss.topk) to None.
+The trainer gets the frozen, typed ``RunConfig`` (``pmd_jax.config.freeze``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _report(errs: list[str]) -> int:
 def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
-    from pmd_jax.config import apply_mode, config_errors, setup_compilation_cache
+    from pmd_jax.config import apply_mode, config_errors, freeze, setup_compilation_cache
     from pmd_jax.config_cli import set_none
 
     cfg = _CONFIG.value
@@ -74,9 +75,9 @@ def main(argv: list[str]) -> int:
     if line is not None:
         set_none(cfg, line.none_keys)
     if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
-        from pmd_jax.config import batch_plan_errors
+        from pmd_jax.config.validate import batch_plan_errors, schema_errors
 
-        errs = pre_errs + batch_plan_errors(cfg)
+        errs = pre_errs + schema_errors(cfg) + batch_plan_errors(cfg)
         if errs:
             return _report(errs)
         # Simulated devices must be configured before jax is imported anywhere: a hardware
@@ -84,23 +85,25 @@ def main(argv: list[str]) -> int:
         target = cfg.dry_run.target
         flags_env = os.environ.get("XLA_FLAGS", "")
         if target or "xla_force_host_platform_device_count" not in flags_env:
-            from pmd_jax.targets import get_target
+            from pmd_jax.dry_run.hardware import get_target
 
             n = get_target(target).chips if target else _DRY_RUN_DEVICES.value
             kept = [f for f in flags_env.split() if "xla_force_host_platform_device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
-        from pmd_jax.dry_run_step import dry_run_from_config
+        from pmd_jax.dry_run.distill_step import dry_run_from_config
 
         report = dry_run_from_config(cfg)
         # exit 1 when the train step or the decode step does not fit the target's HBM
         return 0 if report.get("fits", True) else 1
-    cfg = apply_mode(cfg)
-    errs = pre_errs + config_errors(cfg)
+    # What the mode implies is set on the ConfigDict, then every problem is named at once;
+    # the run reads the frozen, typed RunConfig (nothing changes it afterwards).
+    errs = pre_errs + config_errors(apply_mode(cfg))
     if errs:
         return _report(errs)
+    run_cfg = freeze(cfg)
     # Before anything compiles: a restarted run loads its programs from this cache.
-    cache_dir = setup_compilation_cache(cfg.train)
+    cache_dir = setup_compilation_cache(run_cfg.train)
     logging.getLogger("pmd_jax").info(
         "XLA compilation cache: %s", cache_dir or "off (train.compilation_cache_dir)")
     from pmd_jax.distributed import maybe_initialize
@@ -108,7 +111,7 @@ def main(argv: list[str]) -> int:
     maybe_initialize()
     from pmd_jax.trainer import Trainer
 
-    Trainer(cfg).run()
+    Trainer(run_cfg).run()
     return 0
 
 
