@@ -38,16 +38,16 @@ def test_every_problem_is_named_at_once():
         assert needle in msg, msg
 
 
-def test_modes_set_loss_mode():
+def test_modes_set_loss_name():
     c = base_config()
     c.rollout.max_tokens = 1024  # 2048 + 8192 would not fit SmolLM2's 8192 positions
     c.mode = "grpo"
     c = apply_mode(c)
-    assert c.distill.loss.mode == "grpo"
+    assert c.distill.loss.name == "grpo"
     validate_config(c)
     c.mode = "sdpo"
     c = apply_mode(c)
-    assert c.distill.loss.mode == "sdpo"
+    assert c.distill.loss.name == "sdpo"
     assert c.distill.loss.group_size == c.rollout.n
 
 
@@ -360,7 +360,7 @@ def test_command_line_none_reaches_the_trainer(tmp_path):
     ("pmd_no_behaviors", ("levels", "behavior"), False),
 ])
 def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value):
-    from pmd_jax import wiring
+    from pmd_jax import build as wiring  # moved: wiring -> build (issue 16)
     from pmd_jax.config import config_errors
 
     c = apply_mode(_variant(mode))
