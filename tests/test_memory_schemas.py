@@ -518,7 +518,7 @@ def test_counts_are_zero_on_steps_without_calls():
 def test_wiring_logs_the_counts_every_step():
     """wiring.update_memory (the trainer's memory step, whose dict goes to metrics.jsonl)
     reports the five counts, insight and behavior, on every step, zeros included."""
-    from pmd_jax import wiring
+    from pmd_jax import teaching as wiring  # moved: wiring.update_memory -> teaching (issue 16)
 
     task = SimpleNamespace(prompt=lambda p: [{"role": "user", "content": p.text}],
                            gold_leak_strings=lambda p: [])
