@@ -444,3 +444,81 @@ def test_feedback_only_without_solution():
     with_demo = mem.teacher_context("p", "Q?", "A demo.", "Some feedback.")
     assert with_demo.feedback is None and with_demo.successful_attempt == "A demo."
     assert mem.teacher_context("p", "Q?", None, "Some feedback.").feedback == "Some feedback."
+
+
+# ---------------------------------------------------------- the level interface --
+def test_a_new_level_is_one_class_and_one_registration(monkeypatch, tmp_path):
+    """A level written against memory/level.py, registered in LEVELS, with its own part of the
+    teacher text (context.register_section): updated, shown, checkpointed and exported."""
+    from pmd_jax.memory import context
+    from pmd_jax.memory import memory as memory_module
+    from pmd_jax.memory.level import MemoryLevel
+
+    monkeypatch.setattr(context, "SECTIONS", list(context.SECTIONS))  # kept to this test
+
+    class Tally(MemoryLevel):
+        name = "tally"
+        state_key = "tally"
+        context_rank = 25  # after behavior, before experience
+        enabled = True  # a real level reads config.levels.tally (memory/config.py)
+
+        def __init__(self, memory):
+            super().__init__(memory)
+            self.seen: dict[str, int] = {}
+
+        def update(self, batch, stats):
+            for r in batch.records:
+                self.seen[r.problem_id] = self.seen.get(r.problem_id, 0) + 1
+            stats.add("tally_records", len(batch.records))
+            return 0.0
+
+        def fill_context(self, ctx, query):
+            if query.problem_id in self.seen:
+                ctx.set_section("tally", [f"seen {self.seen[query.problem_id]} times"])
+
+        def stats(self):
+            return {"tally_problems": len(self.seen)}
+
+        def state_dict(self):
+            return {"seen": dict(self.seen)}
+
+        def load_state_dict(self, state):
+            self.seen = dict(state["seen"])
+
+        def export_rows(self):
+            for p, n in self.seen.items():
+                yield {"level": "tally", "problem_id": p, "n": n}
+
+    context.register_section(context.ContextSection(
+        "tally", "tally", "list", lambda ctx: "".join(f"\nNote: {t}\n"
+                                                      for t in ctx.section("tally") or [])),
+        before="successful_attempt")
+    with pytest.raises(ValueError, match="already registered"):
+        context.register_section(context.SECTIONS[0])
+    monkeypatch.setattr(memory_module, "LEVELS", memory_module.LEVELS + (Tally,))
+    c = small_config(**{"levels.insight": False, "levels.behavior": False})
+    mem = ProceduralMemory(c)
+    assert [lv.name for lv in mem.levels] == ["experience", "insight", "behavior", "tally"]
+    st = mem.update(0, recs(0, {"p": PHYS[0]}, [1.0, 0.0]), Scripted())
+    st = mem.update(1, recs(1, {"p": PHYS[0]}, [0.0]), Scripted())
+    assert st.counts["tally_records"] == 1 and mem.stats()["tally_problems"] == 1
+    ctx = mem.teacher_context("p", PHYS[0], None, "Wrong.")
+    text = ctx.render()
+    assert text.index("\nNote: seen 3 times\n") < text.index("Correct solution:")
+    assert ctx.by_level()["tally"] == {"tally": ["seen 3 times"]}
+    assert ctx.by_level()["experience"] == {"successful_attempt": "p attempt 0 step 0"}
+    assert context.section_names()[-3:] == ("tally", "successful_attempt", "feedback")
+    assert mem.teacher_context("q", "Q?").has_signal is False
+    bare = mem.teacher_context("p", PHYS[0])
+    bare.successful_attempt = None
+    assert bare.has_signal  # the new level's part alone is a signal (signal_rule "any")
+    state = mem.state_dict()
+    assert list(state)[3:8] == ["experience", "insights", "behaviors", "tally", "problems"]
+    mem2 = ProceduralMemory(c)
+    mem2.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert mem2.level("tally").seen == {"p": 3}
+    mem.export_jsonl(str(tmp_path / "m.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"level": "tally", "problem_id": "p", "n": 3}
+    with pytest.raises(KeyError, match="no memory level"):
+        mem.level("nope")

@@ -189,11 +189,6 @@ def sanitize_text(
     return text
 
 
-def contains_control_token(text: str, control_tokens: Sequence[str] = ()) -> bool:
-    """Whether ``text`` holds a control token (``control_tokens`` as in ``sanitize_text``)."""
-    return bool(_GENERIC_TOKEN.search(text) or _control_regex(control_tokens).search(text))
-
-
 def leaks_gold(text: str, leak_strings: Sequence[str]) -> bool:
     """True if ``text`` contains a gold-answer string.
 
