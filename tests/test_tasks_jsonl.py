@@ -19,7 +19,7 @@ import pytest
 
 from pmd_jax.config import _task_errors, base_config
 from pmd_jax.tasks import TaskError, get_task
-from pmd_jax.tasks.jsonl_tasks import file_errors, parse_file
+from pmd_jax.tasks.jsonl_schema import file_errors, parse_file
 from pmd_jax.tasks.mcq import (
     LETTERS,
     SKE_DOMAINS,

@@ -168,7 +168,7 @@ def evaluate(
     """avg@k of ``generate`` on ``task``'s ``split``, memory-free (the task's own prompt).
 
     ``in_sample``: the problems are training problems (None: the task's ``eval_in_sample``,
-    set by ``wiring.build_task``); the records and summary then say so."""
+    set by ``build.build_task``); the records and summary then say so."""
     if in_sample is None:
         in_sample = bool(getattr(task, "eval_in_sample", False))
     if k < 1:
