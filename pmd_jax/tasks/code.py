@@ -1,7 +1,7 @@
 """Code generation tasks: LiveCodeBench JSONL, MBPP and HumanEval (METHOD.md 1.7).
 
 The program is the last fenced code block of the response. It runs in the sandbox
-(``sandbox.py``) under the harness ``code_runner.py``; expected outputs and test code never
+(``sandbox/``) under the harness ``code_runner.py``; expected outputs and test code never
 enter the sandbox, and the verdict is computed in the host (``grading.py``). Reward is
 sparse: 1 iff every test of the split passes. In the "train" split a seeded 50% of each
 problem's tests (at least one) give reward and feedback; "validation"/"test" use all tests.

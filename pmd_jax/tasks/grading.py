@@ -1,6 +1,6 @@
 """Running a candidate program against a problem's tests, with a verdict the program cannot forge.
 
-The candidate is untrusted: it runs only in the sandbox (``sandbox.py``), under the harness
+The candidate is untrusted: it runs only in the sandbox (``sandbox/``), under the harness
 ``code_runner.py``. Expected outputs never enter the sandbox and no verdict is ever read from
 it. By test kind:
 
