@@ -1,24 +1,15 @@
 """Embedded default: SmolLM2-135M-Instruct on SciQ, PMD, in-process JAX sampler, CPU.
 
-About 30 minutes on a 2-core CPU (32 min measured, quiet machine, with three evaluations of
-~5 min each). The 135M model cannot follow the SciKnowEval reasoning format (it almost never
-closes an answer tag) and cannot map an option to its letter (letters stay at chance with or
-without the passage: 0.235 / 0.225 on 100 held-out questions). So this config uses the
-"direct_text" style (ours): SciQ's support passage before the question, the options listed
-without letters, the assistant turn opened with "<answer>", and the model writes the chosen
-option's text; reward 1 iff it equals the gold option's text.
-
-Measured (README, "What the embedded default shows"): memory-free held-out accuracy 0.36 ->
-0.38 -> 0.47 over 12 steps (100 questions x 1 sample at T=0.6; paired difference +0.11, 95% CI
-[+0.02, +0.20], sign test 16 vs 5). Rollouts at T=0.7 (ours): at T=1.0 too few answers were
-valid options for groups to hold a success for the teacher to show. Every value can be
-overridden on the command line, e.g. --config.train.steps=40 --config.mode=sdpo.
-
-That curve was measured while the memory's upper levels stayed empty (the model never wrote
-valid JSON). With structured output (memory.structured_output, on) they fill, with noise at
-135M, and held-out accuracy fell 0.36 -> 0.11 -> 0.17 at steps 0 / 6 / 12 (README, "With the
-memory's upper levels filled"); --config.memory.levels.insight=False
---config.memory.levels.behavior=False gives the earlier setting.
+The 135M model cannot follow the SciKnowEval reasoning format (it almost never closes an
+answer tag) and cannot map an option to its letter. So this config uses the "direct_text"
+style (ours): SciQ's support passage before the question, the options listed without letters,
+the assistant turn opened with "<answer>", and the model writes the chosen option's text;
+reward 1 iff it equals the gold option's text. Rollouts at T=0.7 (ours): at T=1.0 too few
+answers were valid options for groups to hold a success for the teacher to show. Every value
+can be overridden on the command line, e.g. --config.train.steps=40 --config.mode=sdpo;
+--config.memory.levels.insight=False --config.memory.levels.behavior=False leaves the memory's
+upper levels out. Run time and measured accuracies: README, "What the embedded default shows"
+and "With the memory's upper levels filled".
 """
 
 from pmd_jax.config import base_config

@@ -71,7 +71,13 @@ def is_nullable(c: ml_collections.ConfigDict, key: str) -> bool:
 
 
 def unknown_key_message(c: ml_collections.ConfigDict, key: str) -> str:
-    """"unknown config key 'x'; did you mean 'y'?" with the closest valid dotted names."""
+    """"unknown config key 'x'; did you mean 'y'?" with the closest valid dotted names; a key
+    that moved (``pmd_jax.config.MOVED_KEYS``) names its new home."""
+    from pmd_jax.config.validate import moved_key_message
+
+    moved = moved_key_message(key)
+    if moved is not None:
+        return moved
     keys = config_keys(c)
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):  # a child of an empty section (mesh.rules)

@@ -1,4 +1,6 @@
-"""Every option of the distillation step, as one ``ml_collections.ConfigDict``.
+"""Every option of the distillation step: the ``distill`` sections declared once as frozen
+dataclasses (:class:`DistillConfig`), each knob with its help text; the editable
+``ml_collections.ConfigDict`` is generated from them (:mod:`pmd_jax.config.schema`).
 
 ``default_distill_config()`` gives METHOD.md Table 12 defaults (SciKnowEval / tool-use column:
 JSD alpha 0.5, top-100 with tail, EMA teacher at rate 0.05, AdamW lr 1e-5 warmup 10).
@@ -6,22 +8,22 @@ JSD alpha 0.5, top-100 with tail, EMA teacher at rate 0.05, AdamW lr 1e-5 warmup
 lr 1e-6, no warmup). ``grpo_baseline_config()`` gives Table 13's GRPO baseline.
 
 ``validate_distill_config`` checks a config (and the vocabulary size, when known) before any
-compute and names the offending key. ``loss_config`` / ``optim_config`` turn the ConfigDict
-into the frozen dataclasses the pure functions take.
+compute and names the offending key (a ConfigDict or the frozen tree). ``loss_config`` /
+``optim_config`` turn either into the dataclasses the pure functions take.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
 
+from pmd_jax.config.schema import Section, freeze_section, knob, section, to_config_dict
 from pmd_jax.distill.losses import DistillLossConfig
 from pmd_jax.distill.optim import OptimConfig
 
-LOSS_MODES = ("sdpo", "grpo", "hybrid")
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("full", "dots", "dots_no_batch")
@@ -33,85 +35,110 @@ class DistillConfigError(ValueError):
     """A distillation setting is invalid; the message names the key."""
 
 
-def _nullable(value: Any, field_type: type) -> config_dict.FieldReference:
-    return config_dict.FieldReference(value, field_type=field_type)
+@dataclasses.dataclass(frozen=True)
+class DistillLoss(Section):
+    """The divergence and policy-gradient settings of the update."""
+
+    name: str = knob("sdpo", "Which loss (distill/registry.py): 'sdpo' pure self-distillation "
+                     "(verl loss_mode=sdpo); 'grpo' the baseline, no teacher; 'hybrid' PPO-clip "
+                     "with A = lambda * A_GRPO + (1 - lambda) * A_SDPO (Eq. 3).")
+    alpha: float = knob(0.5, "0: forward KL(teacher||student); 1: reverse KL(student||teacher); "
+                        "else the generalized JSD.")
+    full_logit_distillation: bool = knob(True, "True: divergence over next-token distributions "
+                                         "('logit-level'); False: the sampled-token surrogate "
+                                         "(needs alpha=1).")
+    topk: int | None = knob(100, "None: the full vocabulary; else K indices from the student "
+                            "(Table 12: 100 / 20).", nullable=int)
+    add_tail: bool = knob(True, "Top-K plus a tail bucket, else the renormalised top-K.")
+    temperature: float = knob(1.0, "Sampling temperature (log-probs of logits / T); the run "
+                              "sets it from rollout.temperature.")
+    is_clip: float | None = knob(2.0, "Clip of the detached IS ratio; None disables.",
+                                 nullable=float)
+    rollout_is_threshold: float | None = knob(
+        2.0, "Token-level truncated IS between trainer and sampler log-probs (verl "
+        "rollout_is=token); None disables.", nullable=float)
+    grpo_clip_low: float = knob(0.2, "GRPO / hybrid PPO clip low (verl 0.2).")
+    grpo_clip_high: float = knob(0.28, "GRPO / hybrid PPO clip high (Table 13: clip-high 0.28).")
+    grpo_clip_ratio_c: float | None = knob(3.0, "GRPO / hybrid dual clip (verl 3.0); None "
+                                           "disables.", nullable=float)
+    hybrid_lambda: float = knob(0.9, "Weight of the GRPO advantage in 'hybrid' (Fig. 11).")
+    group_size: int = knob(8, "Rollouts per prompt (GRPO advantages are per group); the run "
+                           "sets it from rollout.n.")
+    chunk_size: int = knob(512, "Response tokens per chunk in the memory-bounded loss (logits "
+                           "exist for one chunk only).")
+
+    @property
+    def mode(self) -> str:  # moved: distill.loss.mode -> distill.loss.name (issue 16)
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillTeacher(Section):
+    """How the teacher's weights follow the student's."""
+
+    rule: str = knob("ema", "'ema' | 'trust_region' | 'frozen' | 'live'.")
+    rate: float = knob(0.05, "EMA: theta' <- (1 - rate) theta' + rate theta once per step after "
+                       "the optimizer; trust-region: logits = lerp(logits_ref, logits_current, "
+                       "rate).")
+    dtype: str = knob("float32", "Storage dtype of the EMA / frozen teacher copy.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillOptim(Section):
+    """AdamW with linear warmup."""
+
+    lr: float = knob(1e-5, "Learning rate.")
+    warmup_steps: int = knob(10, "Linear warmup steps.")
+    weight_decay: float = knob(0.01, "AdamW weight decay.")
+    grad_clip: float | None = knob(1.0, "Global gradient-norm clip; None disables.",
+                                   nullable=float)
+    b1: float = knob(0.9, "Adam beta1.")
+    b2: float = knob(0.999, "Adam beta2.")
+    eps: float = knob(1e-8, "Adam epsilon.")
+    skip_nonfinite: bool = knob(True, "Leave params / optimizer state unchanged when the loss "
+                                "or grads are not finite.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillPrecision(Section):
+    """Dtypes, rematerialisation and the layer loop of the train step."""
+
+    param_dtype: str = knob("float32", "Compute dtype of the params in the forward.")
+    master_weights: bool = knob(True, "Keep fp32 master weights (and fp32 optimizer state) "
+                                "when param_dtype is bfloat16.")
+    remat: bool = knob(True, "Rematerialise decoder layers in the backward pass (the chunked "
+                       "loss always recomputes its per-chunk logits).")
+    remat_policy: str = knob("full", "'full' saves only layer inputs; 'dots' / 'dots_no_batch' "
+                             "also keep matmul outputs.")
+    layer_loop: str = knob("scan", "How the step runs the decoder layers (ours): 'scan' "
+                           "(lax.scan over the stacked weights) or 'unrolled' (weights split per "
+                           "layer inside the step, a Python loop over layers: more memory and a "
+                           "longer compile; README has the measured trade-off).")
+    matmul_dtype: str = knob("", "Operand dtype of the step's weight matmuls (ours): '' = the "
+                             "compute dtype; 'bfloat16' = bf16 operands with float32 accumulation "
+                             "and result in the forward and both backward matmuls, everything "
+                             "else in param_dtype (pmd_jax.models.matmul). The fast path on TPU, "
+                             "GPU and CPUs with AMX-BF16 (README has the measurements).")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(Section):
+    """Every option of the distillation step (METHOD.md Table 12, SciKnowEval column)."""
+
+    loss: DistillLoss = section(DistillLoss, "The loss.")
+    teacher: DistillTeacher = section(DistillTeacher, "The teacher's update rule.")
+    optim: DistillOptim = section(DistillOptim, "The optimizer.")
+    precision: DistillPrecision = section(DistillPrecision, "Dtypes, remat, layer loop.")
 
 
 def default_distill_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    """The editable ConfigDict of :class:`DistillConfig`'s defaults."""
+    return to_config_dict(DistillConfig())
 
-    loss = ml_collections.ConfigDict()
-    # "sdpo": pure self-distillation (verl loss_mode=sdpo); "grpo": the baseline, no teacher;
-    # "hybrid": PPO-clip with A = lambda * A_GRPO + (1 - lambda) * A_SDPO (Eq. 3).
-    loss.mode = "sdpo"
-    # 0: forward KL(teacher||student); 1: reverse KL(student||teacher); else generalized JSD.
-    loss.alpha = 0.5
-    # True: divergence over next-token distributions ("logit-level"); False: the sampled-token
-    # surrogate (needs alpha=1).
-    loss.full_logit_distillation = True
-    # None: full vocabulary; else K indices from the student (Table 12: 100 / 20).
-    loss.topk = _nullable(100, int)
-    loss.add_tail = True  # top-K + tail bucket, else renormalised top-K
-    loss.temperature = 1.0  # sampling temperature (log-probs of logits / T)
-    loss.is_clip = _nullable(2.0, float)  # clip of the detached IS ratio; None disables
-    # token-level truncated IS between trainer and sampler log-probs (verl rollout_is=token);
-    # None disables.
-    loss.rollout_is_threshold = _nullable(2.0, float)
-    # GRPO / hybrid PPO clip (Table 13: clip-high 0.28; verl clip low 0.2, dual clip 3.0)
-    loss.grpo_clip_low = 0.2
-    loss.grpo_clip_high = 0.28
-    loss.grpo_clip_ratio_c = _nullable(3.0, float)
-    loss.hybrid_lambda = 0.9  # Fig. 11
-    loss.group_size = 8  # rollouts per prompt (GRPO advantages are per group)
-    # response tokens per chunk in the memory-bounded loss (logits exist for one chunk only)
-    loss.chunk_size = 512
-    c.loss = loss
 
-    teacher = ml_collections.ConfigDict()
-    teacher.rule = "ema"  # "ema" | "trust_region" | "frozen" | "live"
-    # EMA: theta' <- (1 - rate) theta' + rate theta once per step after the optimizer;
-    # trust-region: logits = lerp(logits_ref, logits_current, rate).
-    teacher.rate = 0.05
-    teacher.dtype = "float32"  # storage dtype of the EMA / frozen teacher copy
-    c.teacher = teacher
-
-    optim = ml_collections.ConfigDict()
-    optim.lr = 1e-5
-    optim.warmup_steps = 10
-    optim.weight_decay = 0.01
-    optim.grad_clip = _nullable(1.0, float)
-    optim.b1 = 0.9
-    optim.b2 = 0.999
-    optim.eps = 1e-8
-    # leave params / optimizer state unchanged when loss or grads are not finite
-    optim.skip_nonfinite = True
-    c.optim = optim
-
-    precision = ml_collections.ConfigDict()
-    precision.param_dtype = "float32"  # compute dtype of the params in the forward
-    # keep fp32 master weights (and fp32 optimizer state) when param_dtype is bfloat16
-    precision.master_weights = True
-    # rematerialise decoder layers in the backward pass (policy: "full" saves only layer
-    # inputs; "dots" / "dots_no_batch" also keep matmul outputs); the chunked loss always
-    # recomputes its per-chunk logits.
-    precision.remat = True
-    precision.remat_policy = "full"
-    # how the step runs the decoder layers (ours): "scan" (lax.scan over the stacked weights)
-    # or "unrolled" (weights split per layer inside the step, Python loop over layers). On the
-    # 2-core CPU box, SmolLM2-135M step (bench_train_step.py): B=8 with remat dots_no_batch
-    # 27.4 -> 23.1 s/step but peak RSS 6.2 -> 10.3 GiB; B=16 dots_no_batch 51.9 s/step either
-    # way (RSS 8.7 -> 17.5 GiB); B=16 remat full 55.6 -> 53.2 s/step (RSS 6.6 -> 17.6 GiB).
-    # Longer compile too, so scan is the default.
-    precision.layer_loop = "scan"
-    # operand dtype of the step's weight matmuls (ours): "" = the compute dtype; "bfloat16" =
-    # bf16 operands with float32 accumulation and result in the forward and both backward
-    # matmuls, everything else (norms, attention, softmax, loss, AdamW) in param_dtype
-    # (pmd_jax.models.matmul). On CPUs with AMX-BF16 (Sapphire Rapids and later) and on
-    # TPU/GPU this is the fast path (bench_train_step.py, B=16: ~56 -> ~33-37 s/step on a
-    # 2-core AMX host); a CPU without bf16 matmul units is not expected to gain (not measured).
-    precision.matmul_dtype = ""
-    c.precision = precision
-    return c
+def freeze_distill_config(c: Any) -> DistillConfig:
+    """The frozen :class:`DistillConfig` of a distill ConfigDict (validate it first)."""
+    return freeze_section(DistillConfig, c)
 
 
 def lcb_distill_config() -> ml_collections.ConfigDict:
@@ -128,7 +155,7 @@ def lcb_distill_config() -> ml_collections.ConfigDict:
 def grpo_baseline_config() -> ml_collections.ConfigDict:
     """METHOD.md Table 13 GRPO baseline (on-policy variant: lr 1e-5)."""
     c = default_distill_config()
-    c.loss.mode = "grpo"
+    c.loss.name = "grpo"
     c.teacher.rule = "live"  # unused: no teacher forward in grpo mode
     return c
 
@@ -139,11 +166,9 @@ def _err(key: str, msg: str) -> DistillConfigError:
 
 def _num(c: Any, key: str, lo: float | None = None, hi: float | None = None,
          *, open_lo: bool = False) -> float:
-    node = c
-    parts = key.split(".")
-    for p in parts:
-        node = node[p]
-    v = node
+    v = c
+    for p in key.split("."):
+        v = getattr(v, p)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise _err(key, f"must be a finite number, got {v!r}")
     if lo is not None and (v < lo or (open_lo and v == lo)):
@@ -153,10 +178,14 @@ def _num(c: Any, key: str, lo: float | None = None, hi: float | None = None,
     return float(v)
 
 
-def validate_distill_config(c: ml_collections.ConfigDict, vocab_size: int | None = None) -> None:
-    """Check every option; raises :class:`DistillConfigError` naming the key."""
-    if c.loss.mode not in LOSS_MODES:
-        raise _err("loss.mode", f"{c.loss.mode!r} is not one of {LOSS_MODES}")
+def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
+    """Check every option of a distill ConfigDict or :class:`DistillConfig`; raises
+    :class:`DistillConfigError` naming the key. The loss name is checked against the loss
+    registry (:mod:`pmd_jax.distill.registry`)."""
+    from pmd_jax.distill.registry import loss_names
+
+    if c.loss.name not in loss_names():
+        raise _err("loss.name", f"{c.loss.name!r} is not one of {loss_names()}")
     if c.teacher.rule not in TEACHER_RULES:
         raise _err("teacher.rule", f"{c.teacher.rule!r} is not one of {TEACHER_RULES}")
     _num(c, "loss.alpha", 0.0, 1.0)
@@ -178,7 +207,7 @@ def validate_distill_config(c: ml_collections.ConfigDict, vocab_size: int | None
             f"{c.loss.alpha}",
         )
     for key in ("loss.is_clip", "loss.rollout_is_threshold"):
-        if c.loss[key.split(".")[1]] is not None:
+        if getattr(c.loss, key.split(".")[1]) is not None:
             _num(c, key, 0.0, open_lo=True)
     if c.loss.grpo_clip_ratio_c is not None:
         _num(c, "loss.grpo_clip_ratio_c", 1.0, open_lo=True)
@@ -207,7 +236,7 @@ def validate_distill_config(c: ml_collections.ConfigDict, vocab_size: int | None
         raise DistillConfigError(str(e)) from None
 
 
-def loss_config(c: ml_collections.ConfigDict) -> DistillLossConfig:
+def loss_config(c: Any) -> DistillLossConfig:
     """The :class:`DistillLossConfig` (divergence settings) of a distill ConfigDict."""
     return DistillLossConfig(
         alpha=float(c.loss.alpha),
@@ -219,7 +248,7 @@ def loss_config(c: ml_collections.ConfigDict) -> DistillLossConfig:
     )
 
 
-def optim_config(c: ml_collections.ConfigDict) -> OptimConfig:
+def optim_config(c: Any) -> OptimConfig:
     o = c.optim
     return OptimConfig.from_mapping(
         {

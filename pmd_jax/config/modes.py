@@ -1,0 +1,84 @@
+"""Run modes and what each implies for the other sections (``apply_mode``, before freezing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+# PMD with one change each, for the comparison grid: a critic control (the teacher sees the
+# memory of a random other problem: same form and size, wrong content) and level ablations.
+# The mode name stays in the run's config and metrics; apply_mode sets what it implies.
+PMD_VARIANTS: dict[str, dict[str, Any]] = {
+    "pmd_random_memory": {"control_mode": "random_other_problem"},
+    "pmd_no_insight": {"levels.insight": False},
+    "pmd_no_behaviors": {"levels.behavior": False},
+}
+MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
+                          *PMD_VARIANTS)
+SAMPLERS: tuple[str, ...] = ("jax", "vllm")
+MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
+
+
+def _memory_defaults() -> ml_collections.ConfigDict:
+    from pmd_jax.memory.config import default_memory_config
+
+    return default_memory_config(derived=False)
+
+
+def loss_spec(name: Any) -> Any:
+    """The registered loss ``name`` (pmd_jax.distill.registry), or None when unknown (config
+    validation reports that)."""
+    from pmd_jax.distill.registry import get_loss
+
+    try:
+        return get_loss(str(name))
+    except ValueError:
+        return None
+
+
+def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Derive the settings a mode implies (one code path: a mode is a config value). Run once
+    on the ConfigDict, before validation and ``freeze``: nothing changes the config after."""
+    with c.unlocked():
+        loss = c.distill.loss
+        spec = loss_spec(loss.name)
+        if c.mode == "grpo":
+            loss.name = "grpo"
+        elif spec is not None and not spec.needs_teacher:  # a teacher-free loss: SDPO's
+            loss.name = "sdpo"
+        loss.group_size = int(c.rollout.n)
+        loss.temperature = float(c.rollout.temperature or 1.0)
+        if c.mode == "pmd_frozen_memory" and c.memory.frozen_after_step < 0:
+            # "memory built once, then fixed": the first fifth of the run builds it (ours).
+            c.memory.frozen_after_step = max(0, c.train.steps // 5 - 1)
+        defaults = _memory_defaults()
+        for key, value in PMD_VARIANTS.get(c.mode, {}).items():
+            # Set what the mode implies where the user left the default; a conflicting
+            # explicit value is reported by mode_errors.
+            if _get_dotted(c.memory, key) == _get_dotted(defaults, key):
+                _set_dotted(c.memory, key, value)
+    return c
+
+
+def _get_dotted(c: Any, key: str) -> Any:
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _set_dotted(c: Any, key: str, value: Any) -> None:
+    *head, last = key.split(".")
+    for part in head:
+        c = c[part]
+    c[last] = value
+
+
+def mode_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """A PMD variant whose implied memory setting was overridden to something else (the
+    default is fine: apply_mode replaces it)."""
+    defaults = _memory_defaults()
+    return [f"mode={c.mode!r} implies memory.{key}={value!r}, but memory.{key}="
+            f"{_get_dotted(c.memory, key)!r} was set; drop the override or use mode='pmd'"
+            for key, value in PMD_VARIANTS.get(c.mode, {}).items()
+            if _get_dotted(c.memory, key) not in (value, _get_dotted(defaults, key))]

