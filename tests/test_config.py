@@ -360,14 +360,13 @@ def test_command_line_none_reaches_the_trainer(tmp_path):
     ("pmd_no_behaviors", ("levels", "behavior"), False),
 ])
 def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value):
-    from pmd_jax import build as wiring  # moved: wiring -> build (issue 16)
-    from pmd_jax.config import config_errors
+    from pmd_jax.config import MEMORY_MODES, config_errors
 
     c = apply_mode(_variant(mode))
     got = c.memory
     for k in key:
         got = got[k]
-    assert got == value and mode in wiring.PMD_MODES
+    assert got == value and mode in MEMORY_MODES
     assert not [e for e in config_errors(c) if "implies" in e]
     bad = _variant(mode)
     if key == ("control_mode",):

@@ -1,0 +1,145 @@
+"""The typed run config (issue 16): one declaration per knob, the editable ConfigDict generated
+from it, freeze() to the frozen tree with the same paths, moved keys that fail clearly."""
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ml_collections import config_dict
+
+from pmd_jax.config import RunConfig, apply_mode, base_config, config_errors, freeze
+from pmd_jax.config.schema import Section, schema_keys
+from pmd_jax.config_cli import check_command_line, config_keys
+from pmd_jax.distill.config import DistillConfig, default_distill_config
+from pmd_jax.memory.config import MemoryConfig, default_memory_config, validate_memory_config
+
+ROOT = Path(__file__).parents[1]
+SCIQ = "configs/smollm2_sciq.py"
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("cfgmod", ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def _sections(cls: type) -> list[type]:
+    out = [cls]
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            out.extend(_sections(f.metadata["section"]))
+    return out
+
+
+def test_every_knob_has_a_type_and_help_text():
+    for cls in _sections(RunConfig):
+        assert issubclass(cls, Section) and cls.__dataclass_params__.frozen, cls
+        for f in dataclasses.fields(cls):
+            assert f.type and f.metadata.get("help", "").strip(), f"{cls.__name__}.{f.name}"
+
+
+def test_config_dict_is_generated_from_the_declarations():
+    # The command-line surface is exactly the declared keys (derived knobs left out).
+    assert sorted(config_keys(base_config())) == sorted(schema_keys(RunConfig))
+    assert "memory.success_threshold" not in config_keys(base_config())
+    assert "success_threshold" in config_keys(default_memory_config())
+    c = base_config()
+    assert isinstance(c.distill.loss._fields["topk"], config_dict.FieldReference)
+    assert c.distill.loss.get_type("topk") is int and c.distill.optim.get_type("grad_clip") is float
+    assert isinstance(c.memory.stop_token_ids, list) and c.eval.seeds == (0,)
+    assert c.distill.to_dict() == default_distill_config().to_dict()
+
+
+def test_freeze_keeps_the_paths_and_values():
+    c = apply_mode(_load(SCIQ))
+    assert config_errors(c) == []
+    r = freeze(c)
+    assert isinstance(r, RunConfig) and freeze(r) is r
+    assert isinstance(r.distill, DistillConfig) and isinstance(r.memory, MemoryConfig)
+    assert r.train.steps == c.train.steps and r.rollout.n == c.rollout.n
+    assert r.distill.loss.name == c.distill.loss.name and r.distill.loss.topk == 100
+    assert r.memory.insight.sampling.max_tokens == 384
+    assert r.memory.behavior.sampling.max_tokens == 768
+    assert r.memory.context.truncation_order == tuple(c.memory.context.truncation_order)
+    assert r.mesh.rules == {} and not r.mesh.rules
+    # one home: the memory's threshold and feedback rule are the teacher prompt's
+    assert r.memory.success_threshold == c.teacher_prompt.success_threshold
+    assert (r.memory.context.feedback_only_without_solution
+            is c.teacher_prompt.feedback_only_without_solution)
+    # config.json: the ConfigDict's values, plus the two derived memory knobs
+    d, want = r.to_dict(), c.to_dict()
+    want["memory"]["success_threshold"] = 1.0
+    want["memory"]["context"]["feedback_only_without_solution"] = True
+    assert d == want
+    validate_memory_config(r.memory)
+
+
+def test_the_frozen_config_cannot_change():
+    r = freeze(apply_mode(base_config()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.distill.loss.name = "grpo"  # type: ignore[misc]
+    changed = r.replace(train=r.train.replace(steps=3))
+    assert changed.train.steps == 3 and r.train.steps == 100
+
+
+def test_mesh_rules_set_whole_are_frozen():
+    c = base_config()
+    c.mesh.rules = {"vocab": "fsdp"}
+    r = freeze(c)
+    assert dict(r.mesh.rules) == {"vocab": "fsdp"} and r.mesh.rules.to_dict() == {"vocab": "fsdp"}
+    hash(r.mesh.rules)
+
+
+@pytest.mark.parametrize("key,new", [
+    ("distill.loss.mode", "distill.loss.name"),
+    ("memory.success_threshold", "teacher_prompt.success_threshold"),
+    ("memory.context.feedback_only_without_solution",
+     "teacher_prompt.feedback_only_without_solution"),
+])
+def test_moved_keys_fail_naming_the_kept_key(key, new):
+    value = "grpo" if key.endswith("mode") else "0.5" if "threshold" in key else "true"
+    line = check_command_line(["prog", f"--config={SCIQ}", f"--config.{key}={value}"])
+    assert len(line.errors) == 1 and repr(new) in line.errors[0] and "issue 16" in line.errors[0]
+    # a config file that still sets the old key (an unlocked ConfigDict takes new keys)
+    c = base_config()
+    *head, last = key.split(".")
+    node = c
+    for part in head:
+        node = node[part]
+    node[last] = {"mode": "grpo", "success_threshold": 0.5}.get(last, True)
+    errs = [e for e in config_errors(apply_mode(c)) if key in e]
+    assert len(errs) == 1 and repr(new) in errs[0], errs
+
+
+def test_unknown_key_added_by_a_config_file_is_named():
+    c = base_config()
+    c.rollout.temprature = 0.5
+    assert any("unknown config key 'rollout.temprature'" in e for e in config_errors(c))
+
+
+def test_mode_implications_are_set_before_freezing():
+    c = base_config()
+    c.mode = "pmd_frozen_memory"
+    c.train.steps = 20
+    r = freeze(apply_mode(c))
+    assert r.memory.frozen_after_step == 3
+    c = base_config()
+    c.mode = "grpo"
+    assert freeze(apply_mode(c)).distill.loss.name == "grpo"
+
+
+def test_old_loss_key_on_the_command_line_reads_well():
+    p = subprocess.run(
+        [sys.executable, "-m", "pmd_jax.main", f"--config={SCIQ}",
+         "--config.distill.loss.mode=grpo"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == (
+        "invalid config: config key 'distill.loss.mode' was renamed 'distill.loss.name' "
+        "(issue 16): set --config.distill.loss.name instead")
