@@ -1,9 +1,11 @@
-"""Procedural memory for PMD: experience, insight and behavior levels; ScaNN retrieval."""
+"""Procedural memory for PMD: experience, insight and behavior levels (memory/level.py's
+interface, registered in memory/memory.py's ``LEVELS``); ScaNN retrieval."""
 
 from pmd_jax.memory.config import default_memory_config, validate_memory_config
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.embedder import SentenceEmbedder
 from pmd_jax.memory.index import ScannIndex
+from pmd_jax.memory.level import MemoryLevel
 from pmd_jax.memory.memory import ProceduralMemory
 from pmd_jax.memory.types import (
     Behavior,
@@ -18,6 +20,7 @@ __all__ = [
     "Behavior",
     "ExperienceItem",
     "InsightItem",
+    "MemoryLevel",
     "MemoryUpdateStats",
     "ProceduralMemory",
     "Provenance",

@@ -22,7 +22,11 @@ import numpy as np
 
 from pmd_jax.memory.behavior import BehaviorBank, BehaviorLevel
 from pmd_jax.memory.calls import zero_counts
-from pmd_jax.memory.config import default_memory_config, validate_memory_config
+from pmd_jax.memory.config import (
+    MemoryConfig,
+    default_memory_config,
+    validate_memory_config,
+)
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.embedder import SentenceEmbedder, shared_embedder
 from pmd_jax.memory.experience import MAX_PROBLEM_CHARS, ExperienceLevel, ExperienceStore
@@ -52,7 +56,7 @@ class ProceduralMemory:
     levels' stores.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict | None = None,
+    def __init__(self, config: ml_collections.ConfigDict | MemoryConfig | None = None,
                  embedder: SentenceEmbedder | None = None) -> None:
         self.config = config if config is not None else default_memory_config()
         validate_memory_config(self.config)
