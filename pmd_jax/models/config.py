@@ -44,17 +44,12 @@ import logging
 import math
 from typing import Any, Literal
 
-Family = Literal["llama", "qwen3", "olmo3"]
-LayerType = Literal["full_attention", "sliding_attention"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen3", "olmo3")
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked")  # = models.attention's
+from pmd_jax.models import families as families_lib
 
-# HF architecture / model_type names we accept, mapped to our family.
-_HF_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen3": "qwen3",
-    "olmo3": "olmo3",
-}
+Family = str  # a name registered in pmd_jax.models.families.FAMILIES
+LayerType = Literal["full_attention", "sliding_attention"]
+FAMILIES: tuple[str, ...] = tuple(families_lib.FAMILIES)
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked")  # = models.attention's
 
 
 class ConfigError(ValueError):
@@ -180,8 +175,9 @@ class ModelConfig:
         return 2.0 * matmul + attn
 
     def validate(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model.family={self.family!r} is not one of {FAMILIES}")
+        if self.family not in families_lib.FAMILIES:
+            raise ConfigError(f"model.family={self.family!r} is not one of "
+                              f"{tuple(families_lib.FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -234,20 +230,7 @@ class ModelConfig:
 # ------------------------------------------------------------------ reading a HF config.json
 log = logging.getLogger(__name__)
 
-# The class transformers' AutoModelForCausalLM builds for each model_type we accept.
-_HF_CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM"}
-# transformers' config-class defaults (LlamaConfig, Qwen3Config, Olmo3Config) for keys a
-# config.json may omit; "head_dim"/"num_key_value_heads" None = derived as transformers does.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0,
-              "head_dim": None, "num_key_value_heads": None},
-    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
-              "head_dim": 128, "num_key_value_heads": 32, "sliding_window": 4096,
-              "max_window_layers": 28},
-    "olmo3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 500000.0,
-              "head_dim": None, "num_key_value_heads": None, "sliding_window": 4096},
-}
+# The family's HF model_type, transformers class and config defaults: models/families.py.
 _SILU_ACTS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ROPE_WHY = {
@@ -342,11 +325,12 @@ def _rope_from_hf(d: Any, where: str, max_pos: int, nested: bool) -> RopeConfig:
     )
 
 
-def _hf_rope(hf: dict[str, Any], family: str, max_pos: int) -> dict[str, RopeConfig]:
+def _hf_rope(hf: dict[str, Any], spec: families_lib.FamilySpec,
+             max_pos: int) -> dict[str, RopeConfig]:
     """RoPE per layer type, read as transformers 5's config classes read it (rope_scaling wins
     over rope_parameters; the top-level rope_theta fills in a missing one; OLMo-3 nests one dict
     per layer type and applies a legacy rope_scaling to full-attention layers only)."""
-    default_theta = _HF_DEFAULTS[family]["rope_theta"]
+    default_theta = spec.hf_defaults["rope_theta"]
     top_theta = hf.get("rope_theta")
     theta = default_theta if top_theta is None else top_theta
     scaling = hf.get("rope_scaling")
@@ -358,11 +342,11 @@ def _hf_rope(hf: dict[str, Any], family: str, max_pos: int) -> dict[str, RopeCon
         raise _unsupported("rope_scaling.rope_theta", scaling["rope_theta"],
                            f"it differs from rope_theta={top_theta!r}, and transformers 4 uses "
                            "rope_theta while transformers 5 uses rope_scaling's; make them equal")
-    if family != "olmo3":
+    if not spec.rope_per_layer_type:
         rp = dict(scaling or params or {})
         where = "rope_scaling" if scaling else "rope_parameters"
         if rp and any(k in LAYER_TYPES for k in rp):
-            raise _unsupported(where, rp, f"{_HF_CAUSAL_LM[family]} runs one RoPE for every "
+            raise _unsupported(where, rp, f"{spec.hf_architecture} runs one RoPE for every "
                                "layer: give a flat dict, not one per layer type")
         rp.setdefault("rope_theta", theta)
         rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -371,12 +355,12 @@ def _hf_rope(hf: dict[str, Any], family: str, max_pos: int) -> dict[str, RopeCon
             # rope dict's (Phi-3 convention) when it builds the model
             rp["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
         return {"full_attention": _rope_from_hf(rp, where, max_pos, nested=False)}
-    # OLMo-3 (transformers' Olmo3Config.convert_rope_params_to_dict)
+    # one RoPE per layer type: OLMo-3 (transformers' Olmo3Config.convert_rope_params_to_dict)
     rp = dict(params or {})
     flat = {k: v for k, v in rp.items() if k not in LAYER_TYPES}
     if flat:
         raise _unsupported("rope_parameters", flat,
-                           "Olmo3ForCausalLM takes rope_parameters per layer type "
+                           f"{spec.hf_architecture} takes rope_parameters per layer type "
                            "({'full_attention': {...}, 'sliding_attention': {...}}) or a legacy "
                            "rope_scaling; transformers ignores a flat rope_parameters for OLMo-3")
     out: dict[str, RopeConfig] = {}
@@ -409,10 +393,10 @@ def _int_field(hf: dict[str, Any], key: str, default: Any = None) -> int:
     return v
 
 
-def _check_hf_fields(hf: dict[str, Any], family: str, model_type: str) -> None:
+def _check_hf_fields(hf: dict[str, Any], spec: families_lib.FamilySpec) -> None:
     """Refuse the config.json fields whose value the decoder does not compute (see the module
     docstring for the audit)."""
-    causal = _HF_CAUSAL_LM[family]
+    causal, model_type = spec.hf_architecture, spec.name
     archs = hf.get("architectures")
     if archs and list(archs) != [causal]:
         raise _unsupported("architectures", archs,
@@ -452,6 +436,31 @@ def _check_hf_fields(hf: dict[str, Any], family: str, model_type: str) -> None:
                     "dropout (transformers applies it only in training mode)", drop)
 
 
+def _hf_layer_types(hf: dict[str, Any], spec: families_lib.FamilySpec,
+                    n_layers: int) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) as the family's HF config class reads them."""
+    if spec.read_layer_types is None:
+        return None, None
+    layer_types, sliding = spec.read_layer_types(hf, n_layers, spec.hf_defaults)
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n_layers:
+        raise _unsupported("layer_types", layer_types,
+                           f"must list one of {LAYER_TYPES} per layer ({n_layers})")
+    bad = sorted({str(t) for t in layer_types} - set(LAYER_TYPES))
+    if bad:
+        raise _unsupported("layer_types", bad, f"the decoder implements {LAYER_TYPES}")
+    if "sliding_attention" in layer_types:
+        if sliding is None:
+            raise _unsupported(
+                "sliding_window", None,
+                "layer_types has sliding_attention layers, which need a sliding_window"
+                + spec.sliding_hint)
+    elif spec.drop_unused_window:
+        return None, None
+    if sliding is not None:
+        sliding = _int_field({"sliding_window": sliding}, "sliding_window")
+    return list(layer_types), sliding
+
+
 def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """Build a ModelConfig from a HF ``config.json`` dict (transformers 4.x or 5.x keys).
 
@@ -460,14 +469,15 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     implement, so that no checkpoint is ever run with math other than transformers'.
     """
     model_type = hf.get("model_type")
-    if model_type not in _HF_MODEL_TYPES:
+    if model_type not in families_lib.FAMILIES:
         raise _unsupported("model_type", model_type,
                            f"unknown architecture {model_type!r} "
                            f"(architectures={hf.get('architectures')!r}); "
-                           f"supported model_type values: {sorted(_HF_MODEL_TYPES)}")
-    family = _HF_MODEL_TYPES[model_type]
-    defaults = _HF_DEFAULTS[family]
-    _check_hf_fields(hf, family, model_type)
+                           f"supported model_type values: {sorted(families_lib.FAMILIES)}")
+    spec = families_lib.FAMILIES[model_type]
+    family = spec.name
+    defaults = spec.hf_defaults
+    _check_hf_fields(hf, spec)
     hidden = _int_field(hf, "hidden_size")
     heads = _int_field(hf, "num_attention_heads")
     n_layers = _int_field(hf, "num_hidden_layers")
@@ -475,8 +485,9 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     inter = _int_field(hf, "intermediate_size")
     hd = hf.get("head_dim", defaults["head_dim"])  # omitted: transformers' default
     if hd is None:
-        if family == "qwen3":
-            raise _unsupported("head_dim", None, "Qwen3 needs an integer head_dim")
+        if spec.needs_head_dim:
+            raise _unsupported("head_dim", None,
+                               f"{spec.hf_architecture} needs an integer head_dim")
         if hidden % heads:
             raise _unsupported("hidden_size", hidden, "without head_dim it must be a multiple "
                                f"of num_attention_heads={heads}")
@@ -488,44 +499,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
                                                    "num_key_value_heads")
     max_pos = _int_field(hf, "max_position_embeddings", defaults["max_position_embeddings"])
     eps = _num(hf, "rms_norm_eps", "", defaults["rms_norm_eps"])
-    rope = _hf_rope(hf, family, max_pos)
-
-    layer_types: list[str] | None = None
-    sliding: int | None = None
-    if family in ("qwen3", "olmo3"):
-        if family == "qwen3":  # Qwen3Config.__post_init__
-            use_sw = bool(hf.get("use_sliding_window", False))
-            sliding = hf.get("sliding_window", defaults["sliding_window"]) if use_sw else None
-            layer_types = hf.get("layer_types")
-            if layer_types is None:
-                mwl = hf.get("max_window_layers", defaults["max_window_layers"])
-                layer_types = [
-                    "sliding_attention" if sliding is not None and i >= mwl else "full_attention"
-                    for i in range(n_layers)
-                ]
-        else:  # Olmo3Config.__post_init__: every 4th layer is full attention
-            sliding = hf.get("sliding_window", defaults["sliding_window"])
-            layer_types = hf.get("layer_types") or [
-                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
-                for i in range(n_layers)
-            ]
-        if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n_layers:
-            raise _unsupported("layer_types", layer_types,
-                               f"must list one of {LAYER_TYPES} per layer ({n_layers})")
-        bad = sorted({str(t) for t in layer_types} - set(LAYER_TYPES))
-        if bad:
-            raise _unsupported("layer_types", bad, f"the decoder implements {LAYER_TYPES}")
-        if "sliding_attention" in layer_types:
-            if sliding is None:
-                raise _unsupported(
-                    "sliding_window", None,
-                    "layer_types has sliding_attention layers, which need a sliding_window"
-                    + (" and use_sliding_window=true" if family == "qwen3" else ""))
-            sliding = _int_field({"sliding_window": sliding}, "sliding_window")
-        elif family == "qwen3":
-            layer_types, sliding = None, None
-        if family == "olmo3" and sliding is not None:
-            sliding = _int_field({"sliding_window": sliding}, "sliding_window")
+    rope = _hf_rope(hf, spec, max_pos)
+    layer_types, sliding = _hf_layer_types(hf, spec, n_layers)
     kw: dict[str, Any] = {
         "family": family,
         "vocab_size": vocab,
@@ -538,8 +513,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         "rms_norm_eps": float(eps if eps is not None else defaults["rms_norm_eps"]),
         "max_position_embeddings": max_pos,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qk_norm": {"llama": "none", "qwen3": "per_head", "olmo3": "full"}[family],
-        "norm_placement": "post" if family == "olmo3" else "pre",
+        "qk_norm": spec.qk_norm,
+        "norm_placement": spec.norm_placement,
         "sliding_window": sliding,
         "layer_types": tuple(layer_types) if layer_types else None,
         "rope": tuple(sorted(rope.items())),

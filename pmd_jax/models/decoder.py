@@ -8,24 +8,11 @@ weights, never a Python branch over layers. For decoding, ``unstack_layers`` spl
 stacked arrays into per-layer arrays and the forward then loops over layers in Python (larger
 program, but every weight is read in place; see ``unstack_layers``).
 
-Param layout (HF name in brackets)::
-
-    embed       [V, D]        ("vocab", "embed")            [model.embed_tokens.weight]
-    layers/q    [L, D, H, hd] ("layers","embed","heads","head_dim")     [q_proj.weight.T]
-    layers/k    [L, D, KV, hd]("layers","embed","kv_heads","head_dim")  [k_proj.weight.T]
-    layers/v    [L, D, KV, hd]("layers","embed","kv_heads","head_dim")  [v_proj.weight.T]
-    layers/o    [L, H, hd, D] ("layers","heads","head_dim","embed")     [o_proj.weight.T]
-    layers/{q,k,v}_bias [L, H|KV, hd], layers/o_bias [L, D]   only if attention_bias
-    layers/q_norm [L, hd] ("layers","head_dim")   qk_norm="per_head" (Qwen3)
-                  [L, H*hd] ("layers","q_proj")   qk_norm="full" (OLMo-3)
-    layers/k_norm [L, hd] or [L, KV*hd] ("layers","kv_proj")
-    layers/gate, up [L, D, F] ("layers","embed","mlp"); down [L, F, D] ("layers","mlp","embed")
-    layers/attn_norm [L, D] ("layers","norm")
-        pre-norm (Llama, Qwen3): input_layernorm;  post-norm (OLMo-3): post_attention_layernorm
-    layers/mlp_norm  [L, D] ("layers","norm")
-        pre-norm: post_attention_layernorm;        post-norm: post_feedforward_layernorm
-    final_norm  [D] ("norm",)                                   [model.norm.weight]
-    lm_head     [D, V] ("embed", "vocab"), absent when tie_embeddings   [lm_head.weight.T]
+Param layout: every weight (shape, logical axes, init, HF name and layout, GGUF name) is
+declared once in :func:`pmd_jax.models.weights.declare`; ``param_shapes``, ``param_axes``,
+``init_params`` and ``check_params`` here and the HF / GGUF maps are derived from it. The
+forward is :func:`decoder_layer` (one layer) run by ``_scanned_layers`` (``lax.scan`` over
+the stacked weights) or ``_unrolled_layers`` (a Python loop over per-layer weights).
 
 Attention masks: ``attn_mask`` [B, T] marks real tokens (1) and padding (0); padding keys are
 never attended. Causality and sliding windows are over token slots (HF semantics: a key at slot
@@ -44,22 +31,22 @@ tile's mask from slot indices and runs an online softmax, so no array has two se
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pmd_jax.models import attention as attn_lib
-from pmd_jax.models import matmul
+from pmd_jax.models import matmul, weights
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
+from pmd_jax.models.weights import INIT_STD
 
 Params = dict[str, Any]
 _BIG_WINDOW = 2**30
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
-INIT_STD = 0.02  # HF initializer_range default for all three families
 
 
 class ParamError(ValueError):
@@ -72,52 +59,12 @@ def _dtype(name: str) -> jnp.dtype:
 
 # --------------------------------------------------------------------------- layout
 def param_axes(cfg: ModelConfig) -> Params:
-    layers: dict[str, tuple[str, ...]] = {
-        "q": ("layers", "embed", "heads", "head_dim"),
-        "k": ("layers", "embed", "kv_heads", "head_dim"),
-        "v": ("layers", "embed", "kv_heads", "head_dim"),
-        "o": ("layers", "heads", "head_dim", "embed"),
-        "gate": ("layers", "embed", "mlp"),
-        "up": ("layers", "embed", "mlp"),
-        "down": ("layers", "mlp", "embed"),
-        "attn_norm": ("layers", "norm"),
-        "mlp_norm": ("layers", "norm"),
-    }
-    if cfg.attention_bias:
-        layers["q_bias"] = ("layers", "heads", "head_dim")
-        layers["k_bias"] = ("layers", "kv_heads", "head_dim")
-        layers["v_bias"] = ("layers", "kv_heads", "head_dim")
-        layers["o_bias"] = ("layers", "norm")
-    if cfg.qk_norm == "per_head":
-        layers["q_norm"] = ("layers", "head_dim")
-        layers["k_norm"] = ("layers", "head_dim")
-    elif cfg.qk_norm == "full":
-        layers["q_norm"] = ("layers", "q_proj")
-        layers["k_norm"] = ("layers", "kv_proj")
-    out: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
-    if not cfg.tie_embeddings:
-        out["lm_head"] = ("embed", "vocab")
-    return out
+    """Param tree of logical axis names (see ``weights.declare``)."""
+    return weights.axes_tree(cfg)
 
 
 def _raw_shapes(cfg: ModelConfig) -> Params:
-    L, D, H, KV, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    F, V = cfg.intermediate_size, cfg.vocab_size
-    layers: dict[str, tuple[int, ...]] = {
-        "q": (L, D, H, hd), "k": (L, D, KV, hd), "v": (L, D, KV, hd), "o": (L, H, hd, D),
-        "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
-        "attn_norm": (L, D), "mlp_norm": (L, D),
-    }
-    if cfg.attention_bias:
-        layers.update(q_bias=(L, H, hd), k_bias=(L, KV, hd), v_bias=(L, KV, hd), o_bias=(L, D))
-    if cfg.qk_norm == "per_head":
-        layers.update(q_norm=(L, hd), k_norm=(L, hd))
-    elif cfg.qk_norm == "full":
-        layers.update(q_norm=(L, H * hd), k_norm=(L, KV * hd))
-    out: Params = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-    if not cfg.tie_embeddings:
-        out["lm_head"] = (D, V)
-    return out
+    return weights.shape_tree(cfg)
 
 
 def _is_shape(x: Any) -> bool:
@@ -214,19 +161,26 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 @jax.jit(static_argnums=0)
 def _init_params_jit(cfg: ModelConfig, key: jax.Array) -> Params:
     shapes = _raw_shapes(cfg)
+    inits = weights.init_tree(cfg)
     dt = _dtype(cfg.param_dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
-    keys = jax.random.split(key, len(flat))
+    keys = jax.random.split(key, len(flat))  # one key per leaf, in tree order, used or not
     leaves = []
     for (path, shape), k in zip(flat, keys):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
+        init = _get(inits, path)
+        if init == "ones":
             leaves.append(jnp.ones(shape, dt))
-        elif "bias" in name:
+        elif init == "zeros":
             leaves.append(jnp.zeros(shape, dt))
         else:
             leaves.append((INIT_STD * jax.random.normal(k, shape, jnp.float32)).astype(dt))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for k in path:
+        tree = tree[k.key]
+    return tree
 
 
 def unembed_matrix(params: Params, cfg: ModelConfig) -> jnp.ndarray:
@@ -340,7 +294,200 @@ def _constrain(x: jnp.ndarray, axes: tuple[str | None, ...], ctx: ShardCtx | Non
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(axes)))
 
 
+# --------------------------------------------------------------------------- one layer
+def decoder_layer(
+    x: jnp.ndarray,
+    p: Params,
+    cos: jnp.ndarray,
+    sin: jnp.ndarray,
+    attend: Callable,
+    kv_update: Callable | None,
+    cfg: ModelConfig,
+    shard_ctx: ShardCtx | None = None,
+) -> jnp.ndarray:
+    """One decoder layer: x [B, T, D] -> x [B, T, D]; ``p`` is this layer's weights.
+
+    ``cos``/``sin`` are the layer's RoPE tables at the tokens' positions. ``attend(q, k, v)`` is
+    the layer's masked attention (see ``_attend_fn``). ``kv_update(k, v)`` (k/v [B,KV,T,hd])
+    writes the new keys and values into the cache and returns the layer's full cached k/v; None
+    without a cache.
+    """
+    dt = _dtype(cfg.dtype)
+    eps = cfg.rms_norm_eps
+    mm = functools.partial(matmul.weight_einsum, matmul_dtype=cfg.matmul_dtype)
+    p = jax.tree.map(lambda a: a.astype(dt), p)
+    h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
+    q = mm("btd,dhk->bthk", h, p["q"])
+    k = mm("btd,dhk->bthk", h, p["k"])
+    v = mm("btd,dhk->bthk", h, p["v"])
+    if cfg.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm == "per_head":
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    elif cfg.qk_norm == "full":
+        q, k = _rms_norm_heads(q, p["q_norm"], eps), _rms_norm_heads(k, p["k_norm"], eps)
+    q = _constrain(q, ("batch", "seq", "heads", "head_dim"), shard_ctx)
+    q = rope_lib.apply_rope(q, cos, sin)
+    k = rope_lib.apply_rope(k, cos, sin)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if kv_update is not None:
+        k, v = kv_update(k, v)
+    a = attend(q, k, v)
+    a = mm("bthk,hkd->btd", a, p["o"])
+    if cfg.attention_bias:
+        a = a + p["o_bias"]
+    if cfg.norm_placement == "post":
+        a = rms_norm(a, p["attn_norm"], eps)
+    x = _constrain(x + a, ("batch", "seq", "embed"), shard_ctx)
+
+    # MLP (SwiGLU)
+    h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
+    g = mm("btd,df->btf", h, p["gate"])
+    u = mm("btd,df->btf", h, p["up"])
+    m = _constrain(silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
+    m = mm("btf,fd->btd", m, p["down"])
+    if cfg.norm_placement == "post":
+        m = rms_norm(m, p["mlp_norm"], eps)
+    return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
+
+
+class _Layers(NamedTuple):
+    """What every layer of one forward call shares: the layer function (config and sharding
+    bound), the attention factory and the per-layer tables (window, RoPE table index)."""
+
+    layer: Callable  # decoder_layer with cfg and shard_ctx bound
+    attend_fn: Callable  # window -> attend(q, k, v)
+    cos_all: jnp.ndarray  # [n_rope_tables, B, T, hd]
+    sin_all: jnp.ndarray
+    rope_idx: np.ndarray  # [L] which RoPE table each layer uses
+    windows: np.ndarray  # [L] sliding window, _BIG_WINDOW for full attention
+    dt: Any  # compute dtype
+
+
+# --------------------------------------------------------------------------- drivers
+def _unrolled_layers(
+    x: jnp.ndarray, layer_params: Sequence[Params], ls: _Layers, remat: str,
+    cache: dict[str, Any] | None, idx: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, tuple[list, list]]:
+    """Python loop over separate per-layer arrays (see unstack_layers): every weight and cache
+    buffer is read in place; the window and RoPE table of each layer are static. Returns x and
+    the layers' updated cache k/v (empty lists without a cache)."""
+    ks: list[jnp.ndarray] = []
+    vs: list[jnp.ndarray] = []
+    for i, p in enumerate(layer_params):
+        attend = ls.attend_fn(int(ls.windows[i]))
+        cos, sin = ls.cos_all[int(ls.rope_idx[i])], ls.sin_all[int(ls.rope_idx[i])]
+        kv_update = None
+        if cache is not None:
+            def kv_update(k, v, i=i):
+                ks.append(jax.lax.dynamic_update_slice(
+                    cache["k"][i], k.astype(cache["k"][i].dtype), (0, 0, idx, 0)))
+                vs.append(jax.lax.dynamic_update_slice(
+                    cache["v"][i], v.astype(cache["v"][i].dtype), (0, 0, idx, 0)))
+                return ks[-1].astype(ls.dt), vs[-1].astype(ls.dt)
+        if cache is None:
+            # (attend is a closure, not an array: close over it inside the remat)
+            x = _remat(lambda x, p, cos, sin, attend=attend: ls.layer(x, p, cos, sin, attend,
+                                                                      None), remat,
+                       prevent_cse=True)(x, p, cos, sin)
+        else:
+            x = ls.layer(x, p, cos, sin, attend, kv_update)
+    return x, (ks, vs)
+
+
+def _scanned_layers(
+    x: jnp.ndarray, layer_params: Params, ls: _Layers, remat: str, unroll: int | bool,
+    cache: dict[str, Any] | None, idx: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, tuple[Any, Any]]:
+    """``lax.scan`` over the layer-stacked weights (window and RoPE table index scanned with
+    them). Returns x and the updated stacked cache k/v (None, None without a cache)."""
+    xs: dict[str, Any] = {
+        "p": layer_params,
+        "window": jnp.asarray(ls.windows),
+        "rope": jnp.asarray(ls.rope_idx),
+    }
+
+    # With a cache, the stacked [L, B, KV, S, hd] buffers ride in the scan carry and each
+    # layer writes its new keys/values in place (a scanned output would copy the whole
+    # cache on every decode step).
+    def body(carry: Any, xs: dict[str, Any]):
+        cos = jax.lax.dynamic_index_in_dim(ls.cos_all, xs["rope"], 0, keepdims=False)
+        sin = jax.lax.dynamic_index_in_dim(ls.sin_all, xs["rope"], 0, keepdims=False)
+        attend = ls.attend_fn(xs["window"])
+        if cache is None:
+            return ls.layer(carry, xs["p"], cos, sin, attend, None), None
+        x, ck_all, cv_all, li = carry
+        out: dict[str, jnp.ndarray] = {}
+
+        def kv_update(k, v):
+            out["k"] = jax.lax.dynamic_update_slice(
+                ck_all, k.astype(ck_all.dtype)[None], (li, 0, 0, idx, 0))
+            out["v"] = jax.lax.dynamic_update_slice(
+                cv_all, v.astype(cv_all.dtype)[None], (li, 0, 0, idx, 0))
+            return (
+                jax.lax.dynamic_index_in_dim(out["k"], li, 0, keepdims=False).astype(ls.dt),
+                jax.lax.dynamic_index_in_dim(out["v"], li, 0, keepdims=False).astype(ls.dt))
+
+        x = ls.layer(x, xs["p"], cos, sin, attend, kv_update)
+        return (x, out["k"], out["v"], li + 1), None
+
+    if cache is not None:
+        carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
+        (x, ck_new, cv_new, _), _ = jax.lax.scan(_remat(body, remat), carry0, xs, unroll=unroll)
+        return x, (ck_new, cv_new)
+    x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
+    return x, (None, None)
+
+
 # --------------------------------------------------------------------------- forward
+def _check_inputs(params: Params, tokens: jnp.ndarray, positions: jnp.ndarray,
+                  cfg: ModelConfig, attn_mask: Any, segment_ids: Any, cache: Any) -> None:
+    check_params(params, cfg)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if positions.shape != tokens.shape:
+        raise ValueError(f"positions shape {positions.shape} != tokens shape {tokens.shape}")
+    if attn_mask is not None and attn_mask.shape != tokens.shape:
+        raise ValueError(f"attn_mask shape {attn_mask.shape} != tokens shape {tokens.shape}")
+    if segment_ids is not None and segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
+    per_layer = isinstance(params["layers"], (list, tuple))
+    if cache is not None and isinstance(cache["k"], (list, tuple)) != per_layer:
+        raise ValueError(
+            "params and cache layouts differ: use init_cache(..., per_layer=True) with params "
+            "split by unstack_layers, and a stacked cache with stacked params")
+
+
+def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarray,
+               idx: jnp.ndarray | None, segment_ids: jnp.ndarray | None) -> Callable:
+    """``window -> attend(q, k, v)``: the masked attention of a layer with that sliding window
+    (_BIG_WINDOW: none), over slots (causal, padding keys and other segments masked)."""
+    if impl == "dense":
+        q_idx = jnp.arange(T, dtype=jnp.int32) + (0 if idx is None else idx)
+        k_idx = jnp.arange(S, dtype=jnp.int32)
+        base = (k_idx[None, :] <= q_idx[:, None])[None] & key_mask[:, None, :]
+        if segment_ids is not None:
+            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
+
+    def attend_fn(window: Any) -> Callable:
+        if impl == "chunked":
+            return functools.partial(
+                attn_lib.chunked_attention, key_mask=key_mask,
+                q_offset=0 if idx is None else idx, window=window,
+                q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk)
+        if isinstance(window, int) and window >= _BIG_WINDOW:
+            mask = base
+        else:
+            mask = base & (rel < window)[None]
+        return functools.partial(attn_lib.dense_attention, mask=mask)
+
+    return attend_fn
+
+
 def forward(
     params: Params,
     tokens: jnp.ndarray,
@@ -357,7 +504,8 @@ def forward(
     unroll: int | bool = 1,
     attention_impl: str | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
-    """Run the decoder.
+    """Run the decoder: embed, the layers (``decoder_layer``, scanned over stacked weights or
+    looped over per-layer ones), final norm, LM head.
 
     Returns ``(logits [B,T,V] float32, new_cache)``, or the hidden states after the final norm
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
@@ -367,26 +515,11 @@ def forward(
     "chunked") overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
     mask or score matrix (see :mod:`pmd_jax.models.attention`).
     """
-    check_params(params, cfg)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
-    if positions.shape != tokens.shape:
-        raise ValueError(f"positions shape {positions.shape} != tokens shape {tokens.shape}")
-    if attn_mask is not None and attn_mask.shape != tokens.shape:
-        raise ValueError(f"attn_mask shape {attn_mask.shape} != tokens shape {tokens.shape}")
-    if segment_ids is not None and segment_ids.shape != tokens.shape:
-        raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
-    if segment_ids is not None and cache is not None:
-        raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
+    _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache)
     B, T = tokens.shape
     dt = _dtype(cfg.dtype)
-    eps = cfg.rms_norm_eps
     kmask_new = jnp.ones((B, T), jnp.bool_) if attn_mask is None else attn_mask.astype(jnp.bool_)
     per_layer = isinstance(params["layers"], (list, tuple))
-    if cache is not None and isinstance(cache["k"], (list, tuple)) != per_layer:
-        raise ValueError(
-            "params and cache layouts differ: use init_cache(..., per_layer=True) with params "
-            "split by unstack_layers, and a stacked cache with stacked params")
 
     # ---- masks over slots
     if cache is None:
@@ -411,27 +544,7 @@ def forward(
         key_mask = new_mask
     impl = attn_lib.resolve_impl(
         cfg.attention_impl if attention_impl is None else attention_impl, T, S)
-    if impl == "dense":
-        q_idx = jnp.arange(T, dtype=jnp.int32) + (0 if idx is None else idx)
-        k_idx = jnp.arange(S, dtype=jnp.int32)
-        base = (k_idx[None, :] <= q_idx[:, None])[None] & key_mask[:, None, :]
-        if segment_ids is not None:
-            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
-
-    def attend_fn(window: Any) -> Callable:
-        """``(q, k, v) -> out`` for a layer with this sliding window (_BIG_WINDOW: none)."""
-        if impl == "chunked":
-            return functools.partial(
-                attn_lib.chunked_attention, key_mask=key_mask,
-                q_offset=0 if idx is None else idx, window=window,
-                q_segment_ids=segment_ids, k_segment_ids=segment_ids,
-                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk)
-        if isinstance(window, int) and window >= _BIG_WINDOW:
-            mask = base
-        else:
-            mask = base & (rel < window)[None]
-        return functools.partial(attn_lib.dense_attention, mask=mask)
+    attend_fn = _attend_fn(cfg, impl, T, S, key_mask, idx, segment_ids)
 
     # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
@@ -440,115 +553,20 @@ def forward(
         [cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else _BIG_WINDOW
          for i in range(cfg.num_layers)], np.int32,
     )
+    ls = _Layers(functools.partial(decoder_layer, cfg=cfg, shard_ctx=shard_ctx), attend_fn,
+                 cos_all, sin_all, rope_idx, windows, dt)
 
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
-
-    mm = functools.partial(matmul.weight_einsum, matmul_dtype=cfg.matmul_dtype)
-
-    def layer(x, p, cos, sin, attend, kv_update):
-        """One decoder layer. ``kv_update(k, v)`` (k/v [B,KV,T,hd]) writes the new keys and
-        values into the cache and returns the layer's full cached k/v; None without a cache.
-        ``attend(q, k, v)`` is the layer's masked attention (see ``attend_fn``)."""
-        p = jax.tree.map(lambda a: a.astype(dt), p)
-        h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
-        q = mm("btd,dhk->bthk", h, p["q"])
-        k = mm("btd,dhk->bthk", h, p["k"])
-        v = mm("btd,dhk->bthk", h, p["v"])
-        if cfg.attention_bias:
-            q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-        if cfg.qk_norm == "per_head":
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        elif cfg.qk_norm == "full":
-            q, k = _rms_norm_heads(q, p["q_norm"], eps), _rms_norm_heads(k, p["k_norm"], eps)
-        q = _constrain(q, ("batch", "seq", "heads", "head_dim"), shard_ctx)
-        q = rope_lib.apply_rope(q, cos, sin)
-        k = rope_lib.apply_rope(k, cos, sin)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        if kv_update is not None:
-            k, v = kv_update(k, v)
-        a = attend(q, k, v)
-        a = mm("bthk,hkd->btd", a, p["o"])
-        if cfg.attention_bias:
-            a = a + p["o_bias"]
-        if cfg.norm_placement == "post":
-            a = rms_norm(a, p["attn_norm"], eps)
-        x = _constrain(x + a, ("batch", "seq", "embed"), shard_ctx)
-
-        # MLP (SwiGLU)
-        h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
-        g = mm("btd,df->btf", h, p["gate"])
-        u = mm("btd,df->btf", h, p["up"])
-        m = _constrain(silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
-        m = mm("btf,fd->btd", m, p["down"])
-        if cfg.norm_placement == "post":
-            m = rms_norm(m, p["mlp_norm"], eps)
-        return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
-
-    new_cache = None
     if per_layer:
-        # Python loop over separate per-layer arrays (see unstack_layers): every weight and
-        # cache buffer is read in place; the window and RoPE table of each layer are static.
-        ks: list[jnp.ndarray] = []
-        vs: list[jnp.ndarray] = []
-        for i, p in enumerate(params["layers"]):
-            attend = attend_fn(int(windows[i]))
-            cos, sin = cos_all[int(rope_idx[i])], sin_all[int(rope_idx[i])]
-            kv_update = None
-            if cache is not None:
-                def kv_update(k, v, i=i):
-                    ks.append(jax.lax.dynamic_update_slice(
-                        cache["k"][i], k.astype(cache["k"][i].dtype), (0, 0, idx, 0)))
-                    vs.append(jax.lax.dynamic_update_slice(
-                        cache["v"][i], v.astype(cache["v"][i].dtype), (0, 0, idx, 0)))
-                    return ks[-1].astype(dt), vs[-1].astype(dt)
-            if cache is None:
-                # (attend is a closure, not an array: close over it inside the remat)
-                x = _remat(lambda x, p, cos, sin, attend=attend: layer(x, p, cos, sin, attend,
-                                                                       None), remat,
-                           prevent_cse=True)(x, p, cos, sin)
-            else:
-                x = layer(x, p, cos, sin, attend, kv_update)
-        if cache is not None:
-            new_cache = {"k": tuple(ks), "v": tuple(vs), "mask": new_mask, "index": idx + T}
+        x, (ck, cv) = _unrolled_layers(x, params["layers"], ls, remat, cache, idx)
+        ck, cv = tuple(ck), tuple(cv)
     else:
-        xs: dict[str, Any] = {
-            "p": params["layers"],
-            "window": jnp.asarray(windows),
-            "rope": jnp.asarray(rope_idx),
-        }
-
-        # With a cache, the stacked [L, B, KV, S, hd] buffers ride in the scan carry and each
-        # layer writes its new keys/values in place (a scanned output would copy the whole
-        # cache on every decode step).
-        def body(carry: Any, xs: dict[str, Any]):
-            cos = jax.lax.dynamic_index_in_dim(cos_all, xs["rope"], 0, keepdims=False)
-            sin = jax.lax.dynamic_index_in_dim(sin_all, xs["rope"], 0, keepdims=False)
-            attend = attend_fn(xs["window"])
-            if cache is None:
-                return layer(carry, xs["p"], cos, sin, attend, None), None
-            x, ck_all, cv_all, li = carry
-            out: dict[str, jnp.ndarray] = {}
-
-            def kv_update(k, v):
-                out["k"] = jax.lax.dynamic_update_slice(
-                    ck_all, k.astype(ck_all.dtype)[None], (li, 0, 0, idx, 0))
-                out["v"] = jax.lax.dynamic_update_slice(
-                    cv_all, v.astype(cv_all.dtype)[None], (li, 0, 0, idx, 0))
-                return (jax.lax.dynamic_index_in_dim(out["k"], li, 0, keepdims=False).astype(dt),
-                        jax.lax.dynamic_index_in_dim(out["v"], li, 0, keepdims=False).astype(dt))
-
-            x = layer(x, xs["p"], cos, sin, attend, kv_update)
-            return (x, out["k"], out["v"], li + 1), None
-
-        if cache is not None:
-            carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
-            (x, ck_new, cv_new, _), _ = jax.lax.scan(
-                _remat(body, remat), carry0, xs, unroll=unroll)
-            new_cache = {"k": ck_new, "v": cv_new, "mask": new_mask, "index": idx + T}
-        else:
-            x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
-    x = rms_norm(x, params["final_norm"], eps)
+        x, (ck, cv) = _scanned_layers(x, params["layers"], ls, remat, unroll, cache, idx)
+    new_cache = None
+    if cache is not None:
+        new_cache = {"k": ck, "v": cv, "mask": new_mask, "index": idx + T}
+    x = rms_norm(x, params["final_norm"], eps=cfg.rms_norm_eps)
     if return_hidden:
         return x, new_cache
     return logits_from_hidden(x, params, cfg), new_cache

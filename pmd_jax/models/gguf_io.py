@@ -21,28 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax.models import assets, hf_io
+from pmd_jax.models import assets, hf_io, weights
 from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig
 from pmd_jax.models.tokenizer import Tokenizer
 
 EXPORT_VERSION = 1  # bump when the export format changes (invalidates caches)
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj.weight",
-    "attn_k": "self_attn.k_proj.weight",
-    "attn_v": "self_attn.v_proj.weight",
-    "attn_output": "self_attn.o_proj.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -161,25 +144,20 @@ def dequantize_tensor(t: Any) -> np.ndarray:
 
 
 def hf_tensors_from_gguf(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantized float32 tensors under HF LlamaForCausalLM names and layout."""
+    """Dequantized float32 tensors under HF names and layout (GGUF names and llama.cpp's Q/K
+    row permutation are declared with the weights, ``weights.declare``)."""
+    names = weights.gguf_names(cfg)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = t.name
-        if name in _GLOBAL_NAMES:
-            hf = _GLOBAL_NAMES[name]
-        else:
-            parts = name.split(".")
-            if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES
-                    or parts[3] != "weight"):  # e.g. blk.0.attn_q.bias: biases are refused
-                if name == "rope_freqs.weight":
-                    raise GGUFError("GGUF tensor 'rope_freqs.weight' (rope scaling) not supported")
-                raise GGUFError(f"unexpected GGUF tensor {name!r} for a llama model")
-            hf = f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        if name not in names:  # e.g. blk.0.attn_q.bias: biases are refused
+            if name == "rope_freqs.weight":
+                raise GGUFError("GGUF tensor 'rope_freqs.weight' (rope scaling) not supported")
+            raise GGUFError(f"unexpected GGUF tensor {name!r} for a {cfg.family} model")
+        hf, decl = names[name]
         w = dequantize_tensor(t)
-        if name.endswith("attn_q.weight"):
-            w = undo_llama_cpp_permute(w, cfg.num_heads)
-        elif name.endswith("attn_k.weight"):
-            w = undo_llama_cpp_permute(w, cfg.num_kv_heads)
+        if decl.gguf_permute is not None:
+            w = undo_llama_cpp_permute(w, getattr(cfg, decl.gguf_permute))
         out[hf] = w
     return out
 

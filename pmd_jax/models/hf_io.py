@@ -7,18 +7,18 @@ reads only that slice from the safetensors file(s) (``safe_open(...).get_slice``
 reads a whole tensor for a device that holds a part of it.
 
 The mapping of one of our leaves to its HF tensor is a reshape + transpose of the per-layer HF
-tensor (``TensorMap``): e.g. ``q_proj.weight [H*hd, D]`` -> split ``[H, hd, D]`` -> transpose
-to ours ``[D, H, hd]``; layer-stacked leaves gather ``model.layers.{i}...`` over ``i``.
+tensor, declared with the weight (``weights.Weight.hf_layout``): e.g. ``q_proj.weight [H*hd, D]``
+-> split ``[H, hd, D]`` -> transpose to ours ``[D, H, hd]``; layer-stacked leaves gather
+``model.layers.{i}...`` over ``i``.
 
-Saving writes ``config.json`` (a HF config for LlamaForCausalLM / Qwen3ForCausalLM /
-Olmo3ForCausalLM), ``generation_config.json``, safetensors (sharded with
+Saving writes ``config.json`` (the family's HF config, see ``families.FamilySpec``),
+``generation_config.json``, safetensors (sharded with
 ``model.safetensors.index.json`` above ``max_shard_bytes``) and the tokenizer if given.
 ``iter_hf_tensors`` streams (HF name, numpy array in HF layout) for weight publishing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -30,8 +30,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config
+from pmd_jax.models.config import ConfigError, ModelConfig, from_hf_config
 from pmd_jax.models.decoder import check_params, param_axes
+from pmd_jax.models.families import FAMILIES
+from pmd_jax.models.weights import Weight, declare, norm_slice
 from pmd_jax.sharding import ShardingRules, check_divisible
 
 Params = dict[str, Any]
@@ -39,11 +41,8 @@ Params = dict[str, Any]
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 
-HF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "olmo3": ("Olmo3ForCausalLM", "olmo3"),
-}
+# family -> (transformers class, model_type); registered in models/families.py
+HF_ARCHITECTURES = {name: (f.hf_architecture, f.name) for name, f in FAMILIES.items()}
 
 
 class CheckpointError(ValueError):
@@ -51,143 +50,12 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------ mapping
-@dataclasses.dataclass(frozen=True)
-class TensorMap:
-    """How one of our leaves is made from HF tensor(s).
-
-    ``ours_layer = hf.reshape(flat_split).transpose(perm)`` where ``flat_split`` concatenates
-    ``split`` (the sizes each HF dim splits into). ``stacked`` leaves have a leading layer axis
-    and read ``hf_name.format(i=layer)`` for each layer.
-    """
-
-    path: tuple[str, ...]
-    hf_name: str
-    split: tuple[tuple[int, ...], ...]
-    perm: tuple[int, ...]
-    stacked: bool
-    num_layers: int = 0
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.split)
-
-    @property
-    def flat_split(self) -> tuple[int, ...]:
-        return tuple(d for s in self.split for d in s)
-
-    @property
-    def layer_shape(self) -> tuple[int, ...]:
-        fs = self.flat_split
-        return tuple(fs[p] for p in self.perm)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return ((self.num_layers,) if self.stacked else ()) + self.layer_shape
-
-    def hf_names(self) -> list[str]:
-        if self.stacked:
-            return [self.hf_name.format(i=i) for i in range(self.num_layers)]
-        return [self.hf_name]
-
-    # ours (per layer) -> HF layout
-    def to_hf(self, ours_layer: np.ndarray) -> np.ndarray:
-        inv = tuple(int(i) for i in np.argsort(self.perm))
-        return np.ascontiguousarray(ours_layer.transpose(inv)).reshape(self.hf_shape)
-
-    # HF (full per-layer tensor) -> ours
-    def from_hf(self, hf: np.ndarray) -> np.ndarray:
-        return hf.reshape(self.flat_split).transpose(self.perm)
-
-    def hf_index(self, ours_index: Sequence[slice]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-        """Map a per-layer index of ours to (the HF slice to read, the index into it after split).
-
-        For each HF dim grouping flat dims (g0, g1, ...), we read the rows of g0's slice times the
-        product of the inner sizes: exact when the inner dims are not sliced (the usual case).
-        """
-        fs = self.flat_split
-        flat_slices: list[slice] = [slice(0, n) for n in fs]
-        for k, p in enumerate(self.perm):
-            flat_slices[p] = _norm_slice(ours_index[k], fs[p])
-        hf_sl: list[slice] = []
-        post: list[slice] = []
-        j = 0
-        for group in self.split:
-            inner = math.prod(group[1:])
-            outer = flat_slices[j]
-            hf_sl.append(slice(outer.start * inner, outer.stop * inner))
-            post.append(slice(0, outer.stop - outer.start))
-            post.extend(flat_slices[j + 1 : j + len(group)])
-            j += len(group)
-        return tuple(hf_sl), tuple(post)
-
-    def from_hf_slice(self, hf_part: np.ndarray, post: tuple[slice, ...]) -> np.ndarray:
-        """Ours (per layer) from a slice read with ``hf_index``."""
-        shape: list[int] = []
-        for gi, group in enumerate(self.split):
-            shape.append(hf_part.shape[gi] // math.prod(group[1:]))
-            shape.extend(group[1:])
-        return hf_part.reshape(shape)[post].transpose(self.perm)
-
-
-def _norm_slice(s: slice, n: int) -> slice:
-    start, stop, step = s.indices(n)
-    if step != 1:
-        raise ValueError(f"strided index {s} is not supported")
-    return slice(start, stop)
-
-
-def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    """The HF tensor behind every leaf of our pytree, for this config's family."""
-    if cfg.family not in HF_ARCHITECTURES:
-        raise ConfigError(f"unknown model family {cfg.family!r}; known {sorted(HF_ARCHITECTURES)}")
-    L, D, H, KV, hd = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    F, V = cfg.intermediate_size, cfg.vocab_size
-    pre = "model.layers.{i}."
-
-    def lay(name: str, hf: str, split: tuple[tuple[int, ...], ...], perm: tuple[int, ...]):
-        return TensorMap(("layers", name), pre + hf, split, perm, True, L)
-
-    maps = [TensorMap(("embed",), "model.embed_tokens.weight", ((V,), (D,)), (0, 1), False)]
-    maps += [
-        lay("q", "self_attn.q_proj.weight", ((H, hd), (D,)), (2, 0, 1)),
-        lay("k", "self_attn.k_proj.weight", ((KV, hd), (D,)), (2, 0, 1)),
-        lay("v", "self_attn.v_proj.weight", ((KV, hd), (D,)), (2, 0, 1)),
-        lay("o", "self_attn.o_proj.weight", ((D,), (H, hd)), (1, 2, 0)),
-        lay("gate", "mlp.gate_proj.weight", ((F,), (D,)), (1, 0)),
-        lay("up", "mlp.up_proj.weight", ((F,), (D,)), (1, 0)),
-        lay("down", "mlp.down_proj.weight", ((D,), (F,)), (1, 0)),
-    ]
-    if cfg.attention_bias:
-        maps += [
-            lay("q_bias", "self_attn.q_proj.bias", ((H, hd),), (0, 1)),
-            lay("k_bias", "self_attn.k_proj.bias", ((KV, hd),), (0, 1)),
-            lay("v_bias", "self_attn.v_proj.bias", ((KV, hd),), (0, 1)),
-            lay("o_bias", "self_attn.o_proj.bias", ((D,),), (0,)),
-        ]
-    if cfg.qk_norm == "per_head":
-        maps += [
-            lay("q_norm", "self_attn.q_norm.weight", ((hd,),), (0,)),
-            lay("k_norm", "self_attn.k_norm.weight", ((hd,),), (0,)),
-        ]
-    elif cfg.qk_norm == "full":
-        maps += [
-            lay("q_norm", "self_attn.q_norm.weight", ((H * hd,),), (0,)),
-            lay("k_norm", "self_attn.k_norm.weight", ((KV * hd,),), (0,)),
-        ]
-    if cfg.norm_placement == "pre":
-        maps += [
-            lay("attn_norm", "input_layernorm.weight", ((D,),), (0,)),
-            lay("mlp_norm", "post_attention_layernorm.weight", ((D,),), (0,)),
-        ]
-    else:
-        maps += [
-            lay("attn_norm", "post_attention_layernorm.weight", ((D,),), (0,)),
-            lay("mlp_norm", "post_feedforward_layernorm.weight", ((D,),), (0,)),
-        ]
-    maps.append(TensorMap(("final_norm",), "model.norm.weight", ((D,),), (0,), False))
-    if not cfg.tie_embeddings:
-        maps.append(TensorMap(("lm_head",), "lm_head.weight", ((V,), (D,)), (1, 0), False))
-    return maps
+def tensor_maps(cfg: ModelConfig) -> tuple[Weight, ...]:
+    """The HF tensor behind every leaf of our pytree: the weights' one declaration
+    (:func:`pmd_jax.models.weights.declare`), whose ``hf_name`` / ``hf_layout`` give it."""
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"unknown model family {cfg.family!r}; known {sorted(FAMILIES)}")
+    return declare(cfg)
 
 
 def _get(tree: Params, path: tuple[str, ...]) -> Any:
@@ -401,19 +269,19 @@ def _check_tied_head(src: TensorSource, cfg: ModelConfig, rows: int = 4096) -> N
 
 
 def _read_leaf(
-    src: TensorSource, m: TensorMap, index: Sequence[slice], dtype: np.dtype
+    src: TensorSource, m: Weight, index: Sequence[slice], dtype: np.dtype
 ) -> np.ndarray:
     """Our leaf's ``index`` (slices over our full leaf shape), reading only that part."""
     index = tuple(index) + (slice(None),) * (len(m.shape) - len(index))
     if m.stacked:
-        layers = _norm_slice(index[0], m.num_layers)
+        layers = norm_slice(index[0], m.num_layers)
         hf_idx, post = m.hf_index(index[1:])
         parts = []
         for i in range(layers.start, layers.stop):
             raw = read_slice(src, m.hf_name.format(i=i), hf_idx)
             parts.append(np.asarray(m.from_hf_slice(raw, post), dtype=dtype))
         if not parts:
-            sizes = [len(range(*_norm_slice(s, n).indices(n))) for s, n in
+            sizes = [len(range(*norm_slice(s, n).indices(n))) for s, n in
                      zip(index[1:], m.layer_shape)]
             return np.zeros((0, *sizes), dtype)
         return np.stack(parts)
@@ -447,7 +315,7 @@ def load_params_from_source(
         else:
             sharding = NamedSharding(mesh, rules.spec(_get(axes, m.path)))  # type: ignore[union-attr]
 
-            def cb(index: tuple[slice, ...], m: TensorMap = m) -> np.ndarray:
+            def cb(index: tuple[slice, ...], m: Weight = m) -> np.ndarray:
                 return _read_leaf(src, m, index, np_dtype)
 
             arr = jax.make_array_from_callback(m.shape, sharding, cb)
@@ -508,25 +376,6 @@ def iter_hf_tensors(
             yield (m.hf_name.format(i=i) if i is not None else m.hf_name), hf
 
 
-def _rope_to_hf(r: RopeConfig) -> dict[str, Any]:
-    d: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta}
-    if r.rope_type in ("linear", "llama3", "yarn"):
-        d["factor"] = r.factor
-    if r.rope_type in ("llama3", "yarn") and r.original_max_position_embeddings:
-        d["original_max_position_embeddings"] = r.original_max_position_embeddings
-    if r.rope_type == "llama3":
-        d["low_freq_factor"] = r.low_freq_factor
-        d["high_freq_factor"] = r.high_freq_factor
-    if r.rope_type == "yarn":
-        d["beta_fast"] = r.beta_fast
-        d["beta_slow"] = r.beta_slow
-        if r.attention_factor is not None:
-            d["attention_factor"] = r.attention_factor
-        if not r.truncate:
-            d["truncate"] = False
-    return d
-
-
 def to_hf_config(
     cfg: ModelConfig,
     dtype: str = "bfloat16",
@@ -562,35 +411,7 @@ def to_hf_config(
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
     }
-    if cfg.family == "llama":
-        out["mlp_bias"] = False
-        out["pretraining_tp"] = 1
-    if cfg.family == "olmo3":
-        rope_types = dict(cfg.rope)
-        out["rope_parameters"] = {
-            lt: _rope_to_hf(rope_types.get(lt, full))
-            for lt in ("full_attention", "sliding_attention")
-        }
-        layer_types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
-        out["layer_types"] = layer_types
-        out["sliding_window"] = cfg.sliding_window or cfg.max_position_embeddings
-        if full.rope_type != "default":
-            out["rope_scaling"] = _rope_to_hf(full)
-    else:
-        out["rope_parameters"] = _rope_to_hf(full)
-        if full.rope_type != "default":
-            out["rope_scaling"] = _rope_to_hf(full)
-    if cfg.family == "qwen3":
-        if cfg.layer_types and "sliding_attention" in cfg.layer_types:
-            out["use_sliding_window"] = True
-            out["sliding_window"] = cfg.sliding_window
-            out["layer_types"] = list(cfg.layer_types)
-            out["max_window_layers"] = cfg.layer_types.index("sliding_attention")
-        else:
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = cfg.num_layers
-            out["layer_types"] = ["full_attention"] * cfg.num_layers
+    out.update(FAMILIES[cfg.family].hf_extras(cfg))  # RoPE and the family's own keys
     return out
 
 
@@ -632,7 +453,7 @@ def save_hf_checkpoint(
         raise ValueError(
             f"save_hf_checkpoint: params{spread[0]} (and {len(spread) - 1} more) span several "
             "processes; gather them on every process first (pmd_jax.multihost.gather_tree) "
-            "and write on process 0 (pmd_jax.wiring.export_hf does both)")
+            "and write on process 0 (the run's HF export does both)")
     # Plan shards from shapes (no data touched), then stream one shard at a time.
     sizes: list[tuple[str, int]] = []
     for m in maps:
