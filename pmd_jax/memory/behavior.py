@@ -112,15 +112,16 @@ class BehaviorBank:
         leak_strings: dict[str, list[str]],
         generator: TextGenerator | None,
         embed: Callable[[list[str]], np.ndarray],
-        memory_cfg: Any = None,
+        *,
+        memory_cfg: Any,
     ) -> Counter:
         """One clustering + summary + extraction-or-evolution round; returns its counts.
 
         ``memory_cfg``: the whole memory config, for ``structured_output`` and
-        ``stop_token_ids`` (None: structured output on, no stop tokens).
+        ``stop_token_ids``.
         """
         cfg = self.cfg
-        mcfg = memory_cfg if memory_cfg is not None else _DefaultCallCfg()
+        mcfg = memory_cfg
         counts: Counter = Counter()
         per_call = {c: Counter() for c in BEHAVIOR_CALLS}
         labels, cent = cluster_problems(vecs, cfg)
@@ -348,13 +349,6 @@ class BehaviorBank:
         self.rounds = int(state["rounds"])
         self.last_round_step = int(state["last_round_step"])
         self.next_id = int(state["next_id"])
-
-
-class _DefaultCallCfg:
-    """The call options ``run_round`` uses without a memory config."""
-
-    structured_output = True
-    stop_token_ids: tuple[int, ...] = ()
 
 
 class BehaviorLevel(MemoryLevel):
