@@ -479,7 +479,7 @@ def test_added_tokens_that_are_words_or_whitespace_are_not_stripped():
 
 
 def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
-    """wiring.build_memory (what the trainer calls) gives the memory its tokenizer's list."""
+    """build.build_memory (what the trainer calls) gives the memory its tokenizer's list."""
     from types import SimpleNamespace
 
     from pmd_jax.build import build_memory

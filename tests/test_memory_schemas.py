@@ -515,10 +515,10 @@ def test_counts_are_zero_on_steps_without_calls():
     assert not gen.calls and all(empty.counts[k] == 0 for k in zero_counts())
 
 
-def test_wiring_logs_the_counts_every_step():
-    """wiring.update_memory (the trainer's memory step, whose dict goes to metrics.jsonl)
+def test_update_memory_logs_the_counts_every_step():
+    """teaching.update_memory (the trainer's memory step, whose dict goes to metrics.jsonl)
     reports the five counts, insight and behavior, on every step, zeros included."""
-    from pmd_jax import teaching as wiring  # moved: wiring.update_memory -> teaching (issue 16)
+    from pmd_jax import teaching
 
     task = SimpleNamespace(prompt=lambda p: [{"role": "user", "content": p.text}],
                            gold_leak_strings=lambda p: [])
@@ -535,14 +535,14 @@ def test_wiring_logs_the_counts_every_step():
     mem = ProceduralMemory(small_config(**{"behavior.min_problems": 100}),
                            embedder=HashEmbedder())
     gen = Recorder(default_script)
-    out = wiring.update_memory(None, mem, 0, batch([1.0, 0.0]), task, gen)
+    out = teaching.update_memory(None, mem, 0, batch([1.0, 0.0]), task, gen)
     for k in CALL_COUNTS:
         assert f"memory_{k}" in out and f"memory_behavior/{k}" in out
         for t in BEHAVIOR_CALLS:
             assert out[f"memory_behavior/{t}/{k}"] == 0.0
     assert out["memory_reflections"] == 4.0 and out["memory_parsed"] == 4.0
     empty = SimpleNamespace(rollouts=[], texts=[], results=[], problems=[])
-    out = wiring.update_memory(None, mem, 1, empty, task, gen)
+    out = teaching.update_memory(None, mem, 1, empty, task, gen)
     assert all(out[f"memory_{k}"] == 0.0 for k in CALL_COUNTS)
 
 
