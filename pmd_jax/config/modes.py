@@ -16,7 +16,6 @@ PMD_VARIANTS: dict[str, dict[str, Any]] = {
 }
 MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
                           *PMD_VARIANTS)
-SAMPLERS: tuple[str, ...] = ("jax", "vllm")
 MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
 
 

@@ -93,6 +93,13 @@ class Section:
     def replace(self: S, **changes: Any) -> S:
         return dataclasses.replace(self, **changes)
 
+    @staticmethod
+    def errors(s: Any) -> list[str]:
+        """The section's own problems, one line each, for a ConfigDict section or a frozen one
+        (attribute reads only). Checks that span sections live in pmd_jax/config/validate.py."""
+        del s
+        return []
+
     # shim (issue 16): ConfigDict-style reads for code not yet moved to attribute reads;
     # remove when no consumer calls them (listed in the lead's notes).
     def get(self, key: str, default: Any = None) -> Any:

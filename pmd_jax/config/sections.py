@@ -9,14 +9,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Any
 
 import ml_collections
 
+from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import DistillConfig
 from pmd_jax.memory.config import MemoryConfig
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
+SAMPLERS: tuple[str, ...] = ("jax", "vllm")
+
+
+def _need(errs: list[str], cond: bool, msg: str) -> None:
+    if not cond:
+        errs.append(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +60,22 @@ class ModelConfigSection(Section):
                                "when T * S > 1024^2.")
     attention_chunk: int = knob(512, "Query/key chunk size of chunked attention.")
 
+    @staticmethod
+    def errors(m: Any) -> list[str]:
+        from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
+
+        errs: list[str] = []
+        _need(errs, m.attention_impl in ATTENTION_IMPLS,
+              f"model.attention_impl={m.attention_impl!r} is not one of {ATTENTION_IMPLS}")
+        _need(errs, m.attention_chunk >= 1,
+              f"model.attention_chunk must be >= 1, got {m.attention_chunk}")
+        _need(errs, not m.random_init or m.random_init in PRESETS,
+              f"model.random_init={m.random_init!r} is not a preset {sorted(PRESETS)}")
+        _need(errs, m.source == "smollm2" or os.path.isdir(m.source),
+              f"model.source={m.source!r} is neither 'smollm2' nor an existing HF checkpoint "
+              "folder")
+        return errs
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
@@ -61,6 +86,14 @@ class MeshConfig(Section):
     tensor: int = knob(1, "Tensor-parallel axis.")
     rules: FrozenDict = knob({}, "Logical axis -> mesh axes overrides (set whole, e.g. "
                              "--config.mesh.rules=\"{'vocab': 'fsdp'}\").", mapping=True)
+
+    @staticmethod
+    def errors(m: Any) -> list[str]:
+        errs: list[str] = []
+        for ax in ("data", "fsdp", "tensor"):
+            v = getattr(m, ax)
+            _need(errs, v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
+        return errs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +157,27 @@ class RolloutConfig(Section):
                          "IS weights distill.loss.rollout_is_threshold (required); "
                          "rollout_staleness and logp_mismatch_mean/max are logged every step.")
 
+    @staticmethod
+    def errors(r: Any) -> list[str]:
+        errs: list[str] = []
+        _need(errs, r.sampler in SAMPLERS, f"rollout.sampler={r.sampler!r} not in {SAMPLERS}")
+        _need(errs, r.n >= 1, f"rollout.n must be >= 1, got {r.n}")
+        _need(errs, r.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
+        _need(errs, r.temperature >= 0, "rollout.temperature must be >= 0")
+        _need(errs, 0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _need(errs, r.max_tokens >= 1, "rollout.max_tokens must be >= 1")
+        _need(errs, r.max_batch >= 1, f"rollout.max_batch must be >= 1, got {r.max_batch}")
+        _need(errs, r.max_prompt_tokens >= 1,
+              f"rollout.max_prompt_tokens must be >= 1, got {r.max_prompt_tokens}")
+        _need(errs, r.max_context >= 0,
+              f"rollout.max_context must be >= 0 (0 = the model's), got {r.max_context}")
+        _need(errs, isinstance(r.overlap, bool),
+              f"rollout.overlap must be True or False, got {r.overlap!r}")
+        if r.sampler == "vllm":
+            _need(errs, r.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
+            _need(errs, bool(r.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
+        return errs
+
 
 @dataclasses.dataclass(frozen=True)
 class TeacherPromptConfig(Section):
@@ -140,6 +194,11 @@ class TeacherPromptConfig(Section):
     feedback_only_without_solution: bool = knob(True, "Show feedback only when no successful "
                                                 "attempt is shown (a sibling's or the "
                                                 "memory's).")
+
+    @staticmethod
+    def errors(t: Any) -> list[str]:
+        return [] if t.max_tokens >= 1 else [
+            f"teacher_prompt.max_tokens must be >= 1, got {t.max_tokens}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +234,14 @@ class TrainConfig(Section):
     compilation_cache_max_gib: float = knob(4.0, "Disk bound: least-recently-used entries are "
                                             "evicted past this size; -1 = unbounded.")
 
+    @staticmethod
+    def errors(t: Any) -> list[str]:
+        errs: list[str] = []
+        _need(errs, t.steps >= 0, "train.steps must be >= 0")
+        _need(errs, t.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
+        _need(errs, t.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
+        return errs + compilation_cache_errors(t)
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Section):
@@ -188,6 +255,13 @@ class EvalConfig(Section):
     allow_in_sample: bool = knob(False, "Evaluation problems that are also training problems "
                                  "are refused, unless this is True; then every evaluation "
                                  "number of the run is labelled 'in-sample'.")
+
+    @staticmethod
+    def errors(e: Any) -> list[str]:
+        errs: list[str] = []
+        _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
+        _need(errs, e.n >= 1, "eval.n must be >= 1")
+        return errs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ problems together with ``config_errors``' before any model, weights or task data
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
@@ -21,9 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.context_length import model_context_length
-from pmd_jax.config.modes import MEMORY_MODES, MODES, SAMPLERS, loss_spec, mode_errors
+from pmd_jax.config.modes import MEMORY_MODES, MODES, loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.models.config import ConfigError
@@ -111,96 +111,33 @@ def validate_config(c: Any) -> None:
 
 
 def config_errors(c: Any) -> list[str]:
-    """Every problem of the config, one line each (empty: valid). Reads at most the model's
-    config.json / GGUF header to learn its context length; loads no weights or task data."""
-    errs: list[str] = []
+    """Every problem of the config, one line each (empty: valid): each section's own checks
+    (its ``errors``, declared next to its knobs), then the checks that span sections. Reads at
+    most the model's config.json / GGUF header to learn its context length; loads no weights
+    or task data."""
+    errs: list[str] = schema_errors(c)
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             errs.append(msg)
 
-    errs.extend(schema_errors(c))
     need(c.mode in MODES, f"mode={c.mode!r} is not one of {MODES}")
     errs.extend(mode_errors(c))
-    need(c.rollout.sampler in SAMPLERS, f"rollout.sampler={c.rollout.sampler!r} not in {SAMPLERS}")
-    need(c.rollout.n >= 1, f"rollout.n must be >= 1, got {c.rollout.n}")
-    need(c.rollout.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
-    need(c.rollout.temperature >= 0, "rollout.temperature must be >= 0")
-    need(0 < c.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
-    need(c.rollout.max_tokens >= 1, "rollout.max_tokens must be >= 1")
-    need(c.rollout.max_batch >= 1, f"rollout.max_batch must be >= 1, got {c.rollout.max_batch}")
-    need(c.rollout.max_prompt_tokens >= 1,
-         f"rollout.max_prompt_tokens must be >= 1, got {c.rollout.max_prompt_tokens}")
-    need(c.rollout.max_context >= 0,
-         f"rollout.max_context must be >= 0 (0 = the model's), got {c.rollout.max_context}")
-    need(c.teacher_prompt.max_tokens >= 1,
-         f"teacher_prompt.max_tokens must be >= 1, got {c.teacher_prompt.max_tokens}")
-    need(c.eval.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {c.eval.max_tokens}")
-    need(c.train.steps >= 0, "train.steps must be >= 0")
-    need(c.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
-    need(c.train.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
-    need(c.eval.n >= 1, "eval.n must be >= 1")
+    model_errs: list[str] = []
+    for f in dataclasses.fields(RunConfig):
+        cls = f.metadata.get("section")
+        if cls is not None:
+            found = cls.errors(getattr(c, f.name))
+            errs.extend(found)
+            if f.name == "model":
+                model_errs = found
     errs.extend(batch_plan_errors(c))
-    errs.extend(compilation_cache_errors(c.train))
-    for ax in ("data", "fsdp", "tensor"):
-        v = getattr(c.mesh, ax)
-        need(v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
-    # Distillation options (the distill package validates its own sub-config).
-    try:
-        from pmd_jax.distill.config import validate_distill_config
-
-        validate_distill_config(c.distill)
-    except ValueError as e:
-        errs.append(f"distill.{e}")
-    # The loss registry (pmd_jax.distill.registry) says what each loss needs: grpo runs
-    # without a teacher; every other mode but pmd_frozen_policy trains with one.
-    spec = loss_spec(c.distill.loss.name)
-    if c.mode == "grpo":
-        need(spec is not None and not spec.needs_teacher,
-             f"mode=grpo needs a loss without a teacher as distill.loss.name, got "
-             f"{c.distill.loss.name!r}")
-        need(c.rollout.n >= 2, "mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
-    elif c.mode != "pmd_frozen_policy" and spec is not None:
-        from pmd_jax.distill.registry import loss_names
-
-        with_teacher = [n for n in loss_names() if loss_spec(n).needs_teacher]
-        need(spec.needs_teacher,
-             f"mode={c.mode!r} needs a loss with a teacher as distill.loss.name "
-             f"({' or '.join(repr(n) for n in with_teacher)}), got {c.distill.loss.name!r}")
-    need(
-        c.distill.loss.group_size == c.rollout.n,
-        f"distill.loss.group_size={c.distill.loss.group_size} must equal rollout.n={c.rollout.n}",
-    )
-    # Memory options (the memory package validates its own sub-config).
-    try:
-        from pmd_jax.memory.config import validate_memory_config
-
-        validate_memory_config(c.memory)
-    except ValueError as e:
-        errs.append(str(e))
-    from pmd_jax.models.config import ATTENTION_IMPLS
-
-    need(c.model.attention_impl in ATTENTION_IMPLS,
-         f"model.attention_impl={c.model.attention_impl!r} is not one of {ATTENTION_IMPLS}")
-    need(c.model.attention_chunk >= 1,
-         f"model.attention_chunk must be >= 1, got {c.model.attention_chunk}")
-    from pmd_jax.models.config import PRESETS
-
-    preset_ok = not c.model.random_init or c.model.random_init in PRESETS
-    need(preset_ok,
-         f"model.random_init={c.model.random_init!r} is not a preset {sorted(PRESETS)}")
-    # Files and sources.
-    src = c.model.source
-    source_ok = src == "smollm2" or os.path.isdir(src)
-    need(source_ok,
-         f"model.source={src!r} is neither 'smollm2' nor an existing HF checkpoint folder")
+    errs.extend(_loss_errors(c))
     errs.extend(_task_errors(c))
-    if source_ok and preset_ok:
+    if not any(e.startswith(("model.source=", "model.random_init=")) for e in model_errs):
         errs.extend(_prompt_budget_errors(c))
     errs.extend(_run_dir_errors(c.run_dir))
-    overlap = c.rollout.overlap
-    need(isinstance(overlap, bool), f"rollout.overlap must be True or False, got {overlap!r}")
-    if overlap is True:
+    if c.rollout.overlap is True:
         need(
             c.distill.loss.rollout_is_threshold is not None,
             "rollout.overlap=True trains on rollouts sampled one policy version earlier: it "
@@ -208,8 +145,6 @@ def config_errors(c: Any) -> list[str]:
             "(e.g. 2.0), not None",
         )
     if c.rollout.sampler == "vllm":
-        need(c.rollout.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
-        need(bool(c.rollout.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
         procs = env_process_count()
         need(procs == 1,
              f"rollout.sampler='vllm' runs in a single JAX process only, but the environment "
@@ -217,6 +152,31 @@ def config_errors(c: Any) -> list[str]:
              "rollout requests and weight reloads to the server and publish a local weight "
              "store the server's host cannot read. Use rollout.sampler='jax' with several "
              "processes, or run one process (unset PMD_COORDINATOR / PMD_DISTRIBUTED)")
+    return errs
+
+
+def _loss_errors(c: Any) -> list[str]:
+    """The run mode and the loss agree: the loss registry (pmd_jax.distill.registry) says
+    what each loss needs; grpo runs without a teacher, every other mode but
+    pmd_frozen_policy trains with one. GRPO groups are the rollouts of one problem."""
+    errs: list[str] = []
+    spec = loss_spec(c.distill.loss.name)
+    if c.mode == "grpo":
+        if spec is None or spec.needs_teacher:
+            errs.append(f"mode=grpo needs a loss without a teacher as distill.loss.name, got "
+                        f"{c.distill.loss.name!r}")
+        if c.rollout.n < 2:
+            errs.append("mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
+    elif c.mode != "pmd_frozen_policy" and spec is not None and not spec.needs_teacher:
+        from pmd_jax.distill.registry import loss_names
+
+        with_teacher = [n for n in loss_names() if loss_spec(n).needs_teacher]
+        errs.append(f"mode={c.mode!r} needs a loss with a teacher as distill.loss.name "
+                    f"({' or '.join(repr(n) for n in with_teacher)}), got "
+                    f"{c.distill.loss.name!r}")
+    if c.distill.loss.group_size != c.rollout.n:
+        errs.append(f"distill.loss.group_size={c.distill.loss.group_size} must equal "
+                    f"rollout.n={c.rollout.n}")
     return errs
 
 

@@ -130,6 +130,14 @@ class DistillConfig(Section):
     optim: DistillOptim = section(DistillOptim, "The optimizer.")
     precision: DistillPrecision = section(DistillPrecision, "Dtypes, remat, layer loop.")
 
+    @staticmethod
+    def errors(d: Any) -> list[str]:
+        try:
+            validate_distill_config(d)
+        except ValueError as e:
+            return [f"distill.{e}"]
+        return []
+
 
 def default_distill_config() -> ml_collections.ConfigDict:
     """The editable ConfigDict of :class:`DistillConfig`'s defaults."""

@@ -211,6 +211,14 @@ class MemoryConfig(Section):
     index: MemoryIndex = section(MemoryIndex, "ScaNN retrieval.")
     context: MemoryContext = section(MemoryContext, "The teacher context.")
 
+    @staticmethod
+    def errors(m: Any) -> list[str]:
+        try:
+            validate_memory_config(m)
+        except ValueError as e:
+            return [str(e)]
+        return []
+
 
 def default_memory_config(*, derived: bool = True) -> ml_collections.ConfigDict:
     """The editable ConfigDict of :class:`MemoryConfig`'s defaults. ``derived=False`` leaves
