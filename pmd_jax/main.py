@@ -7,7 +7,8 @@
 The config is validated (unknown keys, impossible combinations, missing files) before any
 model is loaded or any array is allocated: every problem is printed, one line each, and the
 exit status is 2. ``--config.a.b=none`` sets a nullable field (e.g. distill.loss.topk) to None.
-The trainer gets the frozen, typed ``RunConfig`` (``pmd_jax.config.freeze``).
+The trainer gets the frozen, typed ``RunConfig`` (``pmd_jax.config.freeze``). Every knob
+with its default and help text: ``python -m pmd_jax.config [prefix, e.g. distill.loss]``.
 """
 
 from __future__ import annotations

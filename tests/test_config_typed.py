@@ -143,3 +143,16 @@ def test_old_loss_key_on_the_command_line_reads_well():
     assert p.stderr.strip() == (
         "invalid config: config key 'distill.loss.mode' was renamed 'distill.loss.name' "
         "(issue 16): set --config.distill.loss.name instead")
+
+
+def test_knob_listing_shows_defaults_and_help():
+    from pmd_jax.config.__main__ import main
+
+    assert main(["prog", "nope"]) == 2
+    p = subprocess.run([sys.executable, "-m", "pmd_jax.config", "teacher_prompt"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.splitlines()
+    assert out[0].startswith("[teacher_prompt]") and "teacher_prompt.max_tokens = 10240" in out
+    assert "teacher_prompt.success_threshold = 1.0" in out
+    assert not any(line.startswith("rollout.") for line in out)
