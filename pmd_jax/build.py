@@ -52,7 +52,7 @@ def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
     if name == "sciq":
         kw["valid_fraction"] = float(t.valid_fraction)
         kw["include_support"] = bool(t.include_support)
-    # Held-out splits (pmd_jax.tasks.heldout): SciQ / SciKnowEval / MBPP / GSM8K problem permutation.
+    # Held-out splits (tasks/heldout.py): SciQ / SciKnowEval / MBPP / GSM8K problem permutation.
     split_seed = int(t.split_seed)
     if name in ("sciq", "sciknoweval", "gsm8k"):
         kw["split_seed"] = split_seed
@@ -216,7 +216,8 @@ def build_sampler(cfg: Any, model: ModelBundle):
 # ----------------------------------------------------------------------------- memory
 def _with_values(section: Any, values: dict[str, Any]) -> Any:
     """A copy of a config section with dotted ``values`` set; the section itself is unchanged
-    (a frozen dataclass gets ``dataclasses.replace``, an ml_collections ConfigDict a deep copy)."""
+    (a frozen dataclass gets ``dataclasses.replace``, lists as tuples; an ml_collections
+    ConfigDict a deep copy)."""
     if dataclasses.is_dataclass(section):
         nested: dict[str, dict[str, Any]] = {}
         flat: dict[str, Any] = {}
@@ -225,7 +226,7 @@ def _with_values(section: Any, values: dict[str, Any]) -> Any:
             if rest:
                 nested.setdefault(head, {})[rest] = v
             else:
-                flat[key] = v
+                flat[key] = tuple(v) if isinstance(v, list) else v
         for head, sub in nested.items():
             flat[head] = _with_values(getattr(section, head), sub)
         return dataclasses.replace(section, **flat)
@@ -242,19 +243,17 @@ def _with_values(section: Any, values: dict[str, Any]) -> Any:
 
 def memory_config(cfg: Any, tokenizer: Any) -> Any:
     """The memory's config: the run's ``memory`` section plus what is known only once the
-    model is loaded (its control and stop tokens) and what the run mode implies."""
-    mc = cfg.memory
-    values: dict[str, Any] = {
+    model is loaded (the tokenizer's control and stop tokens) and the two knobs it takes from
+    ``teacher_prompt`` (as ``config.freeze`` derives them). The run config is not changed."""
+    tp = cfg.teacher_prompt
+    return _with_values(cfg.memory, {
         "context.extra_control_tokens": list(tokenizer.special_tokens),
         # The memory's replies end at the model's stop tokens, as rollouts do (without them
         # the JAX sampler runs every unconstrained reply to max_tokens: all "truncated").
         "stop_token_ids": [int(t) for t in tokenizer.stop_ids],
-        "success_threshold": float(cfg.teacher_prompt.success_threshold),
-    }
-    if cfg.mode == "pmd_frozen_memory" and mc.frozen_after_step < 0:
-        # "memory built once, then fixed": the first fifth of the run builds it (ours).
-        values["frozen_after_step"] = max(0, cfg.train.steps // 5 - 1)
-    return _with_values(mc, values)
+        "success_threshold": float(tp.success_threshold),
+        "context.feedback_only_without_solution": bool(tp.feedback_only_without_solution),
+    })
 
 
 def build_memory(cfg: Any, model: Any):

@@ -202,6 +202,9 @@ def run_config(n: int = 1, **over):
     cfg.mode = "pmd"
     cfg.rollout.n = n
     cfg.teacher_prompt.include_feedback = True  # the fake rollouts all fail: show why
+    # ... also next to the memory's success (one knob since issue 16: the memory's
+    # context.feedback_only_without_solution is teacher_prompt's; no sibling succeeds here)
+    cfg.teacher_prompt.feedback_only_without_solution = False
     for k, v in over.items():
         node = cfg
         *path, last = k.split(".")

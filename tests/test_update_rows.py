@@ -39,10 +39,10 @@ def _dcfg():
     return c
 
 
-def _run_cfg(mode="pmd", loss_mode="sdpo"):
+def _run_cfg(mode="pmd", loss_name="sdpo"):
     c = base_config()
     c.mode = mode
-    c.distill.loss.mode = loss_mode
+    c.distill.loss.name = loss_name
     return c
 
 
@@ -142,11 +142,11 @@ def test_mesh_buckets_are_multiples_of_the_batch_axes(step_fn):
                                rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode,loss_mode,flag", [("grpo", "grpo", True),
+@pytest.mark.parametrize("mode,loss_name,flag", [("grpo", "grpo", True),
                                                  ("pmd", "hybrid", True),
                                                  ("pmd", "sdpo", False)])
-def test_batch_unchanged_when_rows_all_count(mode, loss_mode, flag):
-    cfg = _run_cfg(mode, loss_mode)
+def test_batch_unchanged_when_rows_all_count(mode, loss_name, flag):
+    cfg = _run_cfg(mode, loss_name)
     cfg.train.drop_unsignaled_rows = flag
     batch = _batch([0, 1, 0, 0, 0, 0, 0, 0])
     upd, stats = update_rows.rows_for_update(cfg, batch)

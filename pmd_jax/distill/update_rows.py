@@ -61,7 +61,7 @@ def rows_for_update(cfg: Any, batch: dict[str, np.ndarray],
     """
     b = int(batch["sd_mask"].shape[0])
     if (not cfg.train.drop_unsignaled_rows or cfg.mode == "grpo"
-            or cfg.distill.loss.mode != "sdpo"):
+            or cfg.distill.loss.name != "sdpo"):
         return batch, {"train_rows": float(b)}
     sig = np.flatnonzero(batch["sd_mask"] > 0)
     m = max(1, int(row_multiple))

@@ -84,7 +84,7 @@ def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: 
         "what": "distillation step (TrainStep)",
         "batch": batch, "student_len": student_len, "teacher_len": teacher_len,
         "response_len": response_len, "vocab": model_cfg.vocab_size,
-        "loss_mode": cfg.distill.loss.mode, "teacher_rule": cfg.distill.teacher.rule,
+        "loss_name": cfg.distill.loss.name, "teacher_rule": cfg.distill.teacher.rule,
         "topk": cfg.distill.loss.topk, "chunk_size": cfg.distill.loss.chunk_size,
         "attention_impl": model_cfg.attention_impl,
         "attention_chunk": model_cfg.attention_chunk,

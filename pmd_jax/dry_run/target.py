@@ -124,13 +124,13 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
     out: dict[str, Any] = {
         "rows": rows, "microbatch_rows": rows // n_micro, "microbatches": n_micro,
         "student_len": s_len, "teacher_len": t_len, "response_len": resp,
-        "loss_mode": cfg.distill.loss.mode, "teacher_rule": cfg.distill.teacher.rule,
+        "loss_name": cfg.distill.loss.name, "teacher_rule": cfg.distill.teacher.rule,
         "compile_s": round(time.perf_counter() - t0, 1),
         **_memory(compiled, t.hbm_bytes),
     }
     del compiled
-    mode = cfg.distill.loss.mode
-    n_teacher = 0 if mode == "grpo" else (2 if cfg.distill.teacher.rule == "trust_region" else 1)
+    n_teacher = (0 if cfg.distill.loss.name == "grpo"
+                 else 2 if cfg.distill.teacher.rule == "trust_region" else 1)
     head = 2.0 * mc.vocab_size * mc.hidden_size  # LM head FLOPs per token: response only
 
     def fwd(n: int) -> float:
@@ -237,7 +237,7 @@ def format_target_report(r: dict[str, Any]) -> str:
     lines.append(
         f"train step: {tr['rows']} rows = {tr['microbatches']} microbatch(es) of "
         f"{tr['microbatch_rows']}, student {tr['student_len']} / teacher {tr['teacher_len']} "
-        f"tokens ({tr['loss_mode']}, teacher {tr['teacher_rule']})")
+        f"tokens ({tr['loss_name']}, teacher {tr['teacher_rule']})")
     if "roofline_s" in tr:
         lines.append(
             f"  roofline {tr['roofline_s']:.2f} s/step, {tr['bound']}-bound (compute "
