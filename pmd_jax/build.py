@@ -21,9 +21,6 @@ from pmd_jax.sampling.base import Messages
 
 log = logging.getLogger("pmd_jax")
 
-PMD_MODES = MEMORY_MODES  # old name (tests/test_config.py reads it); use config.MEMORY_MODES
-
-
 def is_main_process() -> bool:
     import jax
 
