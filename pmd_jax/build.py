@@ -21,6 +21,7 @@ from pmd_jax.sampling.base import Messages
 
 log = logging.getLogger("pmd_jax")
 
+
 def is_main_process() -> bool:
     import jax
 
