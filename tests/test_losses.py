@@ -1,5 +1,8 @@
 """Losses vs direct references: numpy formulas for values, torch autograd for gradients.
 
+(GRPO and the hybrid: tests/test_policy_gradient.py; the unchunked SDPO loss under test is
+``tests/reference_losses.self_distillation_loss``, itself checked against torch here.)
+
 The torch reference follows METHOD.md 1.2-1.3 (verl ``compute_self_distillation_loss``):
 ``F.kl_div(input, target, log_target=True)`` is torch's KL, ``torch.topk`` picks the student
 indices, the mixture is a ``torch.logsumexp`` over the stacked weighted log-probs.
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pmd_jax.distill import losses as L
+from tests import reference_losses as R
 
 ATOL = 1e-5
 B, T, V = 3, 5, 13
@@ -120,7 +124,7 @@ def rand_inputs(seed: int, scale: float = 2.0, b: int = B, t: int = T, v: int = 
 
 def jax_loss_and_grad(s, te, tok, resp, sd, cfg, **kw):
     def f(x):
-        return L.self_distillation_loss(
+        return R.self_distillation_loss(
             x, jnp.asarray(te), jnp.asarray(tok), jnp.asarray(resp), jnp.asarray(sd), cfg, **kw
         )[0]
 
@@ -332,7 +336,7 @@ def test_teacher_gets_no_gradient_and_masked_sample_gets_none():
     cfg = L.DistillLossConfig(alpha=0.5, topk=None)
 
     def f(x, y):
-        return L.self_distillation_loss(
+        return R.self_distillation_loss(
             x, y, jnp.asarray(tok), jnp.asarray(resp), jnp.asarray(sd), cfg
         )[0]
 
@@ -348,7 +352,7 @@ def test_all_masked_batch_gives_exact_zero_and_zero_grads():
         for r, m in ((np.zeros_like(resp), sd), (resp, np.zeros_like(sd))):
 
             def f(x, r=r, m=m, cfg=cfg):
-                return L.self_distillation_loss(
+                return R.self_distillation_loss(
                     x,
                     jnp.asarray(te, jnp.float32),
                     jnp.asarray(tok),
@@ -393,132 +397,11 @@ def test_jit_compiles_each_mode():
             full_logit_distillation=case.get("full", True),
         )
         f = jax.jit(
-            lambda a, b, cfg=cfg: L.self_distillation_loss(
+            lambda a, b, cfg=cfg: R.self_distillation_loss(
                 a, b, jnp.asarray(tok), jnp.asarray(resp), jnp.asarray(sd), cfg
             )[0]
         )
         assert np.isfinite(float(f(jnp.asarray(s, jnp.float32), jnp.asarray(te, jnp.float32))))
-
-
-# --------------------------------------------------------------------------------------------
-# GRPO and hybrid
-# --------------------------------------------------------------------------------------------
-
-
-def test_grpo_advantages_match_numpy():
-    rng = np.random.default_rng(12)
-    r = rng.integers(0, 2, size=12).astype(np.float32)
-    got = np.asarray(L.grpo_advantages(jnp.asarray(r), 4))
-    ref = (r.reshape(3, 4) - r.reshape(3, 4).mean(1, keepdims=True)).reshape(-1)
-    np.testing.assert_allclose(got, ref, atol=1e-7)
-    # no std normalisation: a group with rewards (1, 0, 0, 0) gives (0.75, -0.25, ...)
-    np.testing.assert_allclose(
-        L.grpo_advantages(jnp.asarray([1.0, 0, 0, 0]), 4), [0.75, -0.25, -0.25, -0.25]
-    )
-
-
-def np_ppo(lp, old, adv, lo=0.2, hi=0.28, c=3.0):
-    ratio = np.exp(np.clip(lp - old, -20, 20))
-    l1 = -adv * ratio
-    l2 = -adv * np.clip(ratio, 1 - lo, 1 + hi)
-    loss = np.maximum(l1, l2)
-    if c is not None:
-        loss = np.where(adv < 0, np.minimum(loss, -adv * c), loss)
-    return loss
-
-
-@pytest.mark.parametrize("dual_clip", [3.0, None])
-def test_ppo_clip_values_match_numpy(dual_clip):
-    rng = np.random.default_rng(13)
-    lp = rng.normal(size=(4, 50)) - 2
-    old = lp + rng.normal(size=(4, 50)) * 0.8  # ratios well outside [0.8, 1.28] and > 3
-    adv = rng.normal(size=(4, 50))
-    got, clipped = L.ppo_clip_per_token(
-        jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv), clip_ratio_c=dual_clip
-    )
-    np.testing.assert_allclose(np.asarray(got), np_ppo(lp, old, adv, c=dual_clip), atol=1e-6)
-    assert 0 < float(np.mean(clipped)) < 1
-
-
-def torch_pg_grad(lp, old, adv, mask, lo=0.2, hi=0.28, c=3.0, rw=None):
-    x = torch.tensor(lp, requires_grad=True)
-    ratio = torch.exp((x - torch.tensor(old)).clamp(-20, 20))
-    a = torch.tensor(adv)
-    l1, l2 = -a * ratio, -a * ratio.clamp(1 - lo, 1 + hi)
-    loss = torch.maximum(l1, l2)
-    if c is not None:
-        loss = torch.where(a < 0, torch.minimum(loss, -a * c), loss)
-    if rw is not None:
-        loss = loss * torch.tensor(rw)
-    m = torch.tensor(mask)
-    tot = (loss * m).sum() / m.sum().clamp(min=1)
-    tot.backward()
-    return tot.item(), x.grad.numpy()
-
-
-def test_grpo_loss_value_and_grad_match_torch():
-    rng = np.random.default_rng(14)
-    lp = rng.normal(size=(8, 6)) - 2
-    old = lp + rng.normal(size=(8, 6)) * 0.3
-    rewards = rng.integers(0, 2, size=8).astype(np.float64)
-    mask = (rng.random((8, 6)) < 0.8).astype(np.float64)
-    rw = rng.uniform(0.5, 2.0, size=(8, 6))
-    with jax.enable_x64(True):
-        adv = L.grpo_advantages(jnp.asarray(rewards), 4)
-
-        def f(x):
-            return L.grpo_loss(
-                x,
-                jnp.asarray(mask),
-                adv,
-                old_token_logp=jnp.asarray(old),
-                rollout_is_weights=jnp.asarray(rw),
-            )[0]
-
-        val, g = jax.value_and_grad(f)(jnp.asarray(lp))
-    adv_tok = np.broadcast_to(np.asarray(adv)[:, None], lp.shape)
-    ref_val, ref_g = torch_pg_grad(lp, old, adv_tok, mask, rw=rw)
-    assert float(val) == pytest.approx(ref_val, abs=ATOL)
-    np.testing.assert_allclose(np.asarray(g), ref_g, atol=ATOL)
-
-
-@pytest.mark.parametrize("lam", [0.0, 0.5, 0.9, 1.0])
-def test_hybrid_loss_gradient_is_policy_gradient_with_combined_advantage(lam):
-    """On-policy: grad = -sum m_bt A_bt grad logpi(y_bt) / sum m with Eq. 3's advantage."""
-    s, te, tok, resp, sd = rand_inputs(15, b=4)
-    rewards = np.asarray([1.0, 0.0, 0.0, 1.0])
-    with jax.enable_x64(True):
-        adv = L.grpo_advantages(jnp.asarray(rewards), 2)
-        t_tok = np.take_along_axis(np_log_softmax(te), tok[..., None], -1)[..., 0]
-
-        def f(x):
-            lp = L.token_log_probs(L.log_probs(x), jnp.asarray(tok))
-            return L.hybrid_loss(
-                lp, jnp.asarray(t_tok), jnp.asarray(resp), adv, lam, sd_mask=jnp.asarray(sd)
-            )[0]
-
-        g = np.asarray(jax.grad(f)(jnp.asarray(s)))
-    # torch reference: the REINFORCE surrogate with the combined (detached) advantage
-    x = torch.tensor(s, requires_grad=True)
-    lp = torch.log_softmax(x, -1).gather(-1, torch.tensor(tok, dtype=torch.long)[..., None])[..., 0]
-    a_sd = (torch.tensor(t_tok) - lp).detach() * torch.tensor(sd)[:, None]
-    a = lam * torch.tensor(np.asarray(adv))[:, None] + (1 - lam) * a_sd
-    m = torch.tensor(resp)
-    (-(a * lp * m).sum() / m.sum()).backward()
-    np.testing.assert_allclose(g, x.grad.numpy(), atol=ATOL)
-    if lam == 0.0:  # equals the sampled-token surrogate's gradient on distilled samples
-        ref_g = torch_loss_and_grad(
-            s, te, tok, resp * sd[:, None], np.ones(4), alpha=1.0, full=False
-        )[1]
-        np.testing.assert_allclose(g * resp.sum() / (resp * sd[:, None]).sum(), ref_g, atol=ATOL)
-
-
-def test_hybrid_advantage_formula():
-    s_tok = jnp.asarray([[-1.0, -2.0], [-0.5, -3.0]])
-    t_tok = jnp.asarray([[-0.5, -2.5], [-1.0, -1.0]])
-    a = L.hybrid_advantages(jnp.asarray([0.5, -0.5]), s_tok, t_tok, 0.9, jnp.asarray([1.0, 0.0]))
-    ref = np.asarray([[0.45 + 0.1 * 0.5, 0.45 + 0.1 * -0.5], [-0.45, -0.45]])
-    np.testing.assert_allclose(np.asarray(a), ref, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,7 +428,7 @@ def test_topk_larger_than_vocab_is_rejected():
     s, te, tok, resp, sd = rand_inputs(16)
     cfg = L.DistillLossConfig(alpha=0.5, topk=V + 1)
     with pytest.raises(ValueError, match="larger than the vocabulary"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te),
             jnp.asarray(tok),
@@ -561,7 +444,7 @@ def test_mismatched_shapes_are_rejected():
     s, te, tok, resp, sd = rand_inputs(17)
     cfg = L.DistillLossConfig(topk=4)
     with pytest.raises(ValueError, match="student/teacher logits"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te[:, :-1]),
             jnp.asarray(tok),
@@ -570,7 +453,7 @@ def test_mismatched_shapes_are_rejected():
             cfg,
         )
     with pytest.raises(ValueError, match="tokens shape"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te),
             jnp.asarray(tok[:, :-1]),
@@ -579,7 +462,7 @@ def test_mismatched_shapes_are_rejected():
             cfg,
         )
     with pytest.raises(ValueError, match="response mask"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te),
             jnp.asarray(tok),
@@ -588,7 +471,7 @@ def test_mismatched_shapes_are_rejected():
             cfg,
         )
     with pytest.raises(ValueError, match="self-distillation mask"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te),
             jnp.asarray(tok),
@@ -597,7 +480,7 @@ def test_mismatched_shapes_are_rejected():
             cfg,
         )
     with pytest.raises(TypeError, match="integer"):
-        L.self_distillation_loss(
+        R.self_distillation_loss(
             jnp.asarray(s),
             jnp.asarray(te),
             jnp.asarray(tok, jnp.float32),
@@ -605,8 +488,6 @@ def test_mismatched_shapes_are_rejected():
             jnp.asarray(sd),
             cfg,
         )
-    with pytest.raises(ValueError, match="groups of 4"):
-        L.grpo_advantages(jnp.zeros(6), 4)
 
 
 def test_sampled_token_mode_requires_reverse_kl():

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402
 from pmd_jax.distill import accumulate, align  # noqa: E402
+from pmd_jax.distill import batch as dbatch  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
@@ -38,7 +39,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _cfg(mode: str):
     c = default_distill_config()
-    c.loss.mode = mode
+    c.loss.name = mode
     c.teacher.rule = "ema"
     c.teacher.rate = 0.1
     c.loss.topk = 8
@@ -59,7 +60,7 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     sd = (r.random(B) < 0.6).astype(np.float32)
     sd[4:8] = 0.0  # a whole microbatch of 4 rows without signal
     sd[0] = 1.0
-    return st.make_batch(
+    return dbatch.make_batch(
         db, sd_mask=sd,
         sampler_logp=r.normal(-3.5, 1.0, db.responses.shape).astype(np.float32),
         old_logp=r.normal(-3.8, 0.5, db.responses.shape).astype(np.float32),
@@ -190,9 +191,9 @@ def test_config_validation_names_the_problem():
     assert batch_plan_errors(c) == ["train.microbatch_rows=48 does not divide the update batch "
                                      "of rollout.problems_per_step x rollout.n = 256 rows"]
     c.train.microbatch_rows = 4
-    c.distill.loss.mode = "hybrid"
+    c.distill.loss.name = "hybrid"
     assert any("not a multiple of distill.loss.group_size=8" in e for e in batch_plan_errors(c))
-    c.distill.loss.mode = "sdpo"
+    c.distill.loss.name = "sdpo"
     c.mesh.data, c.mesh.fsdp = 2, 4
     assert batch_plan_errors(c) == [
         "train.microbatch_rows=4 is not a multiple of mesh.data x mesh.fsdp = 8 (each "

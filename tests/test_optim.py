@@ -1,7 +1,7 @@
 """The fused clip + AdamW + EMA update: equal to the optax chain it replaces, and to torch.
 
 References: ``optax.chain(clip_by_global_norm, adamw)`` + ``optax.apply_updates`` +
-``teacher.ema_update`` (bitwise: same expressions on the same state pytree), and
+``reference_losses.ema_update`` (bitwise: same expressions on the same state pytree), and
 ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.AdamW`` with the warmup-constant LambdaLR +
 ``Tensor.lerp_`` for the EMA teacher (to float32 rounding).
 """
@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from pmd_jax.distill import optim
-from pmd_jax.distill import teacher as tlib
+from tests import reference_losses
 
 SHAPES = {"a": (5, 7), "b": {"c": (3, 4, 2), "d": (11,)}}
 
@@ -29,7 +29,7 @@ def _tree(seed: int, scale: float = 1.0):
 def _reference(cfg, opt, grads, opt_state, params, teacher, rate, loss):
     updates, new_opt = opt.update(grads, opt_state, params)
     new_p = optax.apply_updates(params, updates)
-    new_t = tlib.ema_update(teacher, new_p, rate)
+    new_t = reference_losses.ema_update(teacher, new_p, rate)
     finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
     keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
     return keep(new_p, params), keep(new_opt, opt_state), keep(new_t, teacher)

@@ -19,8 +19,9 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.distill import chunked, losses  # noqa: E402
+from pmd_jax.distill import losses  # noqa: E402
 from pmd_jax.distill.sharded_topk import dense_topk_indices, make_topk_indices  # noqa: E402
+from tests.reference_losses import chunked_distill_loss  # noqa: E402
 
 MESHES = [
     {"data": 1, "fsdp": 4, "tensor": 2},
@@ -79,8 +80,8 @@ def test_chunked_loss_and_grads_equal_default_top_k():
     mask = jnp.asarray(r.random((b, t)) < 0.8, jnp.float32)
 
     def loss(w, hs, fn):
-        out, _, _ = chunked.chunked_distill_loss(hs, ht, w, wt, tok, mask, None, cfg, chunk=4,
-                                                 topk_indices=fn)
+        out, _, _ = chunked_distill_loss(hs, ht, w, wt, tok, mask, None, cfg, chunk=4,
+                                         topk_indices=fn)
         return out
 
     want, g_want = jax.value_and_grad(loss, argnums=(0, 1))(w, hs, None)

@@ -20,10 +20,13 @@ import pytest  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402
 from pmd_jax.distill import align, losses  # noqa: E402
+from pmd_jax.distill import batch as dbatch  # noqa: E402
+from pmd_jax.distill import policy_gradient as pg  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.config import DistillConfigError, default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from pmd_jax.models.config import ModelConfig  # noqa: E402
+from tests import reference_losses  # noqa: E402
 
 TINY = ModelConfig(
     family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -53,7 +56,7 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     tp = [r.integers(1, TINY.vocab_size, r.integers(3, 10)) for _ in range(B)]
     rs = [r.integers(1, TINY.vocab_size, r.integers(2, 7)) for _ in range(B)]
     db = align.build_distill_batch(sp, tp, rs, pad_id=0)
-    return st.make_batch(
+    return dbatch.make_batch(
         db, sd_mask=np.ones(B, np.float32),
         sampler_logp=np.full(db.responses.shape, -3.5, np.float32),
         rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
@@ -172,7 +175,7 @@ def _full_token_logp(params, batch, side, temperature=1.0):
 
 @pytest.mark.parametrize("mode", ["grpo", "hybrid"])
 def test_grpo_and_hybrid_loss_match_full_logit_reference(mode):
-    ts = st.TrainStep(TINY, _cfg(loss__mode=mode, loss__hybrid_lambda=0.6))
+    ts = st.TrainStep(TINY, _cfg(loss__name=mode, loss__hybrid_lambda=0.6))
     batch = _batch(3)
     state = _with_teacher(ts.init(_params(0), 0))
     s_lp = _full_token_logp(_params(0), batch, "student")
@@ -182,15 +185,15 @@ def test_grpo_and_hybrid_loss_match_full_logit_reference(mode):
     _, m = ts.step(state, batch)
     m = _np(m)
 
-    adv = losses.grpo_advantages(jnp.asarray(batch["rewards"]), GROUP)
+    adv = pg.grpo_advantages(jnp.asarray(batch["rewards"]), GROUP)
     w = losses.truncated_is_weights(jnp.asarray(s_lp), jnp.asarray(batch["sampler_logp"]),
                                     2.0, jnp.asarray(mask))
     if mode == "grpo":
-        ref, _ = losses.grpo_loss(jnp.asarray(s_lp), jnp.asarray(mask), adv,
+        ref, _ = pg.grpo_loss(jnp.asarray(s_lp), jnp.asarray(mask), adv,
                                   rollout_is_weights=w)
     else:
         t_lp = _full_token_logp(_params(7), batch, "teacher")
-        ref, _ = losses.hybrid_loss(jnp.asarray(s_lp), jnp.asarray(t_lp), jnp.asarray(mask),
+        ref, _ = pg.hybrid_loss(jnp.asarray(s_lp), jnp.asarray(t_lp), jnp.asarray(mask),
                                     adv, 0.6, sd_mask=jnp.asarray(batch["sd_mask"]),
                                     rollout_is_weights=w)
     np.testing.assert_allclose(m["loss"], float(ref), rtol=1e-4, atol=1e-6)
@@ -237,26 +240,26 @@ def test_mismatched_student_teacher_batches_raise(plain_step):
     bad = dict(batch)
     for k in ("teacher_tokens", "teacher_positions", "teacher_attn_mask"):
         bad[k] = batch[k][:-1]
-    with pytest.raises(st.BatchError, match="student and teacher batches differ"):
+    with pytest.raises(dbatch.BatchError, match="student and teacher batches differ"):
         plain_step.step(state, bad)
     bad = dict(batch)
     bad["teacher_index"] = batch["teacher_index"][:, :-1]
-    with pytest.raises(st.BatchError, match="teacher_index has shape"):
+    with pytest.raises(dbatch.BatchError, match="teacher_index has shape"):
         plain_step.step(state, bad)
     bad = dict(batch)
     bad["teacher_positions"] = batch["teacher_positions"][:, 1:]
-    with pytest.raises(st.BatchError, match="teacher_positions has shape"):
+    with pytest.raises(dbatch.BatchError, match="teacher_positions has shape"):
         plain_step.step(state, bad)
     bad = dict(batch)
     del bad["response_mask"]
-    with pytest.raises(st.BatchError, match="missing"):
+    with pytest.raises(dbatch.BatchError, match="missing"):
         plain_step.step(state, bad)
 
 
 def test_batch_not_divisible_by_mesh(mesh):
     ts = st.TrainStep(TINY, _cfg(), mesh=mesh)
     batch = {k: v[:3] for k, v in _batch().items()}
-    with pytest.raises(st.BatchError, match="not divisible by the mesh"):
+    with pytest.raises(dbatch.BatchError, match="not divisible by the mesh"):
         ts.step(None, batch)
 
 
@@ -266,7 +269,7 @@ def test_batch_not_divisible_by_mesh(mesh):
         ({"loss__alpha": 1.5}, r"loss.alpha: must be <= 1"),
         ({"loss__alpha": -0.1}, r"loss.alpha: must be >= 0"),
         ({"loss__topk": 100}, r"top-K=100 is larger than the vocabulary \(48\)"),
-        ({"loss__mode": "ppo"}, "loss.mode"),
+        ({"loss__name": "ppo"}, "loss.name"),
         ({"teacher__rule": "polyak"}, "teacher.rule"),
         ({"loss__full_logit_distillation": False}, "needs alpha=1"),
     ],
@@ -302,7 +305,7 @@ def test_tied_embedding_step_matches_full_logit_reference():
     outs = []
     for remat in (True, False):
         ts = st.TrainStep(tied, cfg, loss_chunk_remat=remat)
-        ref, _ = losses.self_distillation_loss(
+        ref, _ = reference_losses.self_distillation_loss(
             resp_logits(p_s, "student"), resp_logits(p_t, "teacher"),
             jnp.asarray(batch["responses"]), jnp.asarray(batch["response_mask"], jnp.float32),
             jnp.asarray(batch["sd_mask"]), ts.opts.loss,

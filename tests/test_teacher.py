@@ -3,7 +3,8 @@
 References we did not write: numpy for the EMA formula, ``torch.lerp`` for the trust-region
 interpolation, and for the gradients a separate path: full logits from the decoder, teacher
 logits turned into numpy constants, gathered with numpy indexing, then the unchunked
-``losses.self_distillation_loss``.
+``tests/reference_losses.self_distillation_loss``. The EMA update is the one of the optimizer's
+fused pass (``optim.fused_update``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax.distill import align, losses
-from pmd_jax.distill import step as st
+from pmd_jax.distill import align, optim
+from pmd_jax.distill import batch as dbatch
+from pmd_jax.distill import loss_fn as lf
 from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from tests import reference_losses
 
 TINY = ModelConfig(
     family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -33,15 +36,27 @@ def _toy_tree(seed: int, dtype=np.float32) -> dict:
     return {"a": r.normal(size=(3, 4)).astype(dtype), "b": {"c": r.normal(size=(5,)).astype(dtype)}}
 
 
+def _ema(teacher, params, rate):
+    """The EMA teacher of the step's fused optimizer pass, params left where they are (lr 0,
+    zero gradient): ``(1 - rate) * teacher + rate * params``."""
+    cfg = optim.OptimConfig(lr=0.0, warmup_steps=0, weight_decay=0.0, grad_clip=None)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    upd = optim.fused_update(cfg, zeros, optim.make_optimizer(cfg).init(params), params,
+                             ema_teacher=teacher, ema_rate=tlib.check_rate(rate, "ema"))
+    for got, want in zip(jax.tree.leaves(upd.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    return upd.teacher
+
+
 def test_ema_update_matches_numpy_formula():
     t0, p = _toy_tree(0), _toy_tree(1)
     teacher = tlib.init_teacher("ema", jax.tree.map(jnp.asarray, t0))
     rate = 0.05
-    out = tlib.update_teacher("ema", teacher, jax.tree.map(jnp.asarray, p), rate)
+    out = _ema(teacher, jax.tree.map(jnp.asarray, p), rate)
     for got, a, b in zip(jax.tree.leaves(out), jax.tree.leaves(t0), jax.tree.leaves(p)):
         np.testing.assert_allclose(np.asarray(got), (1 - rate) * a + rate * b, rtol=1e-6, atol=1e-7)
     # two steps compose: t2 = (1-a)^2 t0 + (1-(1-a)^2) p for a constant p
-    out2 = tlib.update_teacher("ema", out, jax.tree.map(jnp.asarray, p), rate)
+    out2 = _ema(out, jax.tree.map(jnp.asarray, p), rate)
     for got, a, b in zip(jax.tree.leaves(out2), jax.tree.leaves(t0), jax.tree.leaves(p)):
         k = (1 - rate) ** 2
         np.testing.assert_allclose(np.asarray(got), k * a + (1 - k) * b, rtol=1e-6, atol=1e-6)
@@ -52,18 +67,23 @@ def test_ema_bf16_teacher_accumulates_in_fp32():
     p = {"w": jnp.full((8,), 1.5, jnp.float32)}
     teacher = tlib.init_teacher("ema", t0, jnp.bfloat16)
     assert teacher["w"].dtype == jnp.bfloat16
-    out = tlib.update_teacher("ema", teacher, p, 0.5)
+    out = _ema(teacher, p, 0.5)
     assert out["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out["w"], np.float32), 1.25)
 
 
 @pytest.mark.parametrize("rule", ["frozen", "trust_region"])
 def test_frozen_and_trust_region_keep_initial_params(rule):
+    """Only the EMA rule's tree is updated by the step (the others are never passed to it)."""
     t0 = jax.tree.map(jnp.asarray, _toy_tree(0))
     teacher = tlib.init_teacher(rule, t0)
-    out = tlib.update_teacher(rule, teacher, jax.tree.map(jnp.asarray, _toy_tree(5)), 0.3)
-    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(t0)):
+    for got, want in zip(jax.tree.leaves(teacher), jax.tree.leaves(t0)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    c = default_distill_config()
+    c.teacher.rule = rule
+    c.loss.topk = 8
+    opts = lf.StepOptions.from_config(c, TINY.vocab_size)
+    assert opts.keeps_teacher and opts.rule != "ema"  # TrainStep._step keeps state.teacher
 
 
 def test_init_teacher_is_a_copy_and_live_keeps_nothing():
@@ -92,7 +112,7 @@ def test_bad_rule_and_rate():
     with pytest.raises(ValueError, match="teacher.rule"):
         tlib.init_teacher("polyak", {"w": jnp.zeros(2)})
     with pytest.raises(ValueError, match=r"teacher.rate must be in \[0, 1\]"):
-        tlib.update_teacher("ema", {"w": jnp.zeros(2)}, {"w": jnp.zeros(2)}, 1.5)
+        tlib.check_rate(1.5, "ema")
     with pytest.raises(ValueError, match="needs a teacher parameter tree"):
         tlib.teacher_param_trees("ema", None, {"w": jnp.zeros(2)})
 
@@ -109,7 +129,7 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     tp = [r.integers(1, TINY.vocab_size, r.integers(3, 10)) for _ in range(b)]
     rs = [r.integers(1, TINY.vocab_size, r.integers(2, 7)) for _ in range(b)]
     db = align.build_distill_batch(sp, tp, rs, pad_id=0, pad_side="left")
-    return st.make_batch(db, sd_mask=np.array([1, 1, 0, 1], np.float32))
+    return dbatch.make_batch(db, sd_mask=np.array([1, 1, 0, 1], np.float32))
 
 
 @functools.partial(jax.jit, static_argnums=2)  # one compile, not op-by-op dispatch
@@ -133,8 +153,8 @@ def test_teacher_gets_no_gradient_and_grads_equal_constant_teacher(rule):
     c.loss.topk = 8
     c.loss.chunk_size = 3
     c.precision.remat = False
-    opts = st.StepOptions.from_config(c, TINY.vocab_size)
-    loss_fn = st.make_loss_fn(TINY, opts)
+    opts = lf.StepOptions.from_config(c, TINY.vocab_size)
+    loss_fn = lf.make_loss_fn(TINY, opts)
     params = decoder.init_params(TINY, jax.random.PRNGKey(0))
     params0 = decoder.init_params(TINY, jax.random.PRNGKey(1))  # a different "initial" model
     teacher = tlib.init_teacher(rule, params0)
@@ -163,7 +183,7 @@ def test_teacher_gets_no_gradient_and_grads_equal_constant_teacher(rule):
 
     def ref_loss(p):
         s_logits = align.gather_response(_full_logits(p, batch, "student"), jnp.asarray(s_idx))
-        loss, _ = losses.self_distillation_loss(
+        loss, _ = reference_losses.self_distillation_loss(
             s_logits, t_const, batch["responses"], batch["response_mask"], batch["sd_mask"],
             opts.loss,
         )

@@ -8,7 +8,8 @@ the params.
 
 Same numbers as the full batch. Every loss of :mod:`pmd_jax.distill.losses` is a token mean
 ``sum(x * m) / max(sum(m), 1)`` over a mask ``m`` of the WHOLE batch: the loss mask
-``response_mask * sd_mask`` (SDPO) or the response mask (GRPO, hybrid). A microbatch's loss
+``response_mask * sd_mask`` (SDPO) or the response mask (GRPO, hybrid), as the loss's
+``metric_kinds["loss"]`` declares (:mod:`pmd_jax.distill.registry`). A microbatch's loss
 function returns its own mean ``L_i = S_i / max(M_i, 1)``; weighting it by
 ``w_i = max(M_i, 1) / max(M, 1)`` (``M = sum_i M_i``, a constant of the batch, no gradient)
 gives ``sum_i w_i L_i = sum_i S_i / max(M, 1)``, the full-batch mean, exactly (a microbatch
@@ -28,32 +29,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pmd_jax.distill import registry
+
 Array = jax.Array
 
 # metric name -> how it combines over microbatches:
 #   "loss_mask": token mean over response_mask * sd_mask; "response": token mean over
 #   response_mask; "rows": mean over rows; "sum": summed; "max": maximum.
-_COMMON = {
+# The metrics the step adds for every loss; each loss declares its own in its LossSpec
+# (pmd_jax.distill.objectives), "loss" naming the mask that normalises it.
+_STEP_KINDS = {
     "logp_mismatch_mean": "response",
     "logp_mismatch_max": "max",
     "rollout_is_clip_frac": "response",
-    "logp_abs_diff_old": "response",
-    "num_loss_tokens": "sum",
-    "masked_sample_fraction": "rows",
-}
-_KINDS = {
-    "sdpo": {
-        **_COMMON, "loss": "loss_mask", "kl": "loss_mask", "top1_agree": "loss_mask",
-        "clip_frac": "loss_mask", "entropy": "response",
-    },
-    "grpo": {
-        **_COMMON, "loss": "response", "pg_loss": "response", "pg_clipfrac": "response",
-        "clip_frac": "response",
-    },
-}
-_KINDS["hybrid"] = {
-    **_KINDS["grpo"], "kl": "loss_mask", "top1_agree": "loss_mask", "entropy": "response",
-    "hybrid_adv_mean": "response",
 }
 
 
@@ -61,16 +49,15 @@ class MicrobatchError(ValueError):
     """``train.microbatch_rows`` does not fit the batch or the mesh; the message says why."""
 
 
-def metric_kinds(mode: str) -> dict[str, str]:
-    """How each metric of the loss function of ``mode`` combines over microbatches."""
-    if mode not in _KINDS:
-        raise ValueError(f"unknown loss mode {mode!r}; known: {sorted(_KINDS)}")
-    return dict(_KINDS[mode])
+def metric_kinds(loss_name: str) -> dict[str, str]:
+    """How each metric of the step with the registered loss ``loss_name`` combines
+    over microbatches (an unknown name is a ValueError listing the known ones)."""
+    return {**_STEP_KINDS, **registry.get_loss(loss_name).metric_kinds}
 
 
-def loss_mask_kind(mode: str) -> str:
-    """The mask whose token count normalises the loss of ``mode``."""
-    return metric_kinds(mode)["loss"]
+def loss_mask_kind(loss_name: str) -> str:
+    """The mask whose token count normalises the registered loss ``loss_name``."""
+    return metric_kinds(loss_name)["loss"]
 
 
 def check_microbatch_rows(microbatch_rows: int, unit: int) -> None:
@@ -132,15 +119,15 @@ def split(batch: Mapping[str, Array], n: int,
 
 
 def combine_metrics(per_mb: Mapping[str, Array], weights: Mapping[str, Array],
-                    mode: str) -> dict[str, Array]:
+                    loss_name: str) -> dict[str, Array]:
     """Full-batch metrics from ``[n]`` per-microbatch values (see the module docstring)."""
-    kinds = metric_kinds(mode)
+    kinds = metric_kinds(loss_name)
     out = {}
     for k, v in per_mb.items():
         kind = kinds.get(k)
         if kind is None:
-            raise KeyError(f"metric {k!r} of loss mode {mode!r} has no accumulation rule: add "
-                           "it to pmd_jax.distill.accumulate._KINDS")
+            raise KeyError(f"metric {k!r} of loss {loss_name!r} has no accumulation rule: declare "
+                           "it in the loss's LossSpec.metric_kinds (pmd_jax.distill.objectives)")
         v = v.astype(jnp.float32)
         if kind == "sum":
             out[k] = jnp.sum(v)
@@ -157,7 +144,7 @@ def accumulated_value_and_grad(
     teacher: Any,
     batch: Mapping[str, Array],
     *,
-    mode: str,
+    loss_name: str,
     n: int,
     sharding: Callable[[int], NamedSharding] | None = None,
     grad_sharding: Any = None,
@@ -172,7 +159,7 @@ def accumulated_value_and_grad(
     if n < 1 or rows % n:
         raise MicrobatchError(f"a batch of {rows} rows does not split into {n} microbatches")
     weights = _weights(batch, n)
-    loss_w = weights[loss_mask_kind(mode)]
+    loss_w = weights[loss_mask_kind(loss_name)]
     mbs = split(batch, n, sharding)
 
     def scaled(p: Any, mb: Mapping[str, Array], w: Array) -> tuple[Array, tuple]:
@@ -193,7 +180,7 @@ def accumulated_value_and_grad(
     acc, (losses, per_mb) = lax.scan(body, acc0, (mbs, loss_w))
     grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
     loss = jnp.sum(loss_w * losses)
-    metrics = combine_metrics(per_mb, weights, mode)
+    metrics = combine_metrics(per_mb, weights, loss_name)
     metrics["loss"] = loss
     return (loss, metrics), grads
 

@@ -197,59 +197,6 @@ def chunked_distill_stats(
     return {k: _merge(v, t_len) for k, v in out.items()}
 
 
-def chunked_distill_loss(
-    student_hidden: Array,
-    teacher_hidden: Array,
-    student_unembed: Array,
-    teacher_unembed: Array,
-    tokens: Array,
-    response_mask: Array,
-    sd_mask: Array | None,
-    cfg: losses.DistillLossConfig,
-    *,
-    chunk: int = DEFAULT_CHUNK,
-    old_token_logp: Array | None = None,
-    rollout_is_weights: Array | None = None,
-    ref_teacher_hidden: Array | None = None,
-    ref_teacher_unembed: Array | None = None,
-    trust_region_alpha: float | None = None,
-    vocab_major: bool = False,
-    remat: bool = True,
-    topk_indices: losses.TopKIndices | None = None,
-    matmul_dtype: str | None = None,
-) -> tuple[Array, dict[str, Array], dict[str, Array]]:
-    """The SDPO loss from aligned hidden states: ``(loss, metrics, per_token_stats)``.
-
-    Equal to :func:`pmd_jax.distill.losses.self_distillation_loss` on the full logits
-    ``hidden @ unembed`` (tested), without materialising them.
-    """
-    stats = chunked_distill_stats(
-        student_hidden,
-        teacher_hidden,
-        student_unembed,
-        teacher_unembed,
-        tokens,
-        cfg,
-        chunk=chunk,
-        ref_teacher_hidden=ref_teacher_hidden,
-        ref_teacher_unembed=ref_teacher_unembed,
-        trust_region_alpha=trust_region_alpha,
-        vocab_major=vocab_major,
-        remat=remat,
-        topk_indices=topk_indices,
-        matmul_dtype=matmul_dtype,
-    )
-    loss, metrics = losses.finalize_distill(
-        stats,
-        response_mask,
-        sd_mask,
-        cfg,
-        old_token_logp=old_token_logp,
-        rollout_is_weights=rollout_is_weights,
-    )
-    return loss, metrics, stats
-
-
 def chunked_token_logprobs(
     hidden: Array,
     unembed: Array,

@@ -19,7 +19,9 @@ Conventions (all from verl):
   (forward KL, reverse KL, JSD) depends on them, so they are checked at trace time.
 
 The memory-bounded path over hidden states lives in :mod:`pmd_jax.distill.chunked`; it calls
-:func:`token_distill_stats` on sequence chunks and :func:`aggregate_distill_loss` on the result.
+:func:`token_distill_stats` on sequence chunks and :func:`finalize_distill` on the result. The
+GRPO and hybrid policy-gradient losses are in :mod:`pmd_jax.distill.policy_gradient`; the
+unchunked reference ``self_distillation_loss`` is in ``tests/reference_losses.py``.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def check_alpha(alpha: Any) -> float:
     return a
 
 
-def _check_same_shape(a: Array, b: Array, what: str) -> None:
+def check_same_shape(a: Array, b: Array, what: str) -> None:
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"{what}: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}")
 
@@ -186,7 +188,7 @@ def topk_log_probs(
     replaces ``lax.top_k(x, k)[1]`` (e.g. the vocab-sharded one of
     :mod:`pmd_jax.distill.sharded_topk`); it must return the same indices.
     """
-    _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
+    check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
     vocab = student_logp.shape[-1]
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(f"topk must be an int, got {k!r}")
@@ -209,7 +211,7 @@ def distill_buckets(
 ) -> tuple[Array, Array]:
     """The distributions the divergence is taken over: full vocab, or top-K (+ tail bucket)."""
     if topk is None:
-        _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
+        check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
         return student_logp, teacher_logp
     s, t, _ = topk_log_probs(student_logp, teacher_logp, topk, topk_indices)
     if tail:
@@ -229,13 +231,13 @@ def _kl(p_logp: Array, q_logp: Array) -> Array:
 
 def reverse_kl(student_logp: Array, teacher_logp: Array) -> Array:
     """KL(student || teacher) per token (``alpha = 1``, the paper's Eq. 1)."""
-    _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
+    check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
     return _kl(student_logp, teacher_logp)
 
 
 def forward_kl(student_logp: Array, teacher_logp: Array) -> Array:
     """KL(teacher || student) per token (``alpha = 0``)."""
-    _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
+    check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
     return _kl(teacher_logp, student_logp)
 
 
@@ -252,7 +254,7 @@ def generalized_jsd(student_logp: Array, teacher_logp: Array, alpha: float) -> A
             f"generalized_jsd needs alpha strictly in (0, 1), got {a}; use divergence() "
             "for the alpha=0 (forward KL) and alpha=1 (reverse KL) cases"
         )
-    _check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
+    check_same_shape(student_logp, teacher_logp, "student/teacher log-probs")
     log_m = jnp.logaddexp(student_logp + jnp.log1p(-a), teacher_logp + jnp.log(a))
     return (1.0 - a) * _kl(student_logp, log_m) + a * _kl(teacher_logp, log_m)
 
@@ -273,7 +275,7 @@ def sampled_token_surrogate(student_token_logp: Array, teacher_token_logp: Array
     Its gradient is ``-A_SDPO * grad logp_s(y)`` with ``A_SDPO = logp_t(y) - logp_s(y)``,
     the REINFORCE estimator of the reverse KL on the sampled token.
     """
-    _check_same_shape(student_token_logp, teacher_token_logp, "student/teacher token log-probs")
+    check_same_shape(student_token_logp, teacher_token_logp, "student/teacher token log-probs")
     w = lax.stop_gradient(student_token_logp - teacher_token_logp)
     return w * student_token_logp
 
@@ -298,7 +300,7 @@ def token_distill_stats(
     * ``top1_agree``: 1.0 where the argmax of student and teacher coincide (detached);
     * ``entropy``: the student's entropy at the temperature (detached).
     """
-    _check_same_shape(student_logits, teacher_logits, "student/teacher logits")
+    check_same_shape(student_logits, teacher_logits, "student/teacher logits")
     _check_tokens(student_logits, tokens)
     cfg.validate(vocab_size=student_logits.shape[-1])
     s = log_probs(student_logits, cfg.temperature)
@@ -328,7 +330,7 @@ def token_distill_stats(
 
 def is_ratio(student_token_logp: Array, old_token_logp: Array, is_clip: float) -> Array:
     """Detached IS ratio ``min(exp(clip(logp - old_logp, -20, 20)), is_clip)``."""
-    _check_same_shape(student_token_logp, old_token_logp, "student/old token log-probs")
+    check_same_shape(student_token_logp, old_token_logp, "student/old token log-probs")
     c = static_float(is_clip, "is_clip")
     if not c > 0.0:
         raise ValueError(f"is_clip must be > 0, got {c}")
@@ -346,14 +348,14 @@ def truncated_is_weights(
     """Token-level truncated IS between trainer and sampler (vLLM) log-probs (verl
     ``rollout_is=token``): ``min(exp(clip(trainer - sampler, -20, 20)), threshold)``,
     detached, zero where ``mask`` is 0."""
-    _check_same_shape(trainer_token_logp, sampler_token_logp, "trainer/sampler token log-probs")
+    check_same_shape(trainer_token_logp, sampler_token_logp, "trainer/sampler token log-probs")
     c = static_float(threshold, "threshold")
     if not c > 0.0:
         raise ValueError(f"IS threshold must be > 0, got {c}")
     d = lax.stop_gradient(trainer_token_logp - sampler_token_logp).astype(jnp.float32)
     w = jnp.minimum(jnp.exp(jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), c)
     if mask is not None:
-        _check_same_shape(w, mask, "IS weights/mask")
+        check_same_shape(w, mask, "IS weights/mask")
         w = w * mask.astype(w.dtype)
     return w
 
@@ -378,7 +380,7 @@ def token_mean(per_token: Array, mask: Array) -> Array:
 
     Masked entries are selected away (``where``) so a NaN/inf there cannot leak into the sum.
     """
-    _check_same_shape(per_token, mask, "per-token values/mask")
+    check_same_shape(per_token, mask, "per-token values/mask")
     m = mask.astype(jnp.float32)
     x = jnp.where(m > 0, per_token.astype(jnp.float32), 0.0)
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -399,15 +401,15 @@ def aggregate_distill_loss(
     ``old_token_logp=None`` means on-policy (``old := stopgrad(logp)``, ratio 1), as verl does
     with one mini-batch per generation batch. Returns ``(loss, loss_mask)``.
     """
-    _check_same_shape(per_token_loss, student_token_logp, "per-token loss/student log-probs")
-    _check_same_shape(per_token_loss, response_mask, "per-token loss/response mask")
+    check_same_shape(per_token_loss, student_token_logp, "per-token loss/student log-probs")
+    check_same_shape(per_token_loss, response_mask, "per-token loss/response mask")
     loss_mask = make_loss_mask(response_mask, sd_mask)
     x = per_token_loss
     if is_clip is not None:
         old = lax.stop_gradient(student_token_logp) if old_token_logp is None else old_token_logp
         x = x * is_ratio(student_token_logp, old, is_clip)
     if rollout_is_weights is not None:
-        _check_same_shape(per_token_loss, rollout_is_weights, "per-token loss/rollout IS weights")
+        check_same_shape(per_token_loss, rollout_is_weights, "per-token loss/rollout IS weights")
         x = x * lax.stop_gradient(rollout_is_weights)
     return token_mean(x, loss_mask), loss_mask
 
@@ -415,37 +417,6 @@ def aggregate_distill_loss(
 def masked_mean(x: Array, mask: Array) -> Array:
     """Detached token-mean of a metric over a mask (0 when the mask is empty)."""
     return token_mean(lax.stop_gradient(x), mask)
-
-
-def self_distillation_loss(
-    student_logits: Array,
-    teacher_logits: Array,
-    tokens: Array,
-    response_mask: Array,
-    sd_mask: Array | None,
-    cfg: DistillLossConfig,
-    *,
-    old_token_logp: Array | None = None,
-    rollout_is_weights: Array | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """The full SDPO loss from aligned ``[B, T, V]`` logits (unchunked reference path).
-
-    ``tokens[b, t]`` is response token t; ``student_logits[b, t]`` / ``teacher_logits[b, t]``
-    are the logits that predict it (see :mod:`pmd_jax.distill.align`). For long sequences and
-    large vocabularies use :func:`pmd_jax.distill.chunked.chunked_distill_loss`, which gives
-    the same numbers without materialising the logits.
-    """
-    if student_logits.ndim != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {tuple(student_logits.shape)}")
-    stats = token_distill_stats(student_logits, teacher_logits, tokens, cfg)
-    return finalize_distill(
-        stats,
-        response_mask,
-        sd_mask,
-        cfg,
-        old_token_logp=old_token_logp,
-        rollout_is_weights=rollout_is_weights,
-    )
 
 
 def finalize_distill(
@@ -480,176 +451,4 @@ def finalize_distill(
     if old_token_logp is not None:
         diff = lax.stop_gradient(stats["student_logp"]) - old_token_logp
         metrics["logp_abs_diff_old"] = masked_mean(jnp.abs(diff), resp)
-    return loss, metrics
-
-
-# --------------------------------------------------------------------------------------------
-# GRPO and the GRPO + SDPO hybrid
-# --------------------------------------------------------------------------------------------
-
-
-def grpo_advantages(rewards: Array, group_size: int) -> Array:
-    """``r_i - mean(r)`` within each group of ``group_size`` consecutive samples (no std).
-
-    ``rewards``: ``[N]`` with ``N`` a multiple of ``group_size`` (the sampler's layout:
-    prompt-major, ``group_size`` rollouts per prompt). Returns ``[N]``.
-    """
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be [N], got shape {tuple(rewards.shape)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-        raise TypeError(f"group_size must be an int, got {group_size!r}")
-    n = rewards.shape[0]
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"{n} rewards do not split into groups of {group_size}")
-    r = rewards.astype(jnp.float32).reshape(n // group_size, group_size)
-    return (r - jnp.mean(r, axis=1, keepdims=True)).reshape(n)
-
-
-def ppo_clip_per_token(
-    token_logp: Array,
-    old_token_logp: Array,
-    advantages: Array,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = 3.0,
-) -> tuple[Array, Array]:
-    """verl's vanilla PPO per-token loss with asymmetric clipping (and dual-clip).
-
-    ``ratio = exp(clip(logp - old, -20, 20))``;
-    ``l = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))``; where ``A < 0`` and
-    ``clip_ratio_c`` is set, ``l = min(l, -A clip_ratio_c)`` (verl default 3.0).
-    ``advantages``: ``[B, T]`` or ``[B]`` (broadcast over tokens); detached.
-    Returns ``(per_token_loss, clipped)`` where ``clipped`` is 1.0 where the clip was active.
-    """
-    _check_same_shape(token_logp, old_token_logp, "token/old log-probs")
-    lo = static_float(clip_low, "clip_low")
-    hi = static_float(clip_high, "clip_high")
-    if not (0.0 <= lo < 1.0 and hi >= 0.0):
-        raise ValueError(f"bad PPO clip range: clip_low={lo}, clip_high={hi}")
-    adv = lax.stop_gradient(advantages).astype(jnp.float32)
-    if adv.ndim == 1:
-        adv = adv[:, None]
-    adv = jnp.broadcast_to(adv, token_logp.shape)
-    d = jnp.clip(token_logp - lax.stop_gradient(old_token_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = jnp.exp(d)
-    l1 = -adv * ratio
-    l2 = -adv * jnp.clip(ratio, 1.0 - lo, 1.0 + hi)
-    loss = jnp.maximum(l1, l2)
-    clipped = (l2 > l1).astype(jnp.float32)
-    if clip_ratio_c is not None:
-        c = static_float(clip_ratio_c, "clip_ratio_c")
-        if not c > 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {c}")
-        loss = jnp.where(adv < 0, jnp.minimum(loss, -adv * c), loss)
-    return loss, clipped
-
-
-def grpo_loss(
-    token_logp: Array,
-    response_mask: Array,
-    advantages: Array,
-    *,
-    old_token_logp: Array | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = 3.0,
-    rollout_is_weights: Array | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """Token-mean PPO-clip loss over the response mask (METHOD.md Table 13 defaults).
-
-    ``advantages``: ``[B]`` (GRPO, from :func:`grpo_advantages`) or ``[B, T]`` (hybrid).
-    ``old_token_logp=None``: on-policy (ratio 1, the gradient is ``-A grad logp``).
-    ``rollout_is_weights``: truncated IS weights (:func:`truncated_is_weights`), multiplied in.
-    """
-    _check_same_shape(token_logp, response_mask, "token log-probs/response mask")
-    old = lax.stop_gradient(token_logp) if old_token_logp is None else old_token_logp
-    per_tok, clipped = ppo_clip_per_token(
-        token_logp, old, advantages, clip_low, clip_high, clip_ratio_c
-    )
-    if rollout_is_weights is not None:
-        _check_same_shape(per_tok, rollout_is_weights, "per-token loss/rollout IS weights")
-        per_tok = per_tok * lax.stop_gradient(rollout_is_weights)
-    mask = response_mask.astype(jnp.float32)
-    loss = token_mean(per_tok, mask)
-    metrics = {
-        "pg_loss": lax.stop_gradient(loss),
-        "pg_clipfrac": masked_mean(clipped, mask),
-    }
-    return loss, metrics
-
-
-def sdpo_token_advantages(student_token_logp: Array, teacher_token_logp: Array) -> Array:
-    """``A_SDPO_t = log q_teacher(y_t) - log pi_student(y_t)`` on the sampled token (detached)."""
-    _check_same_shape(student_token_logp, teacher_token_logp, "student/teacher token log-probs")
-    return lax.stop_gradient(teacher_token_logp - student_token_logp)
-
-
-def hybrid_advantages(
-    grpo_adv: Array,
-    student_token_logp: Array,
-    teacher_token_logp: Array,
-    lam: float,
-    sd_mask: Array | None = None,
-) -> Array:
-    """Eq. 3 (METHOD.md 1.1): ``A_t = lam * A_GRPO + (1 - lam) * A_SDPO_t`` per token ``[B, T]``.
-
-    ``A_GRPO = r_i - mean_group(r)`` (``[B]``, broadcast over tokens) and
-    ``A_SDPO_t = log q(y_t | x, f, y_<t) - log pi(y_t | x, y_<t)`` (detached). Where
-    ``sd_mask[b] = 0`` (no reprompt: the teacher saw the plain prompt) the SDPO term is
-    zeroed; this choice is ours, the paper is silent (METHOD.md 1.5 gives such samples no
-    distillation signal).
-    """
-    lam_f = static_float(lam, "lam")
-    if not 0.0 <= lam_f <= 1.0:
-        raise ValueError(f"hybrid lambda must be in [0, 1], got {lam_f}")
-    if grpo_adv.ndim != 1 or grpo_adv.shape[0] != student_token_logp.shape[0]:
-        raise ValueError(
-            f"GRPO advantages must be [B]={student_token_logp.shape[0]}, "
-            f"got shape {tuple(grpo_adv.shape)}"
-        )
-    a_sd = sdpo_token_advantages(student_token_logp, teacher_token_logp)
-    if sd_mask is not None:
-        if tuple(sd_mask.shape) != (student_token_logp.shape[0],):
-            raise ValueError(f"sd_mask must be [B], got shape {tuple(sd_mask.shape)}")
-        a_sd = a_sd * sd_mask.astype(a_sd.dtype)[:, None]
-    a_grpo = lax.stop_gradient(grpo_adv).astype(jnp.float32)[:, None]
-    return lam_f * a_grpo + (1.0 - lam_f) * a_sd
-
-
-def hybrid_loss(
-    token_logp: Array,
-    teacher_token_logp: Array,
-    response_mask: Array,
-    grpo_adv: Array,
-    lam: float,
-    *,
-    sd_mask: Array | None = None,
-    old_token_logp: Array | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = 3.0,
-    rollout_is_weights: Array | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """GRPO + SDPO hybrid (Eq. 3): the PPO-clip token-mean loss with the combined advantage.
-
-    ``loss = sum_{b,t} m_bt * ppo(logp_bt, old_bt, A_bt) / max(sum m, 1)`` with
-    ``A_bt = lam * (r_b - mean_group(r)) + (1 - lam) * sd_b * stopgrad(logq_T(y_bt) -
-    logpi(y_bt))`` and ``m = response_mask``. On-policy (ratio 1, no clipping active) its
-    gradient is exactly ``-sum m_bt A_bt grad logpi(y_bt) / sum m``: the policy gradient with
-    the combined advantage. ``lam = 1`` is GRPO; ``lam = 0`` is the sampled-token SDPO
-    surrogate (its gradient equals that of :func:`sampled_token_surrogate`).
-    """
-    _check_same_shape(token_logp, teacher_token_logp, "student/teacher token log-probs")
-    adv = hybrid_advantages(grpo_adv, token_logp, teacher_token_logp, lam, sd_mask)
-    loss, metrics = grpo_loss(
-        token_logp,
-        response_mask,
-        adv,
-        old_token_logp=old_token_logp,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=clip_ratio_c,
-        rollout_is_weights=rollout_is_weights,
-    )
-    metrics["hybrid_adv_mean"] = masked_mean(adv, response_mask.astype(jnp.float32))
     return loss, metrics

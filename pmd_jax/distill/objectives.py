@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pmd_jax.distill import losses
+from pmd_jax.distill import policy_gradient as pg
 from pmd_jax.distill.registry import TEACHER_KEYS, LossSpec, register_loss
 
 Array = jax.Array
@@ -86,7 +87,7 @@ register_loss(LossSpec(
 
 def _pg_common(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Any]]:
     """GRPO advantages of the batch's rewards and the PPO-clip keyword arguments."""
-    adv = losses.grpo_advantages(x.batch["rewards"], opts.group_size)
+    adv = pg.grpo_advantages(x.batch["rewards"], opts.group_size)
     common = dict(
         old_token_logp=x.old_logp, clip_low=opts.clip_low, clip_high=opts.clip_high,
         clip_ratio_c=opts.clip_ratio_c, rollout_is_weights=x.rollout_is_weights,
@@ -108,7 +109,7 @@ def grpo(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
     """The GRPO baseline (METHOD.md Table 13): PPO-clip with group-relative advantages, no
     teacher, token mean over the response mask."""
     adv, common = _pg_common(x, opts)
-    loss, m = losses.grpo_loss(x.token_logp, x.response_mask, adv, **common)
+    loss, m = pg.grpo_loss(x.token_logp, x.response_mask, adv, **common)
     return loss, _pg_metrics({}, loss, m, x)
 
 
@@ -124,7 +125,7 @@ def hybrid(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
     """GRPO + SDPO (Eq. 3): PPO-clip with ``lam * A_GRPO + (1 - lam) * A_SDPO`` per token, plus
     the distillation metrics (kl, top1_agree, entropy) of the teacher forward."""
     adv, common = _pg_common(x, opts)
-    loss, m = losses.hybrid_loss(
+    loss, m = pg.hybrid_loss(
         x.token_logp, x.stats["teacher_logp"], x.response_mask, adv, opts.hybrid_lambda,
         sd_mask=x.sd_mask, **common,
     )

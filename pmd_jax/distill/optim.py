@@ -130,7 +130,7 @@ def fused_update(
 
     The same numbers as ``make_optimizer(cfg).update`` then ``optax.apply_updates`` (same
     expressions in the same order, on the same optimizer-state pytree) followed by
-    :func:`pmd_jax.distill.teacher.ema_update` of the new params, and, with
+    the EMA teacher update of the new params (``tests/reference_losses.ema_update``), and, with
     ``skip_nonfinite``, ``where(finite, new, old)`` on every leaf. The difference is the
     memory traffic on XLA:CPU: the optax chain is a sequence of tree maps whose elementwise
     producers XLA duplicates into each output's fusion (the new mu / nu / params / teacher

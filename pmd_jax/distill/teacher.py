@@ -5,7 +5,7 @@ trust-region, a lerp of two logit tensors). Which tree the train step keeps:
 
 * ``"ema"``: a separate copy initialised from the initial params; after every optimizer update
   ``theta' <- (1 - rate) theta' + rate theta`` (verl ``_update_teacher``), computed in fp32 and
-  stored in ``teacher.dtype``.
+  stored in ``teacher.dtype``, in the optimizer's pass (:func:`pmd_jax.distill.optim.fused_update`).
 * ``"frozen"``: a copy of the initial params, never updated.
 * ``"trust_region"``: the kept copy is the frozen *initial* params (the reference); the teacher
   logits are ``lerp(logits_ref, logits_current, rate) = (1 - rate) logits_ref + rate
@@ -55,25 +55,6 @@ def init_teacher(rule: str, params: Any, dtype: Any = jnp.float32) -> Any | None
     if not keeps_copy(rule):
         return None
     return jax.tree.map(lambda p: jnp.array(p, dtype=dtype, copy=True), params)
-
-
-def ema_update(teacher: Any, params: Any, rate: float) -> Any:
-    """``(1 - rate) * teacher + rate * params`` leaf by leaf in fp32, cast to the teacher dtype."""
-    a = jnp.float32(rate)
-
-    def upd(t: jax.Array, p: jax.Array) -> jax.Array:
-        t32 = t.astype(jnp.float32)
-        return (t32 + a * (p.astype(jnp.float32) - t32)).astype(t.dtype)
-
-    return jax.tree.map(upd, teacher, params)
-
-
-def update_teacher(rule: str, teacher: Any, params: Any, rate: float) -> Any:
-    """The teacher state after one training step (``params`` = the updated params)."""
-    check_rule(rule)
-    if rule == "ema":
-        return ema_update(teacher, lax.stop_gradient(params), check_rate(rate, rule))
-    return teacher
 
 
 def lerp_logits(ref_logits: jax.Array, cur_logits: jax.Array, rate: float) -> jax.Array:

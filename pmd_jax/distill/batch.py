@@ -1,0 +1,152 @@
+"""The train step's batch: its arrays, :func:`make_batch` and :func:`check_batch`.
+
+Batch (a dict of arrays; ``B`` samples, ``Ts``/``Tt`` student/teacher sequence lengths, ``R``
+response slots), built on the host by :func:`make_batch` from an
+:class:`pmd_jax.distill.align.DistillBatch`:
+
+=====================  ==========  ==========================================================
+``student_tokens``     [B, Ts]     student prompt + response, padded
+``student_positions``  [B, Ts]     position ids
+``student_attn_mask``  [B, Ts]     1 on real tokens
+``student_index``      [B, R]      position of the student logits predicting response token t
+``teacher_tokens``     [B, Tt]     teacher prompt + the same response, padded
+``teacher_positions``  [B, Tt]
+``teacher_attn_mask``  [B, Tt]
+``teacher_index``      [B, R]
+``responses``          [B, R]      the response tokens (targets)
+``response_mask``      [B, R]      1 for t < response length
+``sd_mask``            [B]         self-distillation mask (1 iff the sample was reprompted)
+``sampler_logp``       [B, R]      optional: the sampler's log-probs of the response tokens
+``old_logp``           [B, R]      optional: old-policy log-probs (off-policy ratio); absent
+                                   means on-policy (ratio 1, verl's old := stopgrad(logp))
+``rewards``            [B]         grpo / hybrid: rewards, prompt-major groups of group_size
+=====================  ==========  ==========================================================
+
+Every loss reads :data:`BASE_KEYS`; a loss's own arrays (teacher sequence, ``rewards``) are
+its ``batch_keys`` in :mod:`pmd_jax.distill.registry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from pmd_jax.distill import align
+from pmd_jax.distill import registry as reg
+
+SEQ_KEYS = {
+    "student": ("student_tokens", "student_positions", "student_attn_mask"),
+    "teacher": reg.TEACHER_KEYS,
+}
+RESPONSE_KEYS = ("student_index", "teacher_index", "responses", "response_mask")
+OPTIONAL_RESPONSE_KEYS = ("sampler_logp", "old_logp")
+SAMPLE_KEYS = ("sd_mask", "rewards")
+# what every loss reads: the student forward, the response maps, the self-distillation mask
+BASE_KEYS = (*SEQ_KEYS["student"], *RESPONSE_KEYS, "sd_mask")
+
+
+class BatchError(ValueError):
+    """A train batch is malformed; the message names the array and the shapes."""
+
+
+def make_batch(
+    db: align.DistillBatch,
+    *,
+    sd_mask: Any | None = None,
+    sampler_logp: Any | None = None,
+    old_logp: Any | None = None,
+    rewards: Any | None = None,
+) -> dict[str, np.ndarray]:
+    """The step's batch dict from an aligned :class:`~pmd_jax.distill.align.DistillBatch`.
+
+    ``sampler_logp`` / ``old_logp``: ``[B, R]`` per response token (right-padded like
+    ``db.responses``); ``sd_mask`` / ``rewards``: ``[B]``. ``sd_mask=None`` means all ones.
+    """
+    b, r = db.responses.shape
+    out: dict[str, np.ndarray] = {
+        "student_tokens": db.student.tokens,
+        "student_positions": db.student.positions,
+        "student_attn_mask": db.student.attention_mask,
+        "student_index": db.student.logit_index,
+        "teacher_tokens": db.teacher.tokens,
+        "teacher_positions": db.teacher.positions,
+        "teacher_attn_mask": db.teacher.attention_mask,
+        "teacher_index": db.teacher.logit_index,
+        "responses": db.responses,
+        "response_mask": db.response_mask,
+        "sd_mask": np.ones((b,), np.float32) if sd_mask is None
+        else np.asarray(sd_mask, np.float32),
+    }
+    for name, val in (("sampler_logp", sampler_logp), ("old_logp", old_logp)):
+        if val is not None:
+            a = np.asarray(val, np.float32)
+            if a.shape != (b, r):
+                raise BatchError(f"{name} must be [B, R]={(b, r)}, got shape {a.shape}")
+            out[name] = a
+    if rewards is not None:
+        out["rewards"] = np.asarray(rewards, np.float32)
+    return out
+
+
+def check_batch(batch: Mapping[str, Any], loss: str | reg.LossSpec) -> tuple[int, int, int, int]:
+    """Check keys and shapes for ``loss`` (a registered name or its spec) before any compute;
+    returns ``(B, Ts, Tt, R)``."""
+    spec = reg.get_loss(loss) if isinstance(loss, str) else loss
+    need = [*BASE_KEYS, *spec.required_keys()]
+    missing = [k for k in need if k not in batch]
+    if missing:
+        raise BatchError(f"batch is missing {missing} (loss {spec.name!r})")
+    known = set(need) | set(SEQ_KEYS["teacher"]) | set(OPTIONAL_RESPONSE_KEYS) | {"rewards"}
+    unknown = sorted(set(batch) - known)
+    if unknown:
+        raise BatchError(f"batch has unknown arrays {unknown}")
+
+    def shape(k: str) -> tuple[int, ...]:
+        x = batch[k]
+        return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+    s_shape = shape("student_tokens")
+    if len(s_shape) != 2:
+        raise BatchError(f"student_tokens must be [B, Ts], got shape {s_shape}")
+    b, ts = s_shape
+    for k in SEQ_KEYS["student"]:
+        if shape(k) != s_shape:
+            raise BatchError(f"{k} has shape {shape(k)}, student_tokens has {s_shape}")
+    tt = 0
+    if "teacher_tokens" in batch:
+        t_shape = shape("teacher_tokens")
+        if len(t_shape) != 2:
+            raise BatchError(f"teacher_tokens must be [B, Tt], got shape {t_shape}")
+        if t_shape[0] != b:
+            raise BatchError(
+                f"student and teacher batches differ in batch size: student_tokens {s_shape}, "
+                f"teacher_tokens {t_shape}"
+            )
+        tt = t_shape[1]
+        for k in SEQ_KEYS["teacher"]:
+            if shape(k) != t_shape:
+                raise BatchError(f"{k} has shape {shape(k)}, teacher_tokens has {t_shape}")
+    r_shape = shape("responses")
+    if len(r_shape) != 2 or r_shape[0] != b:
+        raise BatchError(f"responses must be [B={b}, R], got shape {r_shape}")
+    r = r_shape[1]
+    for k in (*RESPONSE_KEYS, *OPTIONAL_RESPONSE_KEYS):
+        if k in batch and shape(k) != r_shape:
+            raise BatchError(
+                f"{k} has shape {shape(k)} but responses has {r_shape} (student and teacher "
+                "response index maps must both be [B, R])"
+            )
+    for k in SAMPLE_KEYS:
+        if k in batch and shape(k) != (b,):
+            raise BatchError(f"{k} must be [B]={(b,)}, got shape {shape(k)}")
+    if ts < 2 or (spec.needs_teacher and tt < 2):
+        raise BatchError(f"sequences too short: student {ts}, teacher {tt} (need >= 2)")
+    for k in ("student_tokens", "teacher_tokens", "responses", "student_index", "teacher_index"):
+        if k in batch:
+            dt = getattr(batch[k], "dtype", None) or np.asarray(batch[k]).dtype
+            if not jnp.issubdtype(dt, jnp.integer):
+                raise BatchError(f"{k} must be an integer array, got {dt}")
+    return b, ts, tt, r
