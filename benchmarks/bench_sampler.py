@@ -95,7 +95,8 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def bench_vllm(hf_dir: Path, prompts, new_tokens: int) -> tuple[float | None, str]:
-    from pmd_jax.sampling.local_vllm import LocalVllmServer, VllmServerError, venv_available
+    from pmd_jax.sampling.base import SamplerServerError
+    from tests.local_vllm import LocalVllmServer, venv_available
 
     if not venv_available():
         return None, "skipped: no vLLM venv (run launch/setup_vllm_venv.sh or set PMD_VLLM_VENV)"
@@ -108,7 +109,7 @@ def bench_vllm(hf_dir: Path, prompts, new_tokens: int) -> tuple[float | None, st
             t0 = time.perf_counter()
             out = _post(srv.url + "/v1/completions", body, 900)
             dt = time.perf_counter() - t0
-    except VllmServerError as e:
+    except SamplerServerError as e:
         return None, f"skipped: {e}"
     n = int(out["usage"]["completion_tokens"])
     return n / dt, f"fp32, one /v1/completions request of {len(prompts)} prompts"

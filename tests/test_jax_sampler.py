@@ -348,15 +348,16 @@ def test_smollm2_from_hf_gguf_reader_16x128():
                       temperature_check=True)
 
 
-def test_share_weights_uses_the_same_arrays(tiny, tiny_params):
+def test_use_weights_of_uses_the_same_arrays(tiny, tiny_params):
+    assert tiny.share_weights() == "in_process"
     other = JaxSampler(TINY, decoder.init_params(TINY, jax.random.PRNGKey(9)), max_len=128)
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     assert [r.tokens.tolist() for r in other.generate([[1, 2, 3]], sp)] != [
         r.tokens.tolist() for r in tiny.generate([[1, 2, 3]], sp)]
-    other.share_weights(tiny)
+    other.use_weights_of(tiny)
     assert other.params is tiny.params and other.weights_version == tiny.weights_version
     assert [r.tokens.tolist() for r in other.generate([[1, 2, 3]], sp)] == [
         r.tokens.tolist() for r in tiny.generate([[1, 2, 3]], sp)]
     stacked = JaxSampler(TINY, tiny_params, max_len=128, unstack_layers=False)
     with pytest.raises(SamplerError, match="unstack_layers"):
-        stacked.share_weights(tiny)
+        stacked.use_weights_of(tiny)

@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from pmd_jax.sampling.base import SamplerError, SamplingParams, schema_string
-from pmd_jax.sampling.vllm_client import VLLMSampler, VLLMServerError
+from pmd_jax.sampling.base import SamplerError, SamplerServerError, SamplingParams, schema_string
+from pmd_jax.sampling.vllm_client import VLLMSampler
 
 Action = Callable[[BaseHTTPRequestHandler, dict | None], None]
 
@@ -190,7 +190,7 @@ def test_schema_the_server_rejects_names_schema_and_server_message(server):
     assert len(s.requests) == 2  # a 400 is not retried
     # a 5xx during a constrained request stays a plain server error (not blamed on the schema)
     s = server([reply(200, {"version": "0.32.0"}), reply(500, {"error": "engine died"})])
-    with pytest.raises(VLLMServerError) as e:
+    with pytest.raises(SamplerServerError) as e:
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
     assert "HTTP 500" in str(e.value) and "refused" not in str(e.value)
 
@@ -202,7 +202,7 @@ def test_server_without_structured_outputs_is_refused_before_sampling(server):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
     assert [r[1] for r in s.requests] == ["/version"]
     s = server([reply(404, {"detail": "Not Found"})])
-    with pytest.raises(VLLMServerError, match=r"HTTP 404 from GET .*/version"):
+    with pytest.raises(SamplerServerError, match=r"HTTP 404 from GET .*/version"):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=4, json_schema="{}"))
     # a schema that is not a JSON object never reaches the server
     s = server([])
@@ -218,7 +218,7 @@ def test_connection_refused_names_the_url():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
     t0 = time.monotonic()
-    with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{port}/v1/completions.*3 attempt"):
+    with pytest.raises(SamplerServerError, match=rf"127\.0\.0\.1:{port}/v1/completions.*3 attempt"):
         sampler(f"http://127.0.0.1:{port}").generate([[1]], SamplingParams(max_tokens=1))
     assert time.monotonic() - t0 < 5
 
@@ -229,13 +229,13 @@ def test_server_dying_mid_request_is_retried_then_reported(server):
     out = sampler(s.url).generate([[1]], SamplingParams(max_tokens=1))
     assert len(s.requests) == 3 and out.items[0].tokens.tolist() == [4]
     s2 = server([die, die, die])
-    with pytest.raises(VLLMServerError, match=r"/v1/completions failed.*after 3 attempt"):
+    with pytest.raises(SamplerServerError, match=r"/v1/completions failed.*after 3 attempt"):
         sampler(s2.url).generate([[1]], SamplingParams(max_tokens=1))
 
 
 def test_500_is_reported_with_status_and_body_not_retried(server):
     s = server([reply(500, {"error": "engine exploded: CUDA-less core"})])
-    with pytest.raises(VLLMServerError, match=r"HTTP 500 .*/v1/completions.*engine exploded"):
+    with pytest.raises(SamplerServerError, match=r"HTTP 500 .*/v1/completions.*engine exploded"):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=1))
     assert len(s.requests) == 1
 
@@ -251,25 +251,25 @@ def test_503_is_retried_with_backoff(server):
 
 def test_malformed_json_and_unexpected_shapes(server):
     s = server([reply(200, b"{not json at all")])
-    with pytest.raises(VLLMServerError, match=r"malformed JSON.*not json at all"):
+    with pytest.raises(SamplerServerError, match=r"malformed JSON.*not json at all"):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=1))
     s = server([reply(200, {"choices": [choice(0, [1], [-1.0])]})])
-    with pytest.raises(VLLMServerError, match=r"1 choices, expected 1 x 2"):
+    with pytest.raises(SamplerServerError, match=r"1 choices, expected 1 x 2"):
         sampler(s.url).generate([[1]], SamplingParams(n=2, max_tokens=1))
     bad = choice(0, [1, 2], [-1.0])
     s = server([reply(200, completion([bad]))])
-    with pytest.raises(VLLMServerError, match=r"2 tokens but 1 logprobs"):
+    with pytest.raises(SamplerServerError, match=r"2 tokens but 1 logprobs"):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=2))
     bad = {"index": 0, "finish_reason": "length"}
     s = server([reply(200, completion([bad]))])
-    with pytest.raises(VLLMServerError, match=r"choice 0 .* lacks"):
+    with pytest.raises(SamplerServerError, match=r"choice 0 .* lacks"):
         sampler(s.url).generate([[1]], SamplingParams(max_tokens=2))
 
 
 def test_hanging_server_times_out(server):
     s = server([hang(3), hang(3)])
     t0 = time.monotonic()
-    with pytest.raises(VLLMServerError, match=r"/v1/completions failed.*timed out"):
+    with pytest.raises(SamplerServerError, match=r"/v1/completions failed.*timed out"):
         sampler(s.url, timeout_s=0.5, retries=1).generate([[1]], SamplingParams(max_tokens=1))
     assert time.monotonic() - t0 < 3
 
@@ -304,11 +304,11 @@ def test_set_weights_calls_rpc_then_resets_prefix_cache(server):
     assert smp.weights_version == 7 and smp.last_reload["bytes"] == 12
     # the server reports a failed load (e.g. checksum): error says what, version unchanged
     s = server([reply(500, {"error": "version 8 under '/tmp/store' is damaged: q_proj"})])
-    with pytest.raises(VLLMServerError, match=r"HTTP 500.*/collective_rpc.*damaged: q_proj"):
+    with pytest.raises(SamplerServerError, match=r"HTTP 500.*/collective_rpc.*damaged: q_proj"):
         sampler(s.url).set_weights(8)
     # a reply that does not confirm the requested version
     s = server([reply(200, {"results": [{"version": 6}]})])
-    with pytest.raises(VLLMServerError, match="reload of version 9"):
+    with pytest.raises(SamplerServerError, match="reload of version 9"):
         sampler(s.url).set_weights(9)
     with pytest.raises(SamplerError, match="store_url"):
         VLLMSampler(s.url, "m").set_weights(1)

@@ -145,15 +145,16 @@ def prompts(hf_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(hf_dir, tmp_path_factory):
-    from pmd_jax.sampling.local_vllm import LocalVllmServer, VllmServerError
+    from pmd_jax.sampling.base import SamplerServerError
     from pmd_jax.sampling.vllm_client import VLLMSampler
+    from tests.local_vllm import LocalVllmServer
 
     tmp = tmp_path_factory.mktemp("vllm")
     srv = LocalVllmServer(hf_dir, log_path=tmp / "server.log",
                           extra_args=["--max-model-len", "512", "--enforce-eager", "--seed", "0"])
     try:
         srv.start()
-    except VllmServerError as e:
+    except SamplerServerError as e:
         pytest.fail(str(e))
     store = tmp / "store"
     smp = VLLMSampler(
@@ -254,8 +255,8 @@ def greedy_mismatches(got, want, cfg, params, prompts) -> list[str]:
 def test_reload_over_tensorstore_matches_hf_and_jax(server, hf_model, base_weights, prompts,
                                                     jax_model):  # fmt: skip
     from pmd_jax.models import hf_io
+    from pmd_jax.sampling.base import SamplerServerError
     from pmd_jax.sampling.jax_sampler import JaxSampler
-    from pmd_jax.sampling.vllm_client import VLLMServerError
     from pmd_jax.sampling.weight_store import WeightStore
 
     smp, store = server
@@ -317,7 +318,7 @@ def test_reload_over_tensorstore_matches_hf_and_jax(server, hf_model, base_weigh
     del js_store, new
 
     # 3. a missing version: clear error, served weights unchanged
-    with pytest.raises(VLLMServerError, match="collective_rpc"):
+    with pytest.raises(SamplerServerError, match="collective_rpc"):
         smp.set_weights(99)
     # 4. a corrupted version: clear error naming the array, served weights unchanged
     ws.publish(base_weights, version=2)
@@ -327,7 +328,7 @@ def test_reload_over_tensorstore_matches_hf_and_jax(server, hf_model, base_weigh
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 0xFF
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(VLLMServerError, match=r"model\.norm\.weight"):
+    with pytest.raises(SamplerServerError, match=r"model\.norm\.weight"):
         smp.set_weights(2)
     assert vllm_greedy(smp, prompts) == ref1
 

@@ -3,6 +3,20 @@
 A sampler turns token-id prompts into sampled continuations. Implementations: the in-process
 JAX sampler (embedded default) and the vLLM client (external server). Everything above this
 module talks to ``Sampler`` only.
+
+New weights reach a sampler in one of two ways, which the sampler names with
+``share_weights()`` (``sampling/publish.py`` asks it, never probes attributes):
+
+* ``"in_process"``: the sampler lives in the trainer's process and takes the param arrays
+  themselves, ``set_params(params, version)``;
+* ``"store"``: the sampler reads a committed version of the tensorstore weight store
+  (``sampling/weight_store.py``) that the trainer published, ``set_weights(version)``.
+
+Adding a backend: a module here with a class implementing the four methods of
+:class:`Sampler` (errors are :class:`SamplerError`, a server's failures
+:class:`SamplerServerError`); its name in ``config/modes.py:SAMPLERS`` (the
+``rollout.sampler`` choices); and its constructor call in ``build.py:build_sampler``.
+Publishing needs nothing new as long as it shares weights one of the two ways above.
 """
 
 from __future__ import annotations
@@ -10,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -19,6 +33,15 @@ FinishReason = Literal["stop", "length"]
 
 class SamplerError(RuntimeError):
     """A sampler could not serve a request (bad input, unreachable server, bad weights)."""
+
+
+class SamplerServerError(SamplerError):
+    """A sampler's server could not be started or reached, or answered with an error."""
+
+
+# How a sampler takes new weights (see the module docstring).
+WeightSharing = Literal["in_process", "store"]
+WEIGHT_SHARING: tuple[WeightSharing, ...] = ("in_process", "store")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +124,29 @@ class Sampler(Protocol):
 
     ``progress``, if given, is called with the number of rows (prompt x sample) finished each
     time some finish (a long request reports as it goes; at the latest once, at the end).
+
+    Weights: ``share_weights()`` says how the sampler takes them ("in_process" or "store");
+    an "in_process" sampler implements ``set_params``, a "store" one ``set_weights`` (the
+    other method raises :class:`SamplerError` saying which to use).
     """
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  progress: Callable[[int], None] | None = None) -> Rollouts: ...
 
-    def set_weights(self, version: int) -> None: ...
+    def share_weights(self) -> WeightSharing:
+        """How this sampler takes new weights: "in_process" or "store"."""
+        ...
+
+    def set_params(self, params: Any, version: int, *, copy: bool = False) -> None:
+        """Use the param pytree ``params`` (``models.decoder`` layout) as ``version``.
+
+        ``copy=True``: the caller will delete (donate) these arrays, so the sampler must not
+        keep references to them."""
+        ...
+
+    def set_weights(self, version: int) -> None:
+        """Load committed ``version`` from the weight store and use it."""
+        ...
 
 
 # A chat message list, e.g. [{"role": "system", "content": ...}, {"role": "user", ...}].

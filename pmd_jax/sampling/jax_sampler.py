@@ -52,7 +52,13 @@ from pmd_jax.models.config import ModelConfig
 from pmd_jax.multihost import to_host
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling import sample_ops
-from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
+from pmd_jax.sampling.base import (
+    Rollout,
+    Rollouts,
+    SamplerError,
+    SamplingParams,
+    WeightSharing,
+)
 from pmd_jax.sampling.batching import bucket_length, plan_batches, row_bucket
 from pmd_jax.sharding import ShardingRules, shard_tree
 
@@ -192,8 +198,27 @@ class JaxSampler:
         return self._llg_tok, text
 
     # ------------------------------------------------------------------ weights
-    def set_params(self, params: Params, version: int | None = None) -> None:
-        """Use ``params`` from now on (no copy for device arrays already placed as needed)."""
+    def share_weights(self, other: JaxSampler | None = None) -> WeightSharing:
+        """The ``Sampler`` contract: this sampler takes the param arrays in process
+        (:meth:`set_params`).
+
+        ``other``: the old spelling of :meth:`use_weights_of` (which it calls); kept until
+        ``trainer.py`` switches to that name."""
+        if other is not None:  # moved: share_weights(other) -> use_weights_of(other) (issue 16)
+            self.use_weights_of(other)
+        return "in_process"
+
+    def set_params(self, params: Params, version: int | None = None, *,
+                   copy: bool = False) -> None:
+        """Use ``params`` from now on (no copy for device arrays already placed as needed).
+
+        ``copy=True``: keep no reference to the caller's arrays (it is about to donate them
+        to a train step). With ``unstack_layers`` the per-layer arrays are new anyway, so
+        only the other leaves are copied."""
+        if copy:
+            skip = "layers" if self.unstack_layers else None
+            params = {k: v if k == skip else jax.tree.map(jnp.copy, v)
+                      for k, v in params.items()}
         try:
             decoder.check_params(params, self.cfg)
         except Exception as e:  # ParamError or a malformed tree
@@ -207,14 +232,14 @@ class JaxSampler:
         self.params = decoder.unstack_layers(placed) if self.unstack_layers else placed
         self.weights_version = version
 
-    def share_weights(self, other: JaxSampler) -> None:
+    def use_weights_of(self, other: JaxSampler) -> None:
         """Use ``other``'s placed weights and version as they are (no copy): for a second
         sampler of the same model, e.g. one serving reflection calls on another thread.
         The tokenizer is not shared (each sampler keeps its own, see :meth:`set_tokenizer`)."""
         if other.cfg != self.cfg or other.mesh is not self.mesh:
-            raise SamplerError("share_weights needs a sampler of the same model config and mesh")
+            raise SamplerError("use_weights_of needs a sampler of the same model config and mesh")
         if other.unstack_layers != self.unstack_layers:
-            raise SamplerError("share_weights needs samplers with the same unstack_layers")
+            raise SamplerError("use_weights_of needs samplers with the same unstack_layers")
         self.params = other.params
         self.weights_version = other.weights_version
 

@@ -38,12 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax.sampling.base import Rollout, Rollouts, SamplerError, SamplingParams
-
-
-class VLLMServerError(SamplerError):
-    """The vLLM server could not be reached or answered with an error."""
-
+from pmd_jax.sampling.base import (
+    Rollout,
+    Rollouts,
+    SamplerError,
+    SamplerServerError,
+    SamplingParams,
+    WeightSharing,
+)
 
 _RETRYABLE_STATUS = {429, 502, 503, 504}
 # The completions request's `structured_outputs` field (vLLM's rename of `guided_json` & co.).
@@ -129,7 +131,7 @@ class VLLMSampler:
                     time.sleep(delay)
                     delay *= 2
                     continue
-                raise VLLMServerError(last) from e
+                raise SamplerServerError(last) from e
             except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
                 # OSError covers ConnectionError, TimeoutError and socket.timeout
                 reason = getattr(e, "reason", e)
@@ -138,22 +140,22 @@ class VLLMSampler:
                     time.sleep(delay)
                     delay *= 2
                     continue
-                raise VLLMServerError(f"{last} (after {attempts} attempt(s))") from e
+                raise SamplerServerError(f"{last} (after {attempts} attempt(s))") from e
             if not raw.strip():
                 return None
             try:
                 return json.loads(raw)
             except json.JSONDecodeError as e:
-                raise VLLMServerError(
+                raise SamplerServerError(
                     f"malformed JSON (HTTP {status}) from {method} {url}: {_excerpt(raw)}"
                 ) from e
-        raise VLLMServerError(last)
+        raise SamplerServerError(last)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         try:
             self._request("GET", "/health", timeout_s=timeout_s, retry=False)
             return True
-        except VLLMServerError:
+        except SamplerServerError:
             return False
 
     def wait_until_ready(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
@@ -162,7 +164,7 @@ class VLLMSampler:
             if self.health(timeout_s=min(5.0, poll_s * 5)):
                 return
             time.sleep(poll_s)
-        raise VLLMServerError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
+        raise SamplerServerError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
 
     def served_models(self) -> list[str]:
         """Model names the server serves (``GET /v1/models``)."""
@@ -170,7 +172,7 @@ class VLLMSampler:
         try:
             return [str(m["id"]) for m in out["data"]]
         except (KeyError, TypeError) as e:
-            raise VLLMServerError(
+            raise SamplerServerError(
                 f"unexpected /v1/models answer from {self.base_url}: {_excerpt(out)}") from e
 
     def server_version(self) -> str:
@@ -178,7 +180,7 @@ class VLLMSampler:
         if self._server_version is None:
             out = self._request("GET", "/version")
             if not isinstance(out, dict) or not isinstance(out.get("version"), str):
-                raise VLLMServerError(
+                raise SamplerServerError(
                     f"unexpected /version answer from {self.base_url}: {_excerpt(out)}")
             self._server_version = out["version"]
         return self._server_version
@@ -253,9 +255,9 @@ class VLLMSampler:
             body["structured_outputs"] = {"json": json.loads(params.json_schema)}
         try:
             out = self._request("POST", "/v1/completions", body)
-        except VLLMServerError as e:
+        except SamplerServerError as e:
             if params.json_schema is not None and _is_client_error(e):
-                raise VLLMServerError(
+                raise SamplerServerError(
                     f"vLLM server at {self.base_url} refused the request with JSON schema "
                     f"{_excerpt(params.json_schema, 200)}: {e}"
                 ) from e
@@ -268,10 +270,10 @@ class VLLMSampler:
     def _parse_completions(self, out: Any, num_prompts: int, params: SamplingParams) -> Rollouts:
         where = f"{self.base_url}/v1/completions"
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
-            raise VLLMServerError(f"unexpected response from {where}: {_excerpt(out)}")
+            raise SamplerServerError(f"unexpected response from {where}: {_excerpt(out)}")
         choices = out["choices"]
         if len(choices) != num_prompts * params.n:
-            raise VLLMServerError(
+            raise SamplerServerError(
                 f"{where} returned {len(choices)} choices, expected {num_prompts} x {params.n}"
             )
         items: list[Rollout] = []
@@ -287,13 +289,13 @@ class VLLMSampler:
                     raise KeyError("logprobs.token_logprobs")
                 reason = c.get("finish_reason")
             except (KeyError, TypeError, ValueError, IndexError) as e:
-                raise VLLMServerError(f"choice {j} from {where} lacks {e}: {_excerpt(c)}") from e
+                raise SamplerServerError(f"choice {j} from {where} lacks {e}: {_excerpt(c)}") from e
             if len(lp) != len(tokens):
-                raise VLLMServerError(
+                raise SamplerServerError(
                     f"choice {j} from {where}: {len(tokens)} tokens but {len(lp)} logprobs"
                 )
             if reason not in ("stop", "length"):
-                raise VLLMServerError(f"choice {j} from {where}: finish_reason {reason!r}")
+                raise SamplerServerError(f"choice {j} from {where}: finish_reason {reason!r}")
             items.append(
                 Rollout(
                     prompt_index=idx // params.n,
@@ -305,6 +307,18 @@ class VLLMSampler:
             )
         items.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return Rollouts(items=items, weights_version=self.weights_version)
+
+    # ------------------------------------------------------------------------- weights
+    def share_weights(self) -> WeightSharing:
+        """The ``Sampler`` contract: the server reads published versions from the store."""
+        return "store"
+
+    def set_params(self, params: Any, version: int, *, copy: bool = False) -> None:
+        """Not served: the server is another process; publish through the weight store."""
+        raise SamplerError(
+            "VLLMSampler takes weights through the weight store (share_weights() == 'store'): "
+            "publish the version (sampling.publish.publish, or WeightStore.publish) and call "
+            "set_weights(version)")
 
     def set_weights(self, version: int) -> None:
         """Make the server load committed ``version`` from the store; returns once served.
@@ -330,7 +344,7 @@ class VLLMSampler:
         if not results or not all(
             isinstance(r, dict) and r.get("version") == int(version) for r in results
         ):
-            raise VLLMServerError(
+            raise SamplerServerError(
                 f"reload of version {version} via {self.base_url}/collective_rpc returned "
                 f"{_excerpt(out)}"
             )
@@ -343,7 +357,7 @@ class VLLMSampler:
                 if not (isinstance(reset, dict) and reset.get("success") is False):
                     break
             else:
-                raise VLLMServerError(
+                raise SamplerServerError(
                     f"{self.base_url}/reset_prefix_cache kept failing after loading "
                     f"version {version}: {_excerpt(reset)}"
                 )
@@ -362,7 +376,7 @@ def _version_tuple(version: str) -> tuple[int, ...] | None:
     return tuple(parts) if parts else None
 
 
-def _is_client_error(e: VLLMServerError) -> bool:
+def _is_client_error(e: SamplerServerError) -> bool:
     """The server refused the request (4xx but 429), e.g. a schema it cannot compile."""
     cause = e.__cause__
     return (isinstance(cause, urllib.error.HTTPError) and 400 <= cause.code < 500
