@@ -334,3 +334,41 @@ def test_slice_reads_match_full_transform_for_any_index():
                 idx.append(slice(a, b))
             got = hf_io._read_leaf(src, m, tuple(idx), np.dtype(np.float32))
             np.testing.assert_array_equal(got, full[tuple(idx)], err_msg=str((m.path, idx)))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_declaration_per_weight(name):
+    """weights.declare is the one list: the param tree, axes, init and HF map all come from it,
+    each HF layout round-trips, and the GGUF names cover every llama tensor once."""
+    from pmd_jax.models import decoder, families, weights
+
+    cfg = CASES[name]
+    decl = weights.declare(cfg)
+    assert tuple(hf_io.tensor_maps(cfg)) == decl
+    paths = [w.path for w in decl]
+    assert len(set(paths)) == len(paths)
+    shapes = jax.tree.map(lambda s: s.shape, param_shapes(cfg))
+    axes = decoder.param_axes(cfg)
+    for w in decl:
+        assert hf_io._get(shapes, w.path) == w.shape
+        assert hf_io._get(axes, w.path) == w.axes
+        ours = np.arange(int(np.prod(w.layer_shape)), dtype=np.float32).reshape(w.layer_shape)
+        hf = w.to_hf(ours)
+        assert hf.shape == w.hf_shape
+        np.testing.assert_array_equal(w.from_hf(hf), ours)
+    params = decoder.init_params(cfg, jax.random.PRNGKey(0))
+    for w in decl:
+        leaf = np.asarray(hf_io._get(params, w.path))
+        if w.init == "ones":
+            assert (leaf == 1).all(), w.path
+        elif w.init == "zeros":
+            assert (leaf == 0).all(), w.path
+        else:
+            assert 0.01 < leaf.std() < 0.03, w.path
+    assert families.FAMILIES[cfg.family].hf_architecture == hf_io.HF_ARCHITECTURES[cfg.family][0]
+    if cfg.family == "llama" and not cfg.attention_bias:
+        g = weights.gguf_names(cfg)
+        hf_names = {n for w in decl for n in w.hf_names()}
+        assert {hf for hf, _ in g.values()} == hf_names
+        assert g["blk.1.attn_q.weight"][0] == "model.layers.1.self_attn.q_proj.weight"
+        assert g["blk.0.attn_k.weight"][1].gguf_permute == "num_kv_heads"
