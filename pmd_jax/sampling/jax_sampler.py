@@ -28,6 +28,9 @@ batched llguidance call each, not one per row). Shapes are those of the unconstr
 (bucketed prompt and cache lengths, the bitmask is always ``[B, ceil(V/32)]``), so schemas
 and requests never trigger a recompile. Unconstrained requests keep the single-program path.
 
+The jitted programs are in ``decode.py``; this module plans the batches, runs them and
+drives the constrained loop.
+
 With a ``mesh``, params are placed per ``rules`` (``decoder.param_axes``), the batch is split
 over the mesh axes the ``batch`` rule names, and the forward adds activation sharding
 constraints; the result equals the unsharded one.
@@ -36,11 +39,10 @@ constraints; the result equals the unsharded one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +52,8 @@ from jax.sharding import Mesh, NamedSharding
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 from pmd_jax.multihost import to_host
+from pmd_jax.sampling import decode
 from pmd_jax.sampling import grammar as grammar_lib
-from pmd_jax.sampling import sample_ops
 from pmd_jax.sampling.base import (
     Rollout,
     Rollouts,
@@ -151,8 +153,8 @@ class JaxSampler:
         self.last_metrics = SamplerMetrics()
         self.set_params(params)
         shard_ctx = None if mesh is None else (mesh, self.rules)
-        self._run = _compiled(cfg, self.pad_id, shard_ctx, self.cache_dtype)
-        self._constrained = _compiled_constrained(cfg, shard_ctx, self.cache_dtype)
+        self._run = decode.compiled_generate(cfg, self.pad_id, shard_ctx, self.cache_dtype)
+        self._constrained = decode.compiled_constrained(cfg, shard_ctx, self.cache_dtype)
         self._tokenizer: Any = None
         self._eos_ids: tuple[int, ...] | None = None
         self._llg_tok: Any = None
@@ -470,85 +472,6 @@ class JaxSampler:
         return out_tok[sl], out_lp[sl], lengths[sl], stopped[sl]
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any):
-    """One jitted program family per (config, pad id, mesh, cache dtype), shared by samplers."""
-    return jax.jit(
-        functools.partial(_generate_batch, cfg=cfg, pad_id=pad_id, shard_ctx=shard_ctx,
-                          cache_dtype=cache_dtype),
-        static_argnames=("cache_len", "out_len"),
-    )
-
-
-class _ConstrainedFns(NamedTuple):
-    prefill: Any
-    step: Any
-    sample: Any
-
-
-@functools.lru_cache(maxsize=32)
-def _compiled_constrained(cfg: ModelConfig, shard_ctx: Any, cache_dtype: Any) -> _ConstrainedFns:
-    """The three jitted pieces of the constrained loop, shared by samplers of one model.
-
-    ``step`` donates the KV cache (updated in place). None of them depends on the grammar.
-    """
-    return _ConstrainedFns(
-        prefill=jax.jit(functools.partial(_prefill, cfg=cfg, shard_ctx=shard_ctx,
-                                          cache_dtype=cache_dtype),
-                        static_argnames=("cache_len",)),
-        step=jax.jit(functools.partial(_decode_logits, cfg=cfg, shard_ctx=shard_ctx),
-                     donate_argnames=("cache",)),
-        sample=jax.jit(_sample_masked),
-    )
-
-
-def _new_cache(params: Params, cfg: ModelConfig, b: int, cache_len: int, cache_dtype: Any,
-               shard_ctx: Any) -> Any:
-    """An empty KV cache for ``b`` rows, laid out on the mesh like the params (if any)."""
-    per_layer = isinstance(params["layers"], (list, tuple))
-    cache = decoder.init_cache(cfg, b, cache_len, cache_dtype, per_layer=per_layer)
-    if shard_ctx is not None:
-        mesh, rules = shard_ctx
-        cache = jax.tree.map(
-            lambda x, ax: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(ax))),
-            cache, decoder.cache_axes(cfg, per_layer=per_layer),
-            is_leaf=lambda x: isinstance(x, jax.Array))
-    return cache
-
-
-def _prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
-             shard_ctx: Any, cache_dtype: Any, cache_len: int) -> tuple[Any, jax.Array]:
-    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot)."""
-    b = tokens.shape[0]
-    cache = _new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
-    positions = decoder.positions_from_mask(mask)
-    hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
-                                    cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
-    return cache, decoder.logits_from_hidden(hidden[:, -1], params, cfg)
-
-
-def _decode_logits(params: Params, cache: Any, last: jax.Array, positions: jax.Array,
-                   cache_index: jax.Array, *, cfg: ModelConfig,
-                   shard_ctx: Any) -> tuple[Any, jax.Array]:
-    """One cached decode forward of tokens ``last`` [B]: (cache, float32 logits [B, V])."""
-    b = last.shape[0]
-    hidden, cache = decoder.forward(
-        params, last[:, None], positions, cfg, attn_mask=jnp.ones((b, 1), jnp.bool_),
-        cache=cache, cache_index=cache_index, return_hidden=True, shard_ctx=shard_ctx)
-    return cache, decoder.logits_from_hidden(hidden[:, 0], params, cfg)
-
-
-def _sample_masked(logits: jax.Array, bitmask: jax.Array, prompt_idx: jax.Array,
-                   sample_idx: jax.Array, step: jax.Array, *, seed: jax.Array,
-                   temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   needs_filter: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mask the logits by the ``[B, W]`` token bitmask, then sample as the fast path does
-    (same keys); the logprob is that of the masked, renormalised distribution."""
-    keys = sample_ops.row_keys(seed, prompt_idx, sample_idx, step)
-    return sample_ops.sample_tokens(sample_ops.apply_token_bitmask(logits, bitmask), keys,
-                                    temperature, top_k, top_p, needs_filter=needs_filter)
-
-
 # Batch shapes each compiled program family has run (plan_batches treats them as free).
 _SHAPES_RUN: dict[int, set[tuple[int, ...]]] = {}
 
@@ -568,74 +491,5 @@ def _llg_tokenizer_cached(tokenizer: Any, vocab_size: int, eos_ids: Any) -> Any:
     return llt
 
 
-def _generate_batch(
-    params: Params,
-    tokens: jax.Array,
-    mask: jax.Array,
-    prompt_idx: jax.Array,
-    sample_idx: jax.Array,
-    valid: jax.Array,
-    *,
-    seed: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    needs_filter: jax.Array,
-    max_tokens: jax.Array,
-    stop_ids: jax.Array,
-    cfg: ModelConfig,
-    pad_id: int,
-    shard_ctx: Any,
-    cache_dtype: Any,
-    cache_len: int,
-    out_len: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Prefill + decode one padded batch. Returns (tokens, logprobs, lengths, stopped)."""
-    b, p_len = tokens.shape
-    cache = _new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
-    positions = decoder.positions_from_mask(mask)
-    prompt_len = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-
-    def sample(logits, step):
-        keys = sample_ops.row_keys(seed, prompt_idx, sample_idx, step)
-        return sample_ops.sample_tokens(logits, keys, temperature, top_k, top_p,
-                                        needs_filter=needs_filter)
-
-    def is_stop(tok):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-
-    # ---- prefill: the last slot is always a real token (left padding)
-    hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
-                                    cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
-    logits = decoder.logits_from_hidden(hidden[:, -1], params, cfg)
-    tok, lp = sample(logits, jnp.int32(0))
-    out_tok = jnp.full((b, out_len), pad_id, jnp.int32).at[:, 0].set(tok)
-    out_lp = jnp.zeros((b, out_len), jnp.float32).at[:, 0].set(lp)
-    stopped = is_stop(tok) & valid
-    done = stopped | ~valid
-    lengths = jnp.ones((b,), jnp.int32)
-
-    def cond(state):
-        step, _, _, _, _, done, _, _ = state
-        return (step < max_tokens) & ~jnp.all(done)
-
-    def body(state):
-        step, cache, last, out_tok, out_lp, done, stopped, lengths = state
-        pos = (prompt_len + step - 1)[:, None]
-        hidden, cache = decoder.forward(
-            params, last[:, None], pos, cfg, attn_mask=jnp.ones((b, 1), jnp.bool_), cache=cache,
-            cache_index=p_len + step - 1, return_hidden=True, shard_ctx=shard_ctx)
-        logits = decoder.logits_from_hidden(hidden[:, 0], params, cfg)
-        tok, lp = sample(logits, step)
-        active = ~done
-        col_t = jnp.where(active, tok, pad_id)
-        col_l = jnp.where(active, lp, 0.0)
-        out_tok = jax.lax.dynamic_update_slice(out_tok, col_t[:, None], (0, step))
-        out_lp = jax.lax.dynamic_update_slice(out_lp, col_l[:, None], (0, step))
-        lengths = jnp.where(active, step + 1, lengths)
-        hit = active & is_stop(tok)
-        return (step + 1, cache, tok, out_tok, out_lp, done | hit, stopped | hit, lengths)
-
-    state = (jnp.int32(1), cache, tok, out_tok, out_lp, done, stopped, lengths)
-    _, _, _, out_tok, out_lp, _, stopped, lengths = jax.lax.while_loop(cond, body, state)
-    return out_tok, out_lp, lengths, stopped
+# moved: jax_sampler._decode_logits -> decode.decode_logits (issue 16)
+_decode_logits = decode.decode_logits

@@ -6,29 +6,10 @@ Layout under a root (a local path, ``file://`` URL or ``gs://bucket/prefix``)::
     data/v000000000042/_crc/p00000.json             per-process chunk checksums (multi-host)
     manifests/v000000000042.json                    the commit marker, written LAST
 
-Arrays are named exactly as in the HF checkpoint ("model.layers.0.self_attn.q_proj.weight")
-with HF shapes ([out, in] for linear layers), so vLLM's ``load_weights`` takes them as they
-are. A version is *committed* once its manifest exists; readers only list manifests, so they
+A version is *committed* once its manifest exists; readers only list manifests, so they
 never see a version that is still being written. The manifest is written atomically
 (temp file + ``os.replace`` locally; a single object write on GCS, which is atomic).
-
-Sharded ``jax.Array`` inputs: the zarr chunk grid equals the array's shard shape, and every
-process writes only its addressable shards with ``replica_id == 0`` (so each unique slice is
-written exactly once across all processes). Plain numpy arrays are chunked along axis 0 into
-chunks of at most ``max_chunk_bytes``.
-
-Checksums (``CHECKSUM_ALGO``): per chunk, a Fletcher-style pair of 64-bit sums over the
-chunk's C-order bytes: the bytes are cut into 4 KiB blocks (the last one zero-padded) read as
-uint64 words; ``s1`` is the sum of all words and ``s2`` the sum of each block's word sum
-times its 1-based block index, both mod 2**64; the digest is ``"<nbytes hex>:<s1>:<s2>"``.
-Any change of a single word changes ``s1``; moved, swapped, zeroed or truncated blocks change
-``s2`` or the length. It is not cryptographic and does not see reorderings within one 4 KiB
-block. It runs at memory speed in numpy (several times faster than a software CRC), is
-computed per shard on the host that writes it (a shard is exactly one chunk), and the manifest
-combines them as the list of chunk digests in C order of the chunk grid. Readers recompute the
-digests from the arrays they read and compare; a mismatch raises ``WeightStoreError`` naming
-the array and chunk. Missing chunks are read errors (``fill_missing_data_reads=False``), never
-silent zeros.
+Array names, shapes, chunking and checksums: ``weight_format.py``.
 
 Garbage collection keeps the newest ``keep`` committed versions and deletes older ones
 (manifest first, then data). A reader that loses the race (its version was deleted while it
@@ -38,15 +19,15 @@ been affected by deletion, because deletion starts by removing the manifest.
 
 Every remote operation runs under a deadline (``timeout_s``): an unreachable store raises
 ``WeightStoreError`` saying what timed out, instead of hanging.
+
+This module and ``weight_format.py`` need only numpy and tensorstore: the vLLM worker
+extension (``third_party/pmd_vllm``) loads this file by path, without jax or pmd_jax.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-import re
 import socket
 import tempfile
 import time
@@ -57,147 +38,25 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-MANIFEST_FORMAT = "pmd_jax.weights/1"
-CHECKSUM_ALGO = "sum64x2-4k"
-_BLOCK_WORDS = 512  # 4 KiB blocks
-_VERSION_DIGITS = 12
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
-_MANIFEST_RE = re.compile(rf"^v(\d{{{_VERSION_DIGITS}}})\.json$")
+if __package__:  # imported as pmd_jax.sampling.weight_store
+    from pmd_jax.sampling import weight_format as fmt
+else:  # loaded from its file (third_party/pmd_vllm): the format module from its file, too
+    import importlib.util
+    import sys
 
+    _spec = importlib.util.spec_from_file_location(
+        f"{__name__}_format", os.path.join(os.path.dirname(__file__), "weight_format.py"))
+    assert _spec is not None and _spec.loader is not None
+    fmt = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(fmt)
 
-class WeightStoreError(RuntimeError):
-    """The store could not publish or serve a version (unreachable, corrupt, missing, bad input)."""
-
-
-class VersionVanishedError(WeightStoreError):
-    """The version being read was garbage-collected while it was read (readers retry)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferMetrics:
-    """Timings and volume of one publish or read."""
-
-    op: str  # "publish" or "read"
-    version: int
-    num_arrays: int
-    bytes: int
-    seconds: float
-    write_or_read_seconds: float  # the data transfer part
-    checksum_seconds: float  # computing / verifying digests (summed over threads)
-    manifest_seconds: float
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    version: int
-    step: int
-    created: float
-    arrays: dict[str, dict[str, Any]]  # name -> {shape, dtype, chunk_shape, checksums}
-    extra: dict[str, Any]
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.arrays)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            math.prod(a["shape"]) * np.dtype(_np_dtype(a["dtype"])).itemsize
-            for a in self.arrays.values()
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": MANIFEST_FORMAT,
-                "version": self.version,
-                "step": self.step,
-                "created": self.created,
-                "names": self.names,
-                "checksum": CHECKSUM_ALGO,
-                "arrays": self.arrays,
-                "extra": self.extra,
-            },
-            indent=1,
-        )
-
-    @classmethod
-    def from_json(cls, text: bytes | str, where: str) -> Manifest:
-        try:
-            d = json.loads(text)
-            if d.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format {d.get('format')!r} != {MANIFEST_FORMAT!r}")
-            if d.get("checksum") != CHECKSUM_ALGO:
-                raise ValueError(f"checksum {d.get('checksum')!r} != {CHECKSUM_ALGO!r}")
-            arrays = d["arrays"]
-            for name, a in arrays.items():
-                for key in ("shape", "dtype", "chunk_shape", "checksums"):
-                    if key not in a:
-                        raise ValueError(f"array {name!r} lacks {key!r}")
-            return cls(
-                version=int(d["version"]),
-                step=int(d["step"]),
-                created=float(d["created"]),
-                arrays=arrays,
-                extra=dict(d.get("extra", {})),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise WeightStoreError(f"malformed manifest {where}: {e}") from e
-
-
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _zarr_dtype(dtype: np.dtype) -> str:
-    name = np.dtype(dtype).name
-    allowed = {
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64",
-    }  # fmt: skip
-    if name not in allowed:
-        raise WeightStoreError(f"unsupported dtype {name!r} (supported: {sorted(allowed)})")
-    return name
-
-
-def _chunk_grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(-(-s // c) if c else 0 for s, c in zip(shape, chunk_shape, strict=True))
-
-
-def _chunk_key(idx: tuple[int, ...]) -> str:
-    return "c/" + "/".join(str(i) for i in idx) if idx else "c"
-
-
-def _version_dir(version: int) -> str:
-    return f"v{version:0{_VERSION_DIGITS}d}"
-
-
-def parse_store_url(url: str | os.PathLike) -> dict[str, Any]:
-    """A local path, ``file:///abs/path`` or ``gs://bucket/prefix`` -> tensorstore kvstore spec."""
-    url = os.fspath(url)
-    if url.startswith("gs://"):
-        bucket, _, path = url[len("gs://") :].partition("/")
-        if not bucket:
-            raise WeightStoreError(f"store URL {url!r} has no bucket")
-        path = path.strip("/")
-        return {"driver": "gcs", "bucket": bucket, "path": path + "/" if path else ""}
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    elif "://" in url:
-        raise WeightStoreError(f"unsupported store URL {url!r} (use a local path or gs://)")
-    return {"driver": "file", "path": os.path.abspath(url) + "/"}
-
-
-def _is_jax_array(x: Any) -> bool:
-    return hasattr(x, "addressable_shards") and hasattr(x, "sharding")
+# The format's names used here and by callers of this module.
+Manifest = fmt.Manifest
+TransferMetrics = fmt.TransferMetrics
+VersionVanishedError = fmt.VersionVanishedError
+WeightStoreError = fmt.WeightStoreError
+checksum = fmt.checksum
+parse_store_url = fmt.parse_store_url
 
 
 class WeightStore:
@@ -284,14 +143,14 @@ class WeightStore:
 
     def _array_spec(self, version: int, name: str) -> dict[str, Any]:
         kv = dict(self.kvspec)
-        kv["path"] = kv["path"] + f"data/{_version_dir(version)}/{name}/"
+        kv["path"] = kv["path"] + f"data/{fmt.version_dir(version)}/{name}/"
         return {"driver": "zarr3", "kvstore": kv}
 
     def _data_prefix(self, version: int) -> str:
-        return f"data/{_version_dir(version)}/"
+        return f"data/{fmt.version_dir(version)}/"
 
     def _manifest_key(self, version: int) -> str:
-        return f"manifests/{_version_dir(version)}.json"
+        return f"manifests/{fmt.version_dir(version)}.json"
 
     def _proc(self) -> tuple[int, int]:
         if self._process_index is not None:
@@ -317,7 +176,7 @@ class WeightStore:
             entries = [k.decode().rsplit("/", 1)[-1] for k in keys]
         out = []
         for e in entries:
-            m = _MANIFEST_RE.match(e)
+            m = fmt.MANIFEST_RE.match(e)
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)
@@ -358,15 +217,15 @@ class WeightStore:
         t0 = time.perf_counter()
         if not arrays:
             raise WeightStoreError("publish: no arrays given")
-        if version < 0 or version >= 10**_VERSION_DIGITS:
+        if version < 0 or version >= 10**fmt.VERSION_DIGITS:
             raise WeightStoreError(f"publish: version must be in [0, 1e12), got {version}")
         for name in arrays:
-            if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name.split("/"):
+            if not isinstance(name, str) or not fmt.NAME_RE.match(name) or ".." in name.split("/"):
                 raise WeightStoreError(f"publish: invalid array name {name!r}")
             if name == "_crc" or name.startswith("_crc/"):
                 raise WeightStoreError(f"publish: array name {name!r} is reserved")
         pidx, pcount = self._proc()
-        if any(_is_jax_array(a) for a in arrays.values()) and self._process_index is None:
+        if any(fmt.is_jax_array(a) for a in arrays.values()) and self._process_index is None:
             import jax
 
             pidx, pcount = jax.process_index(), jax.process_count()
@@ -375,46 +234,8 @@ class WeightStore:
 
         deadline = self._deadline()
         # 1. create every array (process 0 writes metadata; others open it) and write slices.
-        plans: dict[str, dict[str, Any]] = {}
-        for name, arr in arrays.items():
-            shape = tuple(int(s) for s in arr.shape)
-            dtype = _zarr_dtype(arr.dtype)
-            itemsize = np.dtype(_np_dtype(dtype)).itemsize
-            if _is_jax_array(arr):
-                pieces = []
-                shard_shape = None
-                for shard in arr.addressable_shards:
-                    idx = tuple(
-                        slice(*sl.indices(d)[:2]) for sl, d in zip(shard.index, shape, strict=True)
-                    )
-                    this = tuple(s.stop - s.start for s in idx)
-                    if shard_shape is None:
-                        shard_shape = this
-                    if shard.replica_id == 0:
-                        pieces.append((idx, shard.data))
-                chunk_shape = tuple(max(c, 1) for c in (shard_shape or shape))
-                for idx, _ in pieces:
-                    for s, c in zip(idx, chunk_shape, strict=True):
-                        if s.start % c:
-                            raise WeightStoreError(
-                                f"publish: shards of {name!r} are not aligned to a regular grid "
-                                f"(shard start {s.start} not a multiple of {c})"
-                            )
-            else:
-                a = np.asarray(arr)
-                rows = max(1, self.max_chunk_bytes // max(1, itemsize * math.prod(shape[1:])))
-                chunk_shape = (min(shape[0], rows), *shape[1:]) if shape else ()
-                chunk_shape = tuple(max(c, 1) for c in chunk_shape)
-                pieces = [(tuple(slice(0, d) for d in shape), a)] if pidx == 0 else []
-            plans[name] = {
-                "shape": shape,
-                "dtype": dtype,
-                "chunk_shape": chunk_shape,
-                "pieces": pieces,
-                "itemsize": itemsize,
-                "name": name,
-            }
-
+        plans = {name: fmt.plan_array(name, arr, pidx, self.max_chunk_bytes)
+                 for name, arr in arrays.items()}
         t_write = time.perf_counter()
         kv = self._kvstore()
         prefix = self._data_prefix(version)
@@ -428,16 +249,7 @@ class WeightStore:
         open_futs = {}
         for name, p in plans.items():
             spec = self._array_spec(version, name)
-            spec["metadata"] = {
-                "shape": list(p["shape"]),
-                "data_type": p["dtype"],
-                "chunk_grid": {
-                    "name": "regular",
-                    "configuration": {"chunk_shape": list(p["chunk_shape"])},
-                },
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-                "fill_value": 0,
-            }
+            spec["metadata"] = fmt.zarr_metadata(p)
             # Chunks equal to the fill value must still be written: a missing chunk is an error.
             spec["store_data_equal_to_fill_value"] = True
             if pidx == 0:
@@ -483,7 +295,7 @@ class WeightStore:
             for name, p in plans.items():
                 for idx, host in p["host"]:
                     local_crcs.setdefault(name, {}).update(
-                        _piece_checksums(host, idx, p["chunk_shape"], p["shape"])
+                        fmt.piece_checksums(host, idx, p["chunk_shape"], p["shape"])
                     )
             t_crc = time.perf_counter() - t_crc
         for name, fut in write_futs:
@@ -523,28 +335,9 @@ class WeightStore:
             else:
                 for n, d in local_crcs.items():
                     all_crcs[n].update(d)
-            marrays: dict[str, dict[str, Any]] = {}
-            for name, p in plans.items():
-                grid = _chunk_grid(p["shape"], p["chunk_shape"])
-                keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
-                missing = [k for k in keys if k not in all_crcs[name]]
-                if missing:
-                    raise WeightStoreError(
-                        f"publish: array {name!r} chunks {missing[:4]} were written by no process"
-                    )
-                marrays[name] = {
-                    "shape": list(p["shape"]),
-                    "dtype": p["dtype"],
-                    "chunk_shape": list(p["chunk_shape"]),
-                    "checksums": [all_crcs[name][k] for k in keys],
-                }
-            manifest = Manifest(
-                version=version,
-                step=version if step is None else int(step),
-                created=time.time(),
-                arrays=marrays,
-                extra=dict(extra or {}, host=socket.gethostname(), processes=pcount),
-            )
+            manifest = fmt.build_manifest(version, step, plans, all_crcs,
+                                          dict(extra or {}, host=socket.gethostname(),
+                                               processes=pcount))
             self._commit_manifest(version, manifest.to_json().encode(), deadline)
         t_man = time.perf_counter() - t_man
 
@@ -563,84 +356,18 @@ class WeightStore:
             self.gc()
         return metrics
 
-    def _chunk_path(self, version: int, name: str, ci: tuple[int, ...]) -> str:
-        return os.path.join(
-            self.kvspec["path"], "data", _version_dir(version), name, *_chunk_key(ci).split("/")
-        )
-
     def _direct_write_piece(
         self, version: int, p: Mapping[str, Any], idx: tuple[slice, ...], host: np.ndarray
     ) -> tuple[dict[str, str], float]:
         """Write the chunks of one piece as plain files; returns (digests, checksum seconds)."""
-        shape, chunk_shape = p["shape"], p["chunk_shape"]
-        ranges = [
-            range(sl.start // c, -(-sl.stop // c)) for sl, c in zip(idx, chunk_shape, strict=True)
-        ]
-        crcs: dict[str, str] = {}
-        t_crc = 0.0
-        for ci in _product(ranges):
-            local = tuple(
-                slice(i * c - sl.start, min((i + 1) * c, d) - sl.start)
-                for i, c, sl, d in zip(ci, chunk_shape, idx, shape, strict=True)
-            )
-            region = np.require(host[local] if local else host, requirements="C")
-            t = time.perf_counter()
-            crcs[_chunk_key(ci)] = checksum(region)
-            t_crc += time.perf_counter() - t
-            if region.shape != tuple(chunk_shape):  # zarr3 stores edge chunks full size
-                full = np.zeros(chunk_shape, region.dtype)
-                full[tuple(slice(0, n) for n in region.shape)] = region
-                region = full
-            path = self._chunk_path(version, p["name"], ci)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(memoryview(region.reshape(-1).view(np.uint8)))
-                if self.file_io_sync:
-                    f.flush()
-                    os.fsync(f.fileno())
-        return crcs, t_crc
+        return fmt.direct_write_piece(
+            self.kvspec["path"], version, p, idx, host, self.file_io_sync)
 
     def _direct_read_array(
         self, version: int, name: str, meta: Mapping[str, Any], verify: bool
     ) -> tuple[np.ndarray, dict[str, str] | None, float]:
         """Read one array from its chunk files; with ``verify`` also its chunk digests."""
-        shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunk_shape"])
-        t_crc = 0.0
-        dtype = _np_dtype(meta["dtype"])
-        out = np.empty(shape, dtype)
-        chunk_bytes = math.prod(chunk_shape) * dtype.itemsize
-        grid = _chunk_grid(shape, chunk_shape)
-        crcs: dict[str, str] | None = {} if verify else None
-        for ci in np.ndindex(*grid) if grid else [()]:
-            region = tuple(
-                slice(i * c, min((i + 1) * c, d))
-                for i, c, d in zip(ci, chunk_shape, shape, strict=True)
-            )
-            path = self._chunk_path(version, name, ci)
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:
-                raise ValueError(f"chunk {_chunk_key(ci)} is missing ({path})") from None
-            with f:
-                size = os.fstat(f.fileno()).st_size
-                if size != chunk_bytes:
-                    raise ValueError(
-                        f"chunk {_chunk_key(ci)} has {size} bytes, expected {chunk_bytes}"
-                    )
-                target = out[region] if region else out[...]
-                if target.shape == chunk_shape and target.flags.c_contiguous:
-                    buf = target
-                else:
-                    buf = np.empty(chunk_shape, dtype)
-                if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != chunk_bytes:
-                    raise ValueError(f"chunk {_chunk_key(ci)} was truncated while reading")
-                if buf is not target:
-                    target[...] = buf[tuple(slice(0, n) for n in target.shape)]
-            if crcs is not None:
-                t = time.perf_counter()
-                crcs[_chunk_key(ci)] = checksum(out[region] if region else out)
-                t_crc += time.perf_counter() - t
-        return out, crcs, t_crc
+        return fmt.direct_read_array(self.kvspec["path"], version, name, meta, verify)
 
     def _commit_manifest(self, version: int, payload: bytes, deadline: float) -> None:
         key = self._manifest_key(version)
@@ -761,21 +488,7 @@ class WeightStore:
         t_read = time.perf_counter() - t_read
         t_crc = time.perf_counter()
         if verify:
-            for n, arr in out.items():
-                meta = manifest.arrays[n]
-                shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunk_shape"])
-                got = pre_crcs.get(n) or _piece_checksums(
-                    arr, tuple(slice(0, d) for d in shape), chunk_shape, shape
-                )
-                grid = _chunk_grid(shape, chunk_shape)
-                keys = [_chunk_key(i) for i in np.ndindex(*grid)] if grid else ["c"]
-                bad = [
-                    k
-                    for k, want in zip(keys, meta["checksums"], strict=False)
-                    if got.get(k) != want
-                ]
-                if bad or len(keys) != len(meta["checksums"]):
-                    errors[n] = f"checksum mismatch against the manifest in chunks {bad[:4]}"
+            errors.update(fmt.checksum_errors(out, manifest, pre_crcs))
         t_crc = time.perf_counter() - t_crc + worker_crc_s
         # Deletion removes the manifest first: if it is still there, nothing we read was deleted.
         t_man = time.perf_counter()
@@ -839,7 +552,7 @@ class WeightStore:
                     removed.append(v)
         if self.is_local:
             for v in removed:
-                _remove_empty_dirs(os.path.join(self.kvspec["path"], "data", _version_dir(v)))
+                _remove_empty_dirs(os.path.join(self.kvspec["path"], "data", fmt.version_dir(v)))
         return doomed
 
     def _delete_key(self, key: str) -> None:
@@ -860,48 +573,10 @@ class WeightStore:
             return []
         out = []
         for e in entries:
-            m = re.match(rf"^v(\d{{{_VERSION_DIGITS}}})$", e)
+            m = fmt.VERSION_DIR_RE.match(e)
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)
-
-
-def checksum(data: np.ndarray) -> str:
-    """``CHECKSUM_ALGO`` digest of an array's C-order bytes (see the module docstring)."""
-    b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    nbytes = b.size
-    block = _BLOCK_WORDS * 8
-    n_main = nbytes // block * block
-    sums = [b[:n_main].view(np.uint64).reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)]
-    if nbytes > n_main:
-        tail = np.zeros(block, np.uint8)
-        tail[: nbytes - n_main] = b[n_main:]
-        sums.append(tail.view(np.uint64).sum(dtype=np.uint64, keepdims=True))
-    bs = np.concatenate(sums)
-    with np.errstate(over="ignore"):
-        s1 = int(bs.sum(dtype=np.uint64))
-        s2 = int((bs * np.arange(1, bs.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
-    return f"{nbytes:x}:{s1:016x}:{s2:016x}"
-
-
-def _piece_checksums(
-    host: np.ndarray,
-    idx: tuple[slice, ...],
-    chunk_shape: tuple[int, ...],
-    shape: tuple[int, ...],
-) -> dict[str, str]:
-    """Digests of every chunk inside ``host`` = global[idx] (idx aligned to the chunk grid)."""
-    ranges = [
-        range(sl.start // c, -(-sl.stop // c)) for sl, c in zip(idx, chunk_shape, strict=True)
-    ]
-    out = {}
-    for ci in _product(ranges):
-        local = tuple(
-            slice(i * c - sl.start, min((i + 1) * c, d) - sl.start)
-            for i, c, sl, d in zip(ci, chunk_shape, idx, shape, strict=True)
-        )
-        out[_chunk_key(ci)] = checksum(host[local])
-    return out
 
 
 def _barrier(name: str) -> None:
@@ -909,15 +584,6 @@ def _barrier(name: str) -> None:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
-
-
-def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i, *rest)
 
 
 def _remove_empty_dirs(path: str) -> None:
