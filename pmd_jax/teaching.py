@@ -8,7 +8,7 @@ After the rollouts are verified (``Trainer.verify``) the loop calls, in order:
    the demonstration chosen by :func:`select_demonstrations`, the verifier's feedback, the
    memory's sections), rendered into the teacher's prompt (:func:`teacher_messages`), aligned
    with the student's prompt and the response (``distill.align``) into the host-side batch the
-   train step takes (``distill.step.make_batch``).
+   train step takes (``distill.batch.make_batch``).
 
 Nothing numeric happens here beyond host-side bookkeeping.
 """
@@ -141,10 +141,10 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
 # ----------------------------------------------------------------------------- train batch
 def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any,
                       sb: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The host-side train batch of a step's rollouts (``distill.step.make_batch``'s keys,
+    """The host-side train batch of a step's rollouts (``distill.batch.make_batch``'s keys,
     right padded) and the teacher prompts' metrics."""
     from pmd_jax.distill import align
-    from pmd_jax.distill.step import make_batch
+    from pmd_jax.distill.batch import make_batch
 
     responses = [r.tokens.tolist() for r in sb.rollouts]
     students = [sb.student_prompts[r.prompt_index] for r in sb.rollouts]

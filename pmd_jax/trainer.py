@@ -6,7 +6,7 @@
 4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
 5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
                  ``distill/kl.py`` for the KL to the initial model)
-6. publish       hand the new weights to the sampler
+6. publish       hand the new weights to the sampler (``sampling/publish.py``)
 7. checkpoint    train state, memory, data cursor (``checkpoint.RunCheckpointer``)
 8. evaluate      memory-free, on held-out problems (``evaluate.py``)
 9. export        the final weights as a HF checkpoint (``export.py``)
@@ -47,6 +47,7 @@ from pmd_jax.distill.update_rows import rows_for_update
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
 from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollouts, SamplerError, SamplingParams, TextGenerator
+from pmd_jax.sampling.publish import publish
 
 log = logging.getLogger("pmd_jax")
 
@@ -444,13 +445,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ 6. publish
     def _publish(self, version: int) -> None:
+        """Hand the current weights to the sampler (in process, or a weight-store version)."""
         # With overlap the sampler must own its weights: the next train step donates the
         # train state's buffers while the rollout thread is still reading the published ones.
-        _publish_weights(self.cfg, self.sampler, self.state, version, copy=self.overlap)
+        publish(self.sampler, train.current_params(self.cfg, self.state), step=version,
+                model_cfg=self.state.step_fn.model_cfg,
+                weight_store_url=self.cfg.rollout.weight_store, copy=self.overlap)
         if self.reflect_sampler is not self.sampler:
             # Same class and config: share the rollout sampler's placed (possibly per-layer
             # unstacked) arrays as they are, so the weights exist once for both.
-            self.reflect_sampler.share_weights(self.sampler)
+            self.reflect_sampler.use_weights_of(self.sampler)
         self.weights_version = int(version)
 
     # ------------------------------------------------------------------ 7. checkpoint
@@ -559,36 +563,3 @@ class Trainer:
             self.memory.export_html(self.run_dir / "memory.html")
         log.info("run directory %s: %d plots written", self.run_dir, len(plots))
         self.metrics.close()
-
-
-def _publish_weights(cfg: Any, sampler: Any, bundle: train.TrainBundle, step: int,
-                     copy: bool = False) -> None:
-    """Hand the current weights to the sampler (in-process, or a tensorstore version).
-
-    In process the sampler may get the train state's own arrays, which the next (donating)
-    train step deletes; ``copy=True`` gives it a copy it keeps while training runs
-    (rollout.overlap samples during the train step)."""
-    params = train.current_params(cfg, bundle)
-    if hasattr(sampler, "set_params"):
-        if copy:
-            import jax
-            import jax.numpy as jnp
-
-            # A sampler that splits the layers (JaxSampler.unstack_layers) already makes new
-            # per-layer arrays; only the other leaves need their own copy.
-            skip = "layers" if getattr(sampler, "unstack_layers", False) else None
-            params = {k: v if k == skip else jax.tree.map(jnp.copy, v)
-                      for k, v in params.items()}
-        sampler.set_params(params, version=int(step))
-        return
-    from pmd_jax.models.hf_io import iter_hf_tensors
-    from pmd_jax.sampling.weight_store import WeightStore
-
-    url = cfg.rollout.weight_store
-    store = _STORES.get(url) or _STORES.setdefault(url, WeightStore(url))
-    store.publish(dict(iter_hf_tensors(params, bundle.step_fn.model_cfg)), version=int(step),
-                  step=int(step))
-    sampler.set_weights(int(step))
-
-
-_STORES: dict[str, Any] = {}
