@@ -200,14 +200,9 @@ class JaxSampler:
         return self._llg_tok, text
 
     # ------------------------------------------------------------------ weights
-    def share_weights(self, other: JaxSampler | None = None) -> WeightSharing:
+    def share_weights(self) -> WeightSharing:
         """The ``Sampler`` contract: this sampler takes the param arrays in process
-        (:meth:`set_params`).
-
-        ``other``: the old spelling of :meth:`use_weights_of` (which it calls); kept until
-        ``trainer.py`` switches to that name."""
-        if other is not None:  # moved: share_weights(other) -> use_weights_of(other) (issue 16)
-            self.use_weights_of(other)
+        (:meth:`set_params`)."""
         return "in_process"
 
     def set_params(self, params: Params, version: int | None = None, *,
