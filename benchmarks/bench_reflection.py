@@ -127,9 +127,8 @@ def main() -> None:
     n_all = sum(len(rs) for rs in recs.values())
     print(f"rollouts: {n_all} for {len(recs)} problems, {n_ok} correct "
           f"({time.perf_counter() - t0:.1f} s)")
-    mc = cfg.memory
-    with mc.unlocked():
-        mc.stop_token_ids = [int(t) for t in model.stop_token_ids]
+    # The memory's own config, as the trainer builds it (stop tokens, success threshold).
+    mc = build.memory_config(cfg, model.tokenizer)
     extra = list(model.tokenizer.special_tokens)
     convs = []
     for rs in recs.values():
@@ -142,8 +141,8 @@ def main() -> None:
     server = None
     if args.sampler == "vllm":
         from pmd_jax.models import gguf_io
-        from pmd_jax.sampling.local_vllm import LocalVllmServer
         from pmd_jax.sampling.vllm_client import VLLMSampler
+        from tests.local_vllm import LocalVllmServer
 
         hf_dir = gguf_io.smollm2_hf_dir()
         tmp = Path(tempfile.mkdtemp(prefix="bench-reflection-"))
