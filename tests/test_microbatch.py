@@ -9,29 +9,22 @@ any, and responses of different lengths, so per-microbatch normalisation would d
 
 from __future__ import annotations
 
-import os
+# isort: off
+from tests.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+# isort: on
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from pmd_jax import sharding as shd
+from pmd_jax.distill import accumulate, align
+from pmd_jax.distill import batch as dbatch
+from pmd_jax.distill import step as st
+from pmd_jax.distill.config import default_distill_config
+from pmd_jax.models import decoder
 
-from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.distill import accumulate, align  # noqa: E402
-from pmd_jax.distill import batch as dbatch  # noqa: E402
-from pmd_jax.distill import step as st  # noqa: E402
-from pmd_jax.distill.config import default_distill_config  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ModelConfig  # noqa: E402
-
-TINY = ModelConfig(
-    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-    num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=False,
-)
 B = 16
 GROUP = 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -95,8 +88,7 @@ def _run(ts: st.TrainStep, steps: int = 2):
 
 @pytest.fixture(scope="module")
 def mesh():
-    assert len(jax.devices()) == 8, "XLA_FLAGS must give 8 CPU devices"
-    return shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    return make_mesh8()
 
 
 def _assert_same(got, want):

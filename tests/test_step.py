@@ -6,32 +6,27 @@ loss recomputed from full decoder logits with numpy gathering and the unchunked 
 
 from __future__ import annotations
 
+# isort: off
+from tests.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+# isort: on
+
 import functools
-import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from pmd_jax import sharding as shd
+from pmd_jax.distill import align, losses
+from pmd_jax.distill import batch as dbatch
+from pmd_jax.distill import policy_gradient as pg
+from pmd_jax.distill import step as st
+from pmd_jax.distill.config import DistillConfigError, default_distill_config
+from pmd_jax.models import decoder
+from pmd_jax.models.config import ModelConfig
+from tests import reference_losses
 
-from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.distill import align, losses  # noqa: E402
-from pmd_jax.distill import batch as dbatch  # noqa: E402
-from pmd_jax.distill import policy_gradient as pg  # noqa: E402
-from pmd_jax.distill import step as st  # noqa: E402
-from pmd_jax.distill.config import DistillConfigError, default_distill_config  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ModelConfig  # noqa: E402
-from tests import reference_losses  # noqa: E402
-
-TINY = ModelConfig(
-    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-    num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=False,
-)
 B = 4
 GROUP = 2
 
@@ -81,8 +76,7 @@ def _np(tree):
 
 @pytest.fixture(scope="module")
 def mesh():
-    assert len(jax.devices()) == 8, "XLA_FLAGS must give 8 CPU devices"
-    return shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    return make_mesh8()
 
 
 @pytest.fixture(scope="module")
