@@ -61,7 +61,9 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
         "old_logp": sds((batch, response_len), jnp.float32),
         "rewards": sds((batch,), jnp.float32),
     }
-    if step_fn.opts.mode == "grpo":
+    from pmd_jax.distill.registry import get_loss
+
+    if not get_loss(step_fn.opts.loss_name).needs_teacher:  # e.g. grpo: no teacher prompt
         b = {k: v for k, v in b.items() if not k.startswith("teacher_")}
     sh = step_fn.batch_shardings(b)
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in b.items()}

@@ -129,7 +129,9 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
         **_memory(compiled, t.hbm_bytes),
     }
     del compiled
-    n_teacher = (0 if cfg.distill.loss.name == "grpo"
+    from pmd_jax.distill.registry import get_loss
+
+    n_teacher = (0 if not get_loss(cfg.distill.loss.name).needs_teacher
                  else 2 if cfg.distill.teacher.rule == "trust_region" else 1)
     head = 2.0 * mc.vocab_size * mc.hidden_size  # LM head FLOPs per token: response only
 
