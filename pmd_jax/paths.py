@@ -58,14 +58,6 @@ def run_path(path: PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(s)))
 
 
-def local_path(path: PathLike) -> str:
-    """The local file-system path of ``path``; ValueError naming it when it is remote (for
-    tools that only write local files)."""
-    if is_remote(path):
-        raise ValueError(f"{os.fspath(path)!r} is remote; this operation needs a local path")
-    return os.fspath(path)
-
-
 def makedirs(path: PathLike) -> epath.Path:
     """Creates the folder and its parents (on buckets a no-op unless the backend keeps
     folder markers); returns it as an epath.Path."""

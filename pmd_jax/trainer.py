@@ -41,7 +41,7 @@ import numpy as np
 
 from pmd_jax import build, footprint, multihost, paths, teaching
 from pmd_jax.checkpoint import build_checkpointer
-from pmd_jax.config import MEMORY_MODES, to_dict
+from pmd_jax.config import MEMORY_MODES, freeze, to_dict
 from pmd_jax.distill import kl, train
 from pmd_jax.distill.update_rows import rows_for_update
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
@@ -100,6 +100,8 @@ def _retry(fn, what: str, retries: int, base_delay: float = 2.0):
 class Trainer:
     # ------------------------------------------------------------------ start-up
     def __init__(self, cfg: Any) -> None:
+        # the frozen, typed config (main passes one; a validated ConfigDict is frozen here)
+        cfg = freeze(cfg)
         self.cfg = cfg
         self.run_dir = paths.makedirs(cfg.run_dir)  # an epath.Path: local or gs://
         # With several processes (pmd_jax.multihost) process 0 writes every file of the run.

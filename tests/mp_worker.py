@@ -26,6 +26,7 @@ from pmd_jax import distributed
 from pmd_jax import sharding as shd
 from pmd_jax.distill import align
 from pmd_jax.distill import step as st
+from pmd_jax.distill.batch import make_batch
 from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import preset
@@ -50,7 +51,7 @@ def global_batch(vocab: int) -> dict[str, np.ndarray]:
     tp = [r.integers(1, vocab, r.integers(5, 11)) for _ in range(BATCH)]
     rs = [r.integers(1, vocab, r.integers(3, 8)) for _ in range(BATCH)]
     db = align.build_distill_batch(sp, tp, rs, pad_id=0, pad_to_multiple=4)
-    return st.make_batch(
+    return make_batch(
         db,
         sd_mask=np.array([1, 1, 0, 1], np.float32),
         sampler_logp=r.uniform(-12.0, -8.0, db.responses.shape).astype(np.float32),

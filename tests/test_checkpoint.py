@@ -172,6 +172,7 @@ def test_restore_onto_mesh_shardings(tmp_path):
 def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
     from pmd_jax.distill import align
     from pmd_jax.distill import step as st
+    from pmd_jax.distill.batch import make_batch
     from pmd_jax.distill.config import default_distill_config
     from pmd_jax.models import decoder
     from pmd_jax.models.config import ModelConfig
@@ -194,7 +195,7 @@ def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
         rs = [r.integers(1, 40, r.integers(2, 7)) for _ in range(4)]
         db = align.build_distill_batch(sp, tp, rs, pad_id=0, max_len=16, teacher_max_len=16,
                                        max_response_len=8)
-        return st.make_batch(db, sampler_logp=r.normal(-3, 0.5, size=(4, 8)))
+        return make_batch(db, sampler_logp=r.normal(-3, 0.5, size=(4, 8)))
 
     template = ts.init(decoder.init_params(cfg, jax.random.PRNGKey(0)), 0)
     ck = Checkpointer(ck_dir, max_to_keep=2)

@@ -41,13 +41,21 @@ def test_unknown_task_and_missing_path():
         registry.register_task(registry.get_spec("sciq"))
 
 
-def test_build_task_kwargs_agree_with_the_registry():
-    """build.task_kwargs (the run's loader arguments) and the registry's spec kwargs agree
-    for every task and prompt style."""
+def test_run_task_kwargs_of_the_default_config():
+    """The loader arguments the run builds (build.task_kwargs, through the registry) for the
+    default config: the values the per-task branches gave before the registry (pinned)."""
     from pmd_jax.build import task_kwargs
 
     cfg = base_config()
-    for style in registry.PROMPT_STYLES:
-        cfg.task.prompt_style = style
-        for name in registry.task_names():
-            assert task_kwargs(cfg, name) == registry.task_kwargs(cfg.task, name, cfg.seed)
+    assert task_kwargs(cfg, "sciq") == {
+        "seed": 0, "prompt_style": "reasoning", "valid_fraction": 0.1,
+        "include_support": False, "split_seed": 42, "shuffle": True}
+    assert task_kwargs(cfg, "mbpp") == {"train_size": 400, "eval_size": 100, "problem_seed": 42}
+    assert task_kwargs(cfg, "gsm8k") == {
+        "split_seed": 42, "train_size": 1000, "eval_size": 319, "prompt_style": "reasoning"}
+    assert task_kwargs(cfg, "jsonl_mcq") == {
+        "shuffle": True, "seed": 0, "include_support": False, "prompt_style": "reasoning",
+        "valid_fraction": 0.1, "valid_size": 0, "split_seed": 42}
+    assert task_kwargs(cfg, "humaneval") == {}
+    cfg.task.prompt_style = "direct"
+    assert task_kwargs(cfg, "gsm8k")["prompt_style"] == "direct"

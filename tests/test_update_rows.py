@@ -22,6 +22,7 @@ from pmd_jax import sharding as shd  # noqa: E402
 from pmd_jax.config import base_config  # noqa: E402
 from pmd_jax.distill import align, update_rows  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
+from pmd_jax.distill.batch import make_batch  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from tests.test_step import TINY  # noqa: E402
@@ -53,7 +54,7 @@ def _batch(sd, seed=0):
     tp = [r.integers(1, 48, 40 if i == 0 else r.integers(3, 10)) for i in range(B)]
     rs = [r.integers(1, 48, 20 if i == 0 else r.integers(2, 7)) for i in range(B)]
     db = align.build_distill_batch(sp, tp, rs, pad_id=0, pad_side="right", pad_to_multiple=16)
-    return st.make_batch(db, sd_mask=np.asarray(sd, np.float32),
+    return make_batch(db, sd_mask=np.asarray(sd, np.float32),
                          sampler_logp=np.full(db.responses.shape, -3.0, np.float32),
                          rewards=r.random(B).astype(np.float32))
 

@@ -100,17 +100,6 @@ class Section:
         del s
         return []
 
-    # shim (issue 16): ConfigDict-style reads for code not yet moved to attribute reads;
-    # remove when no consumer calls them (listed in the lead's notes).
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
 
 def help_text(cls: type[Section], name: str) -> str:
     """The help text declared beside a field."""

@@ -237,7 +237,7 @@ def _task_errors(c: Any) -> list[str]:
 def _path_task_errors(c: Any) -> list[str]:
     """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
     checked here (errors name the line and the field); SciKnowEval's filters."""
-    from pmd_jax.tasks import jsonl_tasks, mcq
+    from pmd_jax.tasks import jsonl_schema, mcq
     from pmd_jax.tasks.registry import PATH_TASKS
 
     name, t = c.task.name, c.task
@@ -247,7 +247,7 @@ def _path_task_errors(c: Any) -> list[str]:
                                         t.sciknoweval_type)[1]
     if name == "jsonl_math" and t.prompt_style not in ("reasoning", "direct"):
         errs.append(f"task.prompt_style={t.prompt_style!r}: jsonl_math has 'reasoning' or 'direct'")
-    if name in jsonl_tasks.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
+    if name in jsonl_schema.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
         errs.append(f"task.valid_size={t.valid_size!r} must be an integer >= 0 (0 = use "
                     "task.valid_fraction)")
     if name not in PATH_TASKS:
@@ -256,8 +256,8 @@ def _path_task_errors(c: Any) -> list[str]:
         return errs + [f"task.name={name!r} needs task.path (a JSONL file)"]
     if not os.path.exists(t.path):
         return errs + [f"task.path={t.path!r} missing"]
-    if name in jsonl_tasks.KINDS and not errs and 0.0 < t.valid_fraction < 1.0:
-        errs += [f"task.path: {e}" for e in jsonl_tasks.file_errors(
+    if name in jsonl_schema.KINDS and not errs and 0.0 < t.valid_fraction < 1.0:
+        errs += [f"task.path: {e}" for e in jsonl_schema.file_errors(
             name, t.path, float(t.valid_fraction), int(t.valid_size))]
     return errs
 

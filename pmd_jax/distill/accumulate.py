@@ -152,7 +152,7 @@ def accumulated_value_and_grad(
     """``((loss, metrics), grads)`` of the whole batch from ``n`` microbatches in a scan.
 
     ``loss_fn(params, teacher, microbatch) -> (loss, metrics)`` as
-    :func:`pmd_jax.distill.step.make_loss_fn`. Gradients accumulate in fp32 and come back in
+    :func:`pmd_jax.distill.loss_fn.make_loss_fn`. Gradients accumulate in fp32 and come back in
     each param's dtype; ``grad_sharding`` (the params' shardings) pins the accumulator.
     """
     rows = batch["response_mask"].shape[0]

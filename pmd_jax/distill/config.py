@@ -67,10 +67,6 @@ class DistillLoss(Section):
     chunk_size: int = knob(512, "Response tokens per chunk in the memory-bounded loss (logits "
                            "exist for one chunk only).")
 
-    @property
-    def mode(self) -> str:  # moved: distill.loss.mode -> distill.loss.name (issue 16)
-        return self.name
-
 
 @dataclasses.dataclass(frozen=True)
 class DistillTeacher(Section):

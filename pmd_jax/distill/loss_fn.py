@@ -93,10 +93,6 @@ class StepOptions:
         return registry.get_loss(self.loss_name)
 
     @property
-    def mode(self) -> str:  # moved: StepOptions.mode -> StepOptions.loss_name (issue 16)
-        return self.loss_name
-
-    @property
     def needs_teacher(self) -> bool:
         return self.loss_spec.needs_teacher
 

@@ -45,19 +45,7 @@ from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import teacher as tlib
-
-# moved: SEQ_KEYS, RESPONSE_KEYS, OPTIONAL_RESPONSE_KEYS, SAMPLE_KEYS, make_batch, check_batch,
-# BatchError -> pmd_jax.distill.batch; StepOptions, make_loss_fn -> pmd_jax.distill.loss_fn
-# (issue 16): the names not used here are re-exports for old imports
-from pmd_jax.distill.batch import (  # noqa: F401
-    OPTIONAL_RESPONSE_KEYS,
-    RESPONSE_KEYS,
-    SAMPLE_KEYS,
-    SEQ_KEYS,
-    BatchError,
-    check_batch,
-    make_batch,
-)
+from pmd_jax.distill.batch import BatchError, check_batch
 from pmd_jax.distill.loss_fn import StepOptions, _cast, make_loss_fn
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig

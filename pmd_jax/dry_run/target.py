@@ -8,7 +8,7 @@ axis resolved against that count), two programs are compiled on abstract arrays,
    batch (``rollout.problems_per_step x rollout.n`` rows, split into ``train.microbatch_rows``
    microbatches when set), student ``max_prompt_tokens + max_tokens``, teacher
    ``teacher_prompt.max_tokens + max_tokens`` tokens;
-2. ONE DECODE STEP of the JAX sampler (``jax_sampler._decode_logits``: one token per row
+2. ONE DECODE STEP of the JAX sampler (``sampling.decode.decode_logits``: one token per row
    through the KV cache) at ``rollout.max_batch`` rows (at least the mesh's batch size) and a
    cache of ``max_prompt_tokens + max_tokens`` (or ``rollout.max_context``) tokens, params in
    the compute dtype (memory from the stacked-layer program, costs from the per-layer one).
@@ -107,7 +107,8 @@ def _batch(ts: Any, rows: int, s: int, t: int, r: int) -> dict[str, Any]:
 
 def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                       count_cost: bool = True) -> dict[str, Any]:
-    from pmd_jax.distill.step import BatchError, TrainStep
+    from pmd_jax.distill.batch import BatchError
+    from pmd_jax.distill.step import TrainStep
 
     rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
     resp = int(cfg.rollout.max_tokens)
@@ -157,13 +158,13 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
 
 def decode_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                        count_cost: bool = True) -> dict[str, Any]:
-    """One cached decode forward of the JAX sampler (``jax_sampler._decode_logits``)."""
+    """One cached decode forward of the JAX sampler (``sampling.decode.decode_logits``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
     from pmd_jax.models import decoder
-    from pmd_jax.sampling.jax_sampler import _decode_logits
+    from pmd_jax.sampling.decode import decode_logits
 
     batch_div = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
     rows = max(int(cfg.rollout.max_batch), batch_div)
@@ -194,7 +195,7 @@ def decode_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
         last = sds((rows,), jnp.int32, ("batch",))
         pos = sds((rows, 1), jnp.int32, ("batch", None))
         idx = jax.ShapeDtypeStruct((), jnp.int32)
-        fn = jax.jit(functools.partial(_decode_logits, cfg=m, shard_ctx=(mesh, rules)),
+        fn = jax.jit(functools.partial(decode_logits, cfg=m, shard_ctx=(mesh, rules)),
                      donate_argnames=("cache",))
         return fn.lower(params, cache, last, pos, idx).compile()
 

@@ -486,5 +486,3 @@ def _llg_tokenizer_cached(tokenizer: Any, vocab_size: int, eos_ids: Any) -> Any:
     return llt
 
 
-# moved: jax_sampler._decode_logits -> decode.decode_logits (issue 16)
-_decode_logits = decode.decode_logits

@@ -59,18 +59,18 @@ def heldout_config_errors(c: Any) -> list[str]:
 
     errs: list[str] = []
     t = c.task
-    seed = t.get("split_seed", 42)
+    seed = t.split_seed
     if isinstance(seed, bool) or not isinstance(seed, int):
         errs.append(f"task.split_seed must be an integer, got {seed!r}")
     for name, total in SPLIT_SIZES.items():
-        tr, ev = t.get(f"{name}_train_size"), t.get(f"{name}_eval_size")
+        tr, ev = getattr(t, f"{name}_train_size"), getattr(t, f"{name}_eval_size")
         if not (_int_at_least_1(tr) and _int_at_least_1(ev)):
             errs.append(f"task.{name}_train_size and task.{name}_eval_size must be integers "
                         f">= 1, got {tr!r} and {ev!r}")
         elif tr + ev > total:
             errs.append(f"task.{name}_train_size + task.{name}_eval_size = {tr} + {ev} = "
                         f"{tr + ev} exceeds the {total} {name} problems (the two are disjoint)")
-    eval_task = t.get("eval_task", "")
+    eval_task = t.eval_task
     if not isinstance(eval_task, str) or (eval_task and eval_task not in task_names()):
         errs.append(f"task.eval_task={eval_task!r} must be '' (the task's own held-out split) "
                     f"or a known task: {', '.join(task_names())}")
@@ -78,7 +78,7 @@ def heldout_config_errors(c: Any) -> list[str]:
         if t.prompt_style not in TASK_PROMPT_STYLES[name]:
             errs.append(f"task.prompt_style={t.prompt_style!r} is not one of "
                         f"{TASK_PROMPT_STYLES[name]} (the styles of task {name!r})")
-    allow = c.eval.get("allow_in_sample", False)
+    allow = c.eval.allow_in_sample
     if not isinstance(allow, bool):
         errs.append(f"eval.allow_in_sample must be True or False, got {allow!r}")
     if errs:
@@ -96,7 +96,7 @@ def heldout_config_errors(c: Any) -> list[str]:
 
 def _task_key(c: Any) -> str:
     """The config parts that decide the task's problems, as a JSON string (cache key)."""
-    path = str(c.task.get("path", "") or "")
+    path = str(c.task.path or "")
     mtime = os.path.getmtime(path) if path and os.path.exists(path) else None
     return json.dumps({"task": c.task.to_dict(), "seed": c.seed, "path_mtime": mtime},
                       sort_keys=True, default=str)

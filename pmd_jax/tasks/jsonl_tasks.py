@@ -17,9 +17,7 @@ from pmd_jax.tasks import code as code_mod
 from pmd_jax.tasks import math as math_task
 from pmd_jax.tasks import mcq
 from pmd_jax.tasks.base import Messages, Problem, TaskError, VerifyResult, clean_text
-from pmd_jax.tasks.jsonl_schema import KINDS as KINDS  # moved: -> jsonl_schema (issue 16)
 from pmd_jax.tasks.jsonl_schema import capped, held_out_ids, is_number, parse_file
-from pmd_jax.tasks.jsonl_schema import file_errors as file_errors  # moved: (issue 16)
 
 
 def _load(kind: str, path: str | Path, valid_fraction: float, valid_size: int,

@@ -18,7 +18,6 @@ from typing import Any
 
 from pmd_jax.tasks import code, jsonl_tasks, math, mcq
 from pmd_jax.tasks.base import Task, TaskError
-from pmd_jax.tasks.jsonl_schema import KINDS as JSONL_KINDS
 
 PROMPT_STYLES = ("reasoning", "direct", "direct_text")
 
@@ -175,23 +174,3 @@ def task_kwargs(task_cfg: Any, name: str, seed: int) -> dict[str, Any]:
     return get_spec(name).kwargs(task_cfg, int(seed))
 
 
-def config_kwargs(task_cfg: Any, seed: int) -> dict[str, Any]:
-    """The old half of ``task_kwargs`` (jsonl_*, SciKnowEval's filters, the option shuffle),
-    which ``build.task_kwargs`` completes with its own per-task branches. Kept until
-    ``build.task_kwargs`` calls ``task_kwargs`` (issue 16); then delete it."""
-    name, get = task_cfg.name, task_cfg.get
-    kw: dict[str, Any] = {}
-    if name in ("sciq", "mmlu_science", "sciknoweval", "jsonl_mcq"):
-        kw["shuffle"] = bool(get("shuffle_options", True))
-    if name == "jsonl_mcq":
-        kw.update(seed=int(seed), include_support=bool(get("include_support", False)))
-    if name in ("jsonl_mcq", "jsonl_math"):
-        kw["prompt_style"] = get("prompt_style", "reasoning")
-    if name in JSONL_KINDS:
-        kw.update(valid_fraction=float(get("valid_fraction", 0.1)),
-                  valid_size=int(get("valid_size", 0)), split_seed=int(get("split_seed", 42)))
-    if name == "sciknoweval":
-        kw.update(mcq.sciknoweval_filters(
-            get("sciknoweval_domain", ",".join(mcq.SKE_DOMAINS)), get("sciknoweval_level", "L3"),
-            get("sciknoweval_type", ",".join(mcq.SKE_TYPES)))[0])
-    return kw
