@@ -2,10 +2,6 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -203,7 +203,7 @@ def test_eval_results_on_gs(bucket):
 
 def test_memory_exports_on_gs(bucket):
     from pmd_jax.memory.memory import ProceduralMemory
-    from tests.test_memory_levels import small_config
+    from tests.memory.test_memory_levels import small_config
 
     mem = ProceduralMemory(small_config())
     mem.experience.problem_text["p<1>"] = "What is <b>?"

@@ -1,11 +1,6 @@
 """Params are really sharded per the logical-axis rules; sharded forward == unsharded forward."""
 
-import os
 
-# 8 fake CPU devices; must be set before jax initialises its backend.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 
 import math  # noqa: E402
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pmd_jax.distill import losses as L
-from tests import reference_losses as R
+from tests.distill import reference_losses as R
 
 ATOL = 1e-5
 B, T, V = 3, 5, 13

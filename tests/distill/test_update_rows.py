@@ -8,12 +8,6 @@ params exactly as the full batch does (Adam keeps moving on its moments).
 
 from __future__ import annotations
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -25,7 +19,7 @@ from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.batch import make_batch  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
-from tests.test_step import TINY  # noqa: E402
+from tests.distill.test_step import TINY  # noqa: E402
 
 B = 8
 

@@ -309,7 +309,7 @@ def _main(*args: str, code: str = "") -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     prog = code + "import sys; from pmd_jax import main; sys.argv = sys.argv[:1] + " \
         f"{list(args)!r}; main.run()"
-    return subprocess.run([sys.executable, "-c", prog], cwd=Path(__file__).parents[1],
+    return subprocess.run([sys.executable, "-c", prog], cwd=Path(__file__).parents[2],
                           env=env, capture_output=True, text=True, timeout=300)
 
 

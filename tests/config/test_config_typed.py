@@ -16,7 +16,7 @@ from pmd_jax.config_cli import check_command_line, config_keys
 from pmd_jax.distill.config import DistillConfig, default_distill_config
 from pmd_jax.memory.config import MemoryConfig, default_memory_config, validate_memory_config
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCIQ = "configs/smollm2_sciq.py"
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("PMD_VLLM_VENV", REPO / ".venv-vllm"))
 
 pytestmark = [
@@ -147,7 +147,7 @@ def prompts(hf_dir) -> list[list[int]]:
 def server(hf_dir, tmp_path_factory):
     from pmd_jax.sampling.base import SamplerServerError
     from pmd_jax.sampling.vllm_client import VLLMSampler
-    from tests.local_vllm import LocalVllmServer
+    from tests.sampling.local_vllm import LocalVllmServer
 
     tmp = tmp_path_factory.mktemp("vllm")
     srv = LocalVllmServer(hf_dir, log_path=tmp / "server.log",

@@ -1,11 +1,6 @@
 """JaxSampler on 8 fake CPU devices (batch over data/fsdp, params per rules) == unsharded."""
 
-import os
 
-# 8 fake CPU devices; must be set before jax initialises its backend.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -28,7 +28,7 @@ from pmd_jax.tasks.mcq import (
     sciknoweval_filters,
 )
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 DATA = ROOT / "tests" / "data"
 MCQ, CODE, MATH = (str(DATA / f"byo_{k}.jsonl") for k in ("mcq", "code", "math"))
 BAD = {k: str(DATA / f"byo_bad_{k}.jsonl") for k in ("mcq", "code", "math")}

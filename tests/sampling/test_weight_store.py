@@ -1,13 +1,8 @@
 """Versioned weight exchange over tensorstore: races, corruption, missing data, timeouts, GC."""
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-)
-
 import json
 import multiprocessing as mp
+import os
 import shutil
 import time
 from pathlib import Path

@@ -33,7 +33,7 @@ from pmd_jax.memory.schemas import (
 )
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator, TextReply
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SENTENCE = "Check the units of every quantity and compare each option with the passage. "
 
 

@@ -5,12 +5,6 @@ unsharded and on 8 fake devices."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
 import re  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,7 +19,7 @@ from pmd_jax.distill.config import DistillConfigError  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from pmd_jax.models.config import ConfigError  # noqa: E402
 from pmd_jax.models.matmul import lowp_einsum  # noqa: E402
-from tests.test_step import TINY, _batch, _cfg, _params, _with_teacher  # noqa: E402
+from tests.distill.test_step import TINY, _batch, _cfg, _params, _with_teacher  # noqa: E402
 
 SPECS = [  # the decoder's projections, the MLP, and the LM head (plain and vocab-major)
     ("btd,dhk->bthk", (3, 5, 16), (16, 2, 8)),

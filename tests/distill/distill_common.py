@@ -7,12 +7,6 @@ starts, so the device count must be set before the first array is made.
 
 from __future__ import annotations
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
 import jax  # noqa: E402
 
 from pmd_jax import sharding as shd  # noqa: E402

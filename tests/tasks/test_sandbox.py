@@ -462,7 +462,7 @@ def test_warm_pool_sandboxes_are_single_use():
 
 # ----------------------------------------------------------------------------- host python
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 
 # Run with a venv's interpreter: a sandboxed program imports numpy (the system site-packages)
 # and a module that exists only in the venv's own site-packages, directly and through the

@@ -167,8 +167,8 @@ def test_memory_is_bounded_by_the_chunk():
 # ------------------------------------------------------------------ the decoder with it
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from tests.test_models_parity import CASES as HF_CASES  # noqa: E402
-from tests.test_models_parity import (  # noqa: E402
+from tests.models.test_models_parity import CASES as HF_CASES  # noqa: E402
+from tests.models.test_models_parity import (  # noqa: E402
     OLMO_KW,
     TOL,
     hf_logits,

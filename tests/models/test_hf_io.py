@@ -1,10 +1,6 @@
 """HF safetensors <-> pytree: round trip through transformers, sharded loading, bad input."""
 
-import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 
 import json  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 
 from pmd_jax.tasks.code_runner import decode_plain, encode_plain
 from pmd_jax.tasks.grading import run_tests
-from tests.test_tasks_code import fence
+from tests.tasks.test_tasks_code import fence
 
 
 def _by_id(task, ids):

@@ -10,7 +10,7 @@ any, and responses of different lengths, so per-microbatch normalisation would d
 from __future__ import annotations
 
 # isort: off
-from tests.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+from tests.distill.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
 # isort: on
 
 import jax

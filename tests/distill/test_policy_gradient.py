@@ -14,7 +14,7 @@ import torch
 
 from pmd_jax.distill import losses as L
 from pmd_jax.distill import policy_gradient as PG
-from tests.test_losses import ATOL, np_log_softmax, rand_inputs, torch_loss_and_grad
+from tests.distill.test_losses import ATOL, np_log_softmax, rand_inputs, torch_loss_and_grad
 
 
 def test_grpo_advantages_match_numpy():

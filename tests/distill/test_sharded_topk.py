@@ -6,12 +6,6 @@ top-K. The memory check compares XLA's own temp-buffer figure for the two versio
 
 from __future__ import annotations
 
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -21,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from pmd_jax import sharding as shd  # noqa: E402
 from pmd_jax.distill import losses  # noqa: E402
 from pmd_jax.distill.sharded_topk import dense_topk_indices, make_topk_indices  # noqa: E402
-from tests.reference_losses import chunked_distill_loss  # noqa: E402
+from tests.distill.reference_losses import chunked_distill_loss  # noqa: E402
 
 MESHES = [
     {"data": 1, "fsdp": 4, "tensor": 2},

@@ -12,7 +12,7 @@ import torch
 
 from pmd_jax.distill import chunked as C
 from pmd_jax.distill import losses as L
-from tests import reference_losses as R
+from tests.distill import reference_losses as R
 
 ATOL = 1e-5
 B, T, D, V = 2, 11, 8, 37  # T not a multiple of the chunk sizes used

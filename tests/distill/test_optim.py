@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from pmd_jax.distill import optim
-from tests import reference_losses
+from tests.distill import reference_losses
 
 SHAPES = {"a": (5, 7), "b": {"c": (3, 4, 2), "d": (11,)}}
 

@@ -7,7 +7,7 @@ loss recomputed from full decoder logits with numpy gathering and the unchunked 
 from __future__ import annotations
 
 # isort: off
-from tests.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+from tests.distill.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
 # isort: on
 
 import functools
@@ -25,7 +25,7 @@ from pmd_jax.distill import step as st
 from pmd_jax.distill.config import DistillConfigError, default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
-from tests import reference_losses
+from tests.distill import reference_losses
 
 B = 4
 GROUP = 2

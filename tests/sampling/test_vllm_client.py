@@ -329,7 +329,7 @@ def test_worker_extension_imports_without_jax_and_loads_a_version(tmp_path):
 
     from pmd_jax.sampling.weight_store import WeightStore
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     rng = np.random.default_rng(0)
     arrays = {
         "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((8, 4)).astype(np.float32),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pmd_jax.sampling.base import SamplerServerError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_SCRIPT = REPO / "launch" / "vllm_server.sh"
 
 

@@ -22,7 +22,7 @@ from pmd_jax.tasks import TaskError, get_task, olmo_data
 from pmd_jax.tasks import evaluation as ev
 from pmd_jax.tasks.splits import TransferTask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _raw_ids(relative: str, key: str) -> list:

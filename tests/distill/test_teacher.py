@@ -23,7 +23,7 @@ from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
-from tests import reference_losses
+from tests.distill import reference_losses
 
 TINY = ModelConfig(
     family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
