@@ -142,7 +142,7 @@ def main() -> None:
     if args.sampler == "vllm":
         from pmd_jax.models import gguf_io
         from pmd_jax.sampling.vllm_client import VLLMSampler
-        from tests.local_vllm import LocalVllmServer
+        from tests.sampling.local_vllm import LocalVllmServer
 
         hf_dir = gguf_io.smollm2_hf_dir()
         tmp = Path(tempfile.mkdtemp(prefix="bench-reflection-"))

@@ -96,7 +96,7 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 def bench_vllm(hf_dir: Path, prompts, new_tokens: int) -> tuple[float | None, str]:
     from pmd_jax.sampling.base import SamplerServerError
-    from tests.local_vllm import LocalVllmServer, venv_available
+    from tests.sampling.local_vllm import LocalVllmServer, venv_available
 
     if not venv_available():
         return None, "skipped: no vLLM venv (run launch/setup_vllm_venv.sh or set PMD_VLLM_VENV)"
