@@ -171,17 +171,9 @@ def build_sampler(cfg: Any, model: ModelBundle):
             f"rollout.max_prompt_tokens + max generation = {need} exceeds the context "
             f"{max_len} (rollout.max_context / the model's max_position_embeddings)"
         )
-    if r.sampler == "jax":
-        from pmd_jax.sampling.jax_sampler import JaxSampler
+    from pmd_jax.sampling import backends
 
-        # The tokenizer serves constrained requests (SamplingParams.json_schema).
-        return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
-                          max_len=max_len, pad_id=model.pad_id, max_batch=r.max_batch,
-                          tokenizer=model.tokenizer)
-    from pmd_jax.sampling.vllm_client import VLLMSampler
-
-    return VLLMSampler(r.vllm_url, r.vllm_model or None, store_url=r.weight_store,
-                       vocab_size=model.cfg.vocab_size, max_model_len=max_len)
+    return backends.build(r.sampler, cfg, model, max_len)
 
 
 # ----------------------------------------------------------------------------- memory

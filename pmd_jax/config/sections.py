@@ -18,9 +18,10 @@ from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import DistillConfig
 from pmd_jax.memory.config import MemoryConfig
+from pmd_jax.sampling.backends import BACKENDS
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
-SAMPLERS: tuple[str, ...] = ("jax", "vllm")
+SAMPLERS: tuple[str, ...] = tuple(BACKENDS)  # sampling/backends.py registers them
 
 
 def _need(errs: list[str], cond: bool, msg: str) -> None:

@@ -14,8 +14,8 @@ New weights reach a sampler in one of two ways, which the sampler names with
 
 Adding a backend: a module here with a class implementing the four methods of
 :class:`Sampler` (errors are :class:`SamplerError`, a server's failures
-:class:`SamplerServerError`); its name in ``config/modes.py:SAMPLERS`` (the
-``rollout.sampler`` choices); and its constructor call in ``build.py:build_sampler``.
+:class:`SamplerServerError`); and one entry in ``sampling/backends.py:BACKENDS``
+(its ``rollout.sampler`` name and how it is built; config validation reads the names there).
 Publishing needs nothing new as long as it shares weights one of the two ways above.
 """
 
