@@ -7,7 +7,8 @@
 gradient reductions, the sampler's batch split) crosses the process boundary through gloo.
 A tiny random Llama (``tiny-llama``, SmolLM2's tokenizer, real SciQ problems) runs 2 steps
 with the JAX sampler, in PMD mode (memory with reflections, the default MiniLM embedder, as
-tests/test_trainer.py) and in GRPO mode.
+tests/test_trainer.py), evaluating after the last step; the same in GRPO mode is a slow test
+(the default suite runs the PMD jobs alone).
 
 The PMD two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
 process 0 must stop on its own with jax's error naming the dead task within
@@ -37,9 +38,9 @@ bitwise reproducible (not asserted here: that would double the time).
 
 Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
 and process 1's cache keys differ, so process 1 compiles every program in every launch
-(~40 s per train-step shape on a busy 2-core machine). The module took 5:56 and 6:38 on the
-2-core machine at load 11-16 (7 launches: 3 one-process, 3 two-process, a restart); it needs
-no accelerator.
+(~40 s per train-step shape on a busy 2-core machine). With the GRPO jobs the module took
+5:56 and 6:38 on the 2-core machine at load 11-16 (7 launches); the default suite's PMD jobs
+are 4 launches (one-process, two-process, its restart). It needs no accelerator.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ FLAGS = [
     *(a for a in TINY if not a.startswith("--config.train.steps=")),
     f"--config.train.steps={STEPS}",
 ]
-GRPO_EVAL = ("--config.train.eval_every=0",)  # evaluate once, after the last step
+EVAL_AT_END = ("--config.train.eval_every=0",)  # evaluate once, after the last step
 # Per-process measurements (wall clock, durations, this process's memory), not compared.
 HOST_DEPENDENT = ("time", "rss_")
 # Computed on the host from the sampled tokens, the verifier and the memory: must be equal.
@@ -169,13 +170,15 @@ def _wait(jobs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """PMD in one process, and in two processes killed after checkpoint 1 and resumed; both
+    evaluate after the last step (process 0 evaluates, process 1 serves its sampler calls)."""
     tmp = tmp_path_factory.mktemp("mp_loop")
     t0 = time.monotonic()
     deadline = t0 + RUN_TIMEOUT_S
-    d = {k: tmp / k for k in ("pmd_1", "pmd_2", "grpo_1", "grpo_2")}
+    d = {k: tmp / k for k in ("pmd_1", "pmd_2")}
     # wave 1: PMD in one process, and in two processes until its first checkpoint
-    pmd_1 = _start(d["pmd_1"], 1, "pmd", "run")
-    pmd_2 = _start(d["pmd_2"], 2, "pmd", "killed")
+    pmd_1 = _start(d["pmd_1"], 1, "pmd", "run", *EVAL_AT_END)
+    pmd_2 = _start(d["pmd_2"], 2, "pmd", "killed", *EVAL_AT_END)
     kill: dict = {}
     try:
         marker = d["pmd_2"] / "checkpoints" / "1" / "pmd_commit.json"
@@ -196,16 +199,24 @@ def runs(tmp_path_factory) -> dict:
                 "final_hf": (d["pmd_2"] / "final_hf").exists()}
     finally:
         _kill(pmd_2)
-    # wave 2: the killed job restarted with the same command; GRPO in one and two processes
-    resumed = _start(d["pmd_2"], 2, "pmd", "resumed")
-    # (with an evaluation at the end: process 0 evaluates, process 1 serves its sampler calls)
-    grpo_1 = _start(d["grpo_1"], 1, "grpo", "run", *GRPO_EVAL)
-    grpo_2 = _start(d["grpo_2"], 2, "grpo", "run", *GRPO_EVAL)
-    _wait(pmd_1 + resumed + grpo_1 + grpo_2, deadline)
-    print(f"all runs took {time.monotonic() - t0:.0f}s; process 0 stopped "
+    # wave 2: the killed job restarted with the same command
+    resumed = _start(d["pmd_2"], 2, "pmd", "resumed", *EVAL_AT_END)
+    _wait(pmd_1 + resumed, deadline)
+    print(f"PMD runs took {time.monotonic() - t0:.0f}s; process 0 stopped "
           f"{kill.get('seconds', float('nan')):.0f}s after process 1 was killed")
     return {**d, "kill": kill,
             "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory) -> dict:
+    """GRPO in one process and in two (slow tests only: the default suite runs PMD alone)."""
+    tmp = tmp_path_factory.mktemp("mp_loop_grpo")
+    d = {k: tmp / k for k in ("grpo_1", "grpo_2")}
+    jobs = (_start(d["grpo_1"], 1, "grpo", "run", *EVAL_AT_END)
+            + _start(d["grpo_2"], 2, "grpo", "run", *EVAL_AT_END))
+    _wait(jobs, time.monotonic() + RUN_TIMEOUT_S)
+    return d
 
 
 # ----------------------------------------------------------------------------- readers
@@ -332,18 +343,9 @@ def test_killed_process_stops_the_other_and_both_resume(runs):
         assert "resumed from checkpoint at step 1" in log, log[-3000:]
 
 
-def test_grpo_two_processes_equal_one_process(runs):
-    """GRPO's loop across processes: sampling, verification, checkpoints, export and the
-    final evaluation. A random model never answers a SciQ question right, so every reward is
-    0, every advantage is 0 and the updates are AdamW's weight decay alone: the cross-process
-    gradient math is what the PMD run (and tests/test_multiprocess.py) checks."""
-    single, multi = runs["grpo_1"], runs["grpo_2"]
-    _assert_state_equal(single, multi, trained=False)
-    _assert_hf_equal(single, multi)
-    _assert_metrics_equal(single, multi)
-    assert all(r["reward_mean"] == 0.0 and r["loss"] == 0.0 for r in _train_records(multi))
-    assert not (multi / "memory.jsonl").exists()
-    # the evaluation: run by process 0 with process 1 serving its generate calls
+def _assert_eval_equal(single: Path, multi: Path) -> None:
+    """The evaluation after the last step: run by process 0 with process 1 serving its
+    generate calls, written once, equal to the one-process run's."""
     evals = [[r for r in map(json.loads, filter(None, (run / "metrics.jsonl").read_text()
                                                  .splitlines())) if r["kind"] == "eval"]
              for run in (single, multi)]
@@ -355,10 +357,33 @@ def test_grpo_two_processes_equal_one_process(runs):
     assert res[0] and res[1] == res[0]  # the same evaluation texts, written once
 
 
+def _assert_written_once(run: Path) -> None:
+    # one record per step: process 1 writes no metrics (and the resume truncated none away)
+    assert [r["step"] for r in _train_records(run)] == list(range(STEPS))
+    assert (run / "config.json").exists() and list((run / "plots").glob("*.png"))
+    assert len(list((run / "tensorboard").iterdir())) >= 1
+
+
+def test_pmd_evaluation_across_processes(runs):
+    _assert_eval_equal(runs["pmd_1"], runs["pmd_2"])
+
+
 def test_files_written_once_by_process_0(runs):
-    for name in ("pmd_2", "grpo_2"):
-        run = runs[name]
-        # one record per step: process 1 writes no metrics (and the resume truncated none away)
-        assert [r["step"] for r in _train_records(run)] == list(range(STEPS))
-        assert (run / "config.json").exists() and list((run / "plots").glob("*.png"))
-        assert len(list((run / "tensorboard").iterdir())) >= 1
+    _assert_written_once(runs["pmd_2"])
+
+
+@pytest.mark.slow
+def test_grpo_two_processes_equal_one_process(grpo_runs):
+    """GRPO's loop across processes: sampling, verification, checkpoints, export and the
+    final evaluation. A random model never answers a SciQ question right, so every reward is
+    0, every advantage is 0 and the updates are AdamW's weight decay alone: the cross-process
+    gradient math is what the PMD run (and tests/test_multiprocess.py) checks. Slow: the
+    default suite's PMD runs cover the same plumbing (evaluation included)."""
+    single, multi = grpo_runs["grpo_1"], grpo_runs["grpo_2"]
+    _assert_state_equal(single, multi, trained=False)
+    _assert_hf_equal(single, multi)
+    _assert_metrics_equal(single, multi)
+    assert all(r["reward_mean"] == 0.0 and r["loss"] == 0.0 for r in _train_records(multi))
+    assert not (multi / "memory.jsonl").exists()
+    _assert_eval_equal(single, multi)
+    _assert_written_once(multi)
