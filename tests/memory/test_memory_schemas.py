@@ -31,7 +31,8 @@ from pmd_jax.memory.schemas import (
     summary_schema,
     validate,
 )
-from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator, TextReply
+from pmd_jax.sampling.base import SamplingParams, TextGenerator, TextReply
+from tests.fakes import FakeSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTENCE = "Check the units of every quantity and compare each option with the passage. "
@@ -547,24 +548,6 @@ def test_update_memory_logs_the_counts_every_step():
 
 
 # ------------------------------------------------------------- TextGenerator --
-class FakeSampler:
-    def __init__(self) -> None:
-        self.params: list[SamplingParams] = []
-
-    def set_weights(self, version: int) -> None:
-        pass
-
-    def generate(self, prompts, params):
-        self.params.append(params)
-        items = []
-        for i, p in enumerate(prompts):
-            for s in range(params.n):
-                toks = np.asarray(p[:2] + [s], np.int32)
-                items.append(Rollout(i, s, toks, np.zeros(len(toks), np.float32),
-                                     "length" if s % 2 else "stop"))
-        return Rollouts(items)
-
-
 def test_text_generator_replies_carry_finish_reasons():
     sampler = FakeSampler()
     tg = TextGenerator(sampler, lambda m: [ord(c) for c in m[0]["content"]],

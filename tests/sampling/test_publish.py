@@ -3,8 +3,6 @@ process (set_params, with or without a copy) or through a tensorstore version (s
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 import pytest
@@ -17,31 +15,12 @@ from pmd_jax.sampling.jax_sampler import JaxSampler
 from pmd_jax.sampling.publish import publish
 from pmd_jax.sampling.vllm_client import VLLMSampler
 from pmd_jax.sampling.weight_store import WeightStore
+from tests.fakes import FakeSampler
 
 TINY = ModelConfig(
     family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
 )
-
-
-class FakeSampler:
-    """A ``Sampler`` that records the weight calls it gets."""
-
-    def __init__(self, sharing: str) -> None:
-        self.sharing = sharing
-        self.calls: list[tuple[str, Any]] = []
-
-    def generate(self, prompts, params, *, progress=None):  # pragma: no cover - unused
-        raise AssertionError("not called")
-
-    def share_weights(self) -> str:
-        return self.sharing
-
-    def set_params(self, params: Any, version: int, *, copy: bool = False) -> None:
-        self.calls.append(("set_params", (params, version, copy)))
-
-    def set_weights(self, version: int) -> None:
-        self.calls.append(("set_weights", version))
 
 
 @pytest.fixture(autouse=True)
