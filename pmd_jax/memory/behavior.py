@@ -405,15 +405,6 @@ class BehaviorLevel(MemoryLevel):
         return dict(behaviors=len(bank.behaviors), clusters=len(bank.centroids),
                     behavior_rounds=bank.rounds)
 
-    def index_rebalances(self) -> int:
-        return self.store.index.rebalances
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state)
-
     def export_rows(self) -> Iterator[dict[str, Any]]:
         bank = self.store
         for b in bank.behaviors.values():

@@ -194,12 +194,6 @@ class ExperienceLevel(MemoryLevel):
             problems_with_success=sum(1 for v in st.successes.values() if v),
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state)
-
     def export_rows(self) -> Iterator[dict[str, Any]]:
         for it in self.store.items.values():
             yield dict(level="experience", **it.__dict__)

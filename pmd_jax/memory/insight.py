@@ -292,15 +292,6 @@ class InsightLevel(MemoryLevel):
             problems_with_insights=len(self.store.problems()),
         )
 
-    def index_rebalances(self) -> int:
-        return self.store.index.rebalances
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state)
-
     def export_rows(self) -> Iterator[dict[str, Any]]:
         for it in self.store.items.values():
             yield dict(level="insight", docid=it.docid, problem_id=it.problem_id, kind=it.kind,

@@ -82,14 +82,19 @@ class MemoryLevel:
     def stats(self) -> dict[str, Any]:
         return {}
 
+    # A level keeps its items in ``self.store`` (set in its __init__); checkpoints and the
+    # retrieval index's counters are the store's.
+    store: Any
+
     def index_rebalances(self) -> int:
-        return 0
+        index = getattr(getattr(self, "store", None), "index", None)
+        return int(index.rebalances) if index is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        return self.store.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        self.store.load_state_dict(state)
 
     def export_rows(self) -> Iterator[dict[str, Any]]:
         return iter(())
