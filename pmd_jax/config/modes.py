@@ -46,8 +46,6 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             loss.name = "grpo"
         elif spec is not None and not spec.needs_teacher:  # a teacher-free loss: SDPO's
             loss.name = "sdpo"
-        loss.group_size = int(c.rollout.n)
-        loss.temperature = float(c.rollout.temperature or 1.0)
         if c.mode == "pmd_frozen_memory" and c.memory.frozen_after_step < 0:
             # "memory built once, then fixed": the first fifth of the run builds it (ours).
             c.memory.frozen_after_step = max(0, c.train.steps // 5 - 1)

@@ -11,7 +11,8 @@ that one declaration:
   validation, with the same attribute paths (``cfg.train.steps``).
 
 A knob declared ``derived="a.b"`` is not on the command line: its value is copied from the
-run's key ``a.b`` when the run config is frozen (one home per knob); the section's own
+run's key ``a.b`` (or computed from it by ``derive``) when the run config is frozen (one home
+per knob); the section's own
 stand-alone ConfigDict (e.g. ``default_memory_config()``) still carries it.
 """
 
@@ -53,16 +54,18 @@ class FrozenDict(Mapping[str, Any]):
 
 
 def knob(default: Any, help: str, *, nullable: type | None = None, as_list: bool = False,
-         mapping: bool = False, derived: str = "") -> Any:
+         mapping: bool = False, derived: str = "",
+         derive: Callable[[Any], Any] | None = None) -> Any:
     """A field with its default and help text.
 
     nullable: the value type of a field that may also be None (a ``FieldReference`` of that
     type in the ConfigDict). as_list: a tuple here, a list in the ConfigDict (as config files
     write it). mapping: a free-form mapping (a ``FrozenDict`` here, an empty ConfigDict there).
-    derived: the run key whose value this field takes when the run config is frozen.
+    derived: the run key whose value this field takes when the run config is frozen; derive:
+    the function of that value it takes instead (default: the value itself).
     """
     meta = {"help": help, "nullable": nullable, "as_list": as_list, "mapping": mapping,
-            "derived": derived}
+            "derived": derived, "derive": derive}
     if mapping:
         return dataclasses.field(default_factory=lambda: FrozenDict(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -174,6 +177,8 @@ def freeze_section(cls: type[S], c: Any, *, root: Any = None, path: str = "") ->
         key = path + f.name
         if meta.get("derived") and root is not None:
             v = _lookup(root, meta["derived"])
+            if meta.get("derive") is not None:
+                v = meta["derive"](v)
         elif f.name in c:
             v = c[f.name]
         else:

@@ -34,6 +34,8 @@ MOVED_KEYS: dict[str, str] = {
     "memory.success_threshold": "teacher_prompt.success_threshold",
     "memory.context.feedback_only_without_solution":
         "teacher_prompt.feedback_only_without_solution",
+    "distill.loss.group_size": "rollout.n",
+    "distill.loss.temperature": "rollout.temperature",
 }
 
 
@@ -59,8 +61,9 @@ def schema_errors(c: Any) -> list[str]:
 
 def freeze(c: Any) -> RunConfig:
     """The frozen, typed :class:`RunConfig` of a validated run ConfigDict (same attribute
-    paths; lists become tuples; ``memory.success_threshold`` and
-    ``memory.context.feedback_only_without_solution`` take their ``teacher_prompt`` values).
+    paths; lists become tuples; the derived knobs take their values: ``memory.success_threshold``
+    and ``memory.context.feedback_only_without_solution`` from ``teacher_prompt``,
+    ``distill.loss.group_size`` and ``distill.loss.temperature`` from ``rollout``).
     A RunConfig is returned as it is."""
     if isinstance(c, RunConfig):
         return c
@@ -79,10 +82,10 @@ def batch_plan_errors(c: Any) -> list[str]:
             errs.append(f"train.microbatch_rows={mb} does not divide the update batch of "
                         f"rollout.problems_per_step x rollout.n = {rows} rows")
         spec = loss_spec(c.distill.loss.name)
-        if spec is not None and spec.needs_rewards and mb % int(c.distill.loss.group_size):
-            errs.append(f"train.microbatch_rows={mb} is not a multiple of "
-                        f"distill.loss.group_size={c.distill.loss.group_size} (GRPO groups "
-                        "must not be split across microbatches)")
+        if spec is not None and spec.needs_rewards and mb % int(c.rollout.n):
+            errs.append(f"train.microbatch_rows={mb} is not a multiple of the GRPO group, "
+                        f"rollout.n={c.rollout.n} (groups must not be split across "
+                        "microbatches)")
         batch_axes = [int(c.mesh.data), int(c.mesh.fsdp)]
         if -1 not in batch_axes and mb % (batch_axes[0] * batch_axes[1]):
             errs.append(f"train.microbatch_rows={mb} is not a multiple of mesh.data x mesh.fsdp "
@@ -174,9 +177,6 @@ def _loss_errors(c: Any) -> list[str]:
         errs.append(f"mode={c.mode!r} needs a loss with a teacher as distill.loss.name "
                     f"({' or '.join(repr(n) for n in with_teacher)}), got "
                     f"{c.distill.loss.name!r}")
-    if c.distill.loss.group_size != c.rollout.n:
-        errs.append(f"distill.loss.group_size={c.distill.loss.group_size} must equal "
-                    f"rollout.n={c.rollout.n}")
     return errs
 
 

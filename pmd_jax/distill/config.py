@@ -35,6 +35,11 @@ class DistillConfigError(ValueError):
     """A distillation setting is invalid; the message names the key."""
 
 
+def _loss_temperature(rollout_temperature: Any) -> float:
+    """The loss's temperature in a run: the sampler's, with greedy (0) read as 1."""
+    return float(rollout_temperature or 1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class DistillLoss(Section):
     """The divergence and policy-gradient settings of the update."""
@@ -50,8 +55,9 @@ class DistillLoss(Section):
     topk: int | None = knob(100, "None: the full vocabulary; else K indices from the student "
                             "(Table 12: 100 / 20).", nullable=int)
     add_tail: bool = knob(True, "Top-K plus a tail bucket, else the renormalised top-K.")
-    temperature: float = knob(1.0, "Sampling temperature (log-probs of logits / T); the run "
-                              "sets it from rollout.temperature.")
+    temperature: float = knob(1.0, "Sampling temperature (log-probs of logits / T). In a run "
+                              "it is rollout.temperature (1.0 where that is 0, greedy).",
+                              derived="rollout.temperature", derive=_loss_temperature)
     is_clip: float | None = knob(2.0, "Clip of the detached IS ratio; None disables.",
                                  nullable=float)
     rollout_is_threshold: float | None = knob(
@@ -62,8 +68,8 @@ class DistillLoss(Section):
     grpo_clip_ratio_c: float | None = knob(3.0, "GRPO / hybrid dual clip (verl 3.0); None "
                                            "disables.", nullable=float)
     hybrid_lambda: float = knob(0.9, "Weight of the GRPO advantage in 'hybrid' (Fig. 11).")
-    group_size: int = knob(8, "Rollouts per prompt (GRPO advantages are per group); the run "
-                           "sets it from rollout.n.")
+    group_size: int = knob(8, "Rollouts per prompt (GRPO advantages are per group). In a run "
+                           "it is rollout.n.", derived="rollout.n", derive=int)
     chunk_size: int = knob(512, "Response tokens per chunk in the memory-bounded loss (logits "
                            "exist for one chunk only).")
 
@@ -182,6 +188,12 @@ def _num(c: Any, key: str, lo: float | None = None, hi: float | None = None,
     return float(v)
 
 
+def _has(c: Any, key: str) -> bool:
+    """Whether a ConfigDict or frozen section holds ``key`` (a run's ConfigDict lacks the
+    derived knobs, which take their values when the run is frozen)."""
+    return key in c if isinstance(c, ml_collections.ConfigDict) else hasattr(c, key)
+
+
 def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
     """Check every option of a distill ConfigDict or :class:`DistillConfig`; raises
     :class:`DistillConfigError` naming the key. The loss name is checked against the loss
@@ -194,7 +206,8 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
         raise _err("teacher.rule", f"{c.teacher.rule!r} is not one of {TEACHER_RULES}")
     _num(c, "loss.alpha", 0.0, 1.0)
     _num(c, "teacher.rate", 0.0, 1.0)
-    _num(c, "loss.temperature", 0.0, open_lo=True)
+    if _has(c.loss, "temperature"):  # a derived knob: absent from a run's ConfigDict
+        _num(c, "loss.temperature", 0.0, open_lo=True)
     _num(c, "loss.hybrid_lambda", 0.0, 1.0)
     _num(c, "loss.grpo_clip_low", 0.0, 1.0)
     _num(c, "loss.grpo_clip_high", 0.0)
@@ -215,7 +228,7 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
             _num(c, key, 0.0, open_lo=True)
     if c.loss.grpo_clip_ratio_c is not None:
         _num(c, "loss.grpo_clip_ratio_c", 1.0, open_lo=True)
-    gs = c.loss.group_size
+    gs = c.loss.group_size if _has(c.loss, "group_size") else 1
     if isinstance(gs, bool) or not isinstance(gs, int) or gs < 1:
         raise _err("loss.group_size", f"must be a positive int, got {gs!r}")
     cs = c.loss.chunk_size

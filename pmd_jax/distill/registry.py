@@ -9,7 +9,8 @@ config validation ask the registry; nothing else branches on loss names.
   Without it the step drops the ``teacher_*`` arrays and computes only the student's token
   log-probs.
 * ``needs_rewards``: the batch carries ``rewards`` in prompt-major groups of
-  ``distill.loss.group_size`` rows (the batch and each microbatch are whole groups).
+  ``distill.loss.group_size`` (= ``rollout.n``) rows (the batch and each microbatch are whole
+  groups).
 * ``needs_old_logprobs``: ``old_logp`` must be in the batch (else it is optional: absent
   means on-policy).
 * ``batch_keys``: the arrays the loss reads beyond those every loss reads (the student

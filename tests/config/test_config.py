@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pmd_jax.config import apply_mode, base_config, validate_config
+from pmd_jax.config import apply_mode, base_config, config_errors, freeze, validate_config
 from pmd_jax.models.config import ConfigError
 from pmd_jax.tasks.registry import task_names
 
@@ -48,7 +48,24 @@ def test_modes_set_loss_name():
     c.mode = "sdpo"
     c = apply_mode(c)
     assert c.distill.loss.name == "sdpo"
-    assert c.distill.loss.group_size == c.rollout.n
+
+
+def test_loss_group_size_and_temperature_are_derived_from_rollout():
+    """One home per knob: the loss's group size and temperature are rollout.n and
+    rollout.temperature (greedy 0 read as 1); setting them fails naming the kept key."""
+    c = base_config()
+    assert "group_size" not in c.distill.loss and "temperature" not in c.distill.loss
+    c.rollout.n, c.rollout.temperature = 4, 0.7
+    cfg = freeze(apply_mode(c))
+    assert (cfg.distill.loss.group_size, cfg.distill.loss.temperature) == (4, 0.7)
+    c.rollout.temperature = 0.0
+    assert freeze(c).distill.loss.temperature == 1.0
+    for old, new in (("group_size", "rollout.n"), ("temperature", "rollout.temperature")):
+        bad = base_config()
+        with bad.unlocked():
+            bad.distill.loss[old] = 3
+        errs = config_errors(bad)
+        assert any(f"'distill.loss.{old}'" in e and f"--config.{new}" in e for e in errs), errs
 
 
 @pytest.mark.parametrize("path", ["configs/olmo3.py", "configs/qwen3.py"])

@@ -51,7 +51,9 @@ def test_config_dict_is_generated_from_the_declarations():
     assert isinstance(c.distill.loss._fields["topk"], config_dict.FieldReference)
     assert c.distill.loss.get_type("topk") is int and c.distill.optim.get_type("grad_clip") is float
     assert isinstance(c.memory.stop_token_ids, list) and c.eval.seeds == (0,)
-    assert c.distill.to_dict() == default_distill_config().to_dict()
+    want = default_distill_config().to_dict()
+    del want["loss"]["group_size"], want["loss"]["temperature"]  # derived from rollout
+    assert c.distill.to_dict() == want
 
 
 def test_freeze_keeps_the_paths_and_values():
@@ -70,8 +72,13 @@ def test_freeze_keeps_the_paths_and_values():
     assert r.memory.success_threshold == c.teacher_prompt.success_threshold
     assert (r.memory.context.feedback_only_without_solution
             is c.teacher_prompt.feedback_only_without_solution)
-    # config.json: the ConfigDict's values, plus the two derived memory knobs
+    # ... and the loss's group size and temperature are the rollout's
+    assert r.distill.loss.group_size == c.rollout.n
+    assert r.distill.loss.temperature == c.rollout.temperature
+    # config.json: the ConfigDict's values, plus the derived memory and loss knobs
     d, want = r.to_dict(), c.to_dict()
+    want["distill"]["loss"]["group_size"] = c.rollout.n
+    want["distill"]["loss"]["temperature"] = c.rollout.temperature
     want["memory"]["success_threshold"] = 1.0
     want["memory"]["context"]["feedback_only_without_solution"] = True
     assert d == want

@@ -184,7 +184,8 @@ def test_config_validation_names_the_problem():
                                      "of rollout.problems_per_step x rollout.n = 256 rows"]
     c.train.microbatch_rows = 4
     c.distill.loss.name = "hybrid"
-    assert any("not a multiple of distill.loss.group_size=8" in e for e in batch_plan_errors(c))
+    assert any("not a multiple of the GRPO group, rollout.n=8" in e
+               for e in batch_plan_errors(c))
     c.distill.loss.name = "sdpo"
     c.mesh.data, c.mesh.fsdp = 2, 4
     assert batch_plan_errors(c) == [
