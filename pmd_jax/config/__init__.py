@@ -24,7 +24,8 @@ _EXPORTS: dict[str, str] = {
     "RunConfig": "sections", "base_config": "sections",
     "DEFAULT_COMPILATION_CACHE_DIR": "sections",
     # modes
-    "MODES": "modes", "MEMORY_MODES": "modes", "PMD_VARIANTS": "modes", "SAMPLERS": "sections",
+    "MODES": "modes", "MODE_ALIASES": "modes", "MEMORY_MODES": "modes", "PMD_VARIANTS": "modes",
+    "SAMPLERS": "sections",
     "apply_mode": "modes", "mode_errors": "modes",
     # validation and freezing
     "ConfigError": "validate", "MOVED_KEYS": "validate", "batch_plan_errors": "validate",

@@ -14,6 +14,10 @@ PMD_VARIANTS: dict[str, dict[str, Any]] = {
     "pmd_no_insight": {"levels.insight": False},
     "pmd_no_behaviors": {"levels.behavior": False},
 }
+# Other names of a mode. memory_only (training-free, as Training-Free GRPO / ReasoningBank: the
+# memory evolves from the rollouts, the weights never change, evaluation with the memory in the
+# prompt) is exactly pmd_frozen_policy; apply_mode writes the canonical name into the config.
+MODE_ALIASES: dict[str, str] = {"memory_only": "pmd_frozen_policy"}
 MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
                           *PMD_VARIANTS)
 MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
@@ -40,6 +44,7 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Derive the settings a mode implies (one code path: a mode is a config value). Run once
     on the ConfigDict, before validation and ``freeze``: nothing changes the config after."""
     with c.unlocked():
+        c.mode = MODE_ALIASES.get(c.mode, c.mode)
         loss = c.distill.loss
         spec = loss_spec(loss.name)
         if c.mode == "grpo":

@@ -256,12 +256,25 @@ class EvalConfig(Section):
     allow_in_sample: bool = knob(False, "Evaluation problems that are also training problems "
                                  "are refused, unless this is True; then every evaluation "
                                  "number of the run is labelled 'in-sample'.")
+    retention: bool = knob(False, "Forgetting: at every evaluation point also evaluate the "
+                           "policy (memory-free) on an off-task retention set, reported beside "
+                           "the task accuracy as retention_accuracy with its CI "
+                           "(pmd_jax/retention.py).")
+    retention_task: str = knob("", "The retention set's task; '' = the default for the run's "
+                               "task: SciQ for code runs, MMLU (mmlu_science) for the others "
+                               "(FST / MEL measure forgetting on an unrelated benchmark).")
+    retention_size: int = knob(200, "Questions in the retention set (a seeded draw from the "
+                               "retention task's evaluation split, the same in every run).")
+    retention_seed: int = knob(0, "Seed of the retention draw (not the run seed: every cell of "
+                               "a grid sees the same questions).")
 
     @staticmethod
     def errors(e: Any) -> list[str]:
         errs: list[str] = []
         _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
         _need(errs, e.n >= 1, "eval.n must be >= 1")
+        _need(errs, isinstance(e.retention_size, int) and e.retention_size >= 1,
+              f"eval.retention_size must be an int >= 1, got {e.retention_size!r}")
         return errs
 
 
@@ -270,8 +283,9 @@ class RunConfig(Section):
     """The whole run: built by ``pmd_jax.config.freeze`` from the validated ConfigDict."""
 
     name: str = knob("run", "Run name.")
-    mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy | a PMD "
-                     "variant (pmd_jax/config/modes.py).")
+    mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy "
+                     "(alias memory_only: training-free, the memory evolves and the weights "
+                     "never change) | a PMD variant (pmd_jax/config/modes.py).")
     seed: int = knob(0, "Run seed.")
     run_dir: str = knob("runs/default", "Run folder (local, or gs:// / s3:// / az://).")
     resume: bool = knob(True, "Continue from the last checkpoint in run_dir if there is one.")

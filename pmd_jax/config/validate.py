@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pmd_jax.config.context_length import model_context_length
-from pmd_jax.config.modes import MEMORY_MODES, MODES, loss_spec, mode_errors
+from pmd_jax.config.modes import MEMORY_MODES, MODE_ALIASES, MODES, loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.models.config import ConfigError
@@ -124,7 +124,8 @@ def config_errors(c: Any) -> list[str]:
         if not cond:
             errs.append(msg)
 
-    need(c.mode in MODES, f"mode={c.mode!r} is not one of {MODES}")
+    need(c.mode in MODES or c.mode in MODE_ALIASES,
+         f"mode={c.mode!r} is not one of {MODES} or an alias {tuple(MODE_ALIASES)}")
     errs.extend(mode_errors(c))
     model_errs: list[str] = []
     for f in dataclasses.fields(RunConfig):
