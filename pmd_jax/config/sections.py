@@ -273,8 +273,10 @@ class EvalConfig(Section):
         errs: list[str] = []
         _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
         _need(errs, e.n >= 1, "eval.n must be >= 1")
-        _need(errs, isinstance(e.retention_size, int) and e.retention_size >= 1,
-              f"eval.retention_size must be an int >= 1, got {e.retention_size!r}")
+        if e.retention:
+            from pmd_jax.retention import retention_config_errors
+
+            errs.extend(retention_config_errors(e))
         return errs
 
 
