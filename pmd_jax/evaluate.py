@@ -1,6 +1,7 @@
 """Evaluation during a run: the policy answers the task's evaluation problems memory-free
 (``tasks.evaluation`` scores them); in ``pmd_frozen_policy`` mode also with the memory's
-context. ``Trainer.evaluate`` calls :func:`evaluate` on process 0.
+context; with ``eval.retention`` also an off-task retention set (``pmd_jax.retention``).
+``Trainer.evaluate`` calls :func:`evaluate` on process 0.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
            "accuracy_ci_high": float(s["ci_high"]), "num_problems": len(problems)}
     if s.get("in_sample"):  # eval.allow_in_sample: the problems are training problems
         out["in_sample"] = "in-sample"
+    if cfg.eval.retention:
+        out.update(_retention(cfg, model, task, textgen, problems, out_dir))
     if memory is not None and cfg.mode == "pmd_frozen_policy":
         rm = evaluation.evaluate(
             task,
@@ -92,3 +95,23 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
         sm = rm.summarize()
         out.update({"accuracy_with_memory": float(sm["mean"])})
     return out
+
+
+def _retention(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
+               problems: Sequence[Any], out_dir: Path) -> dict[str, Any]:
+    """The memory-free accuracy on the retention set, its CI and size (eval.retention)."""
+    from pmd_jax.retention import retention_set
+    from pmd_jax.tasks import evaluation
+
+    rtask, rprobs = retention_set(cfg, [*task.problems("train"), *problems])
+    prefix = {user_text(rtask.prompt(p)): response_prefix(rtask, p) for p in rprobs}
+    res = evaluation.evaluate(
+        rtask, make_generate_fn(cfg, model, textgen, prefix_by_text=prefix),
+        split="retention", k=cfg.eval.n, seeds=tuple(cfg.eval.seeds), problems=rprobs,
+        out_path=out_dir / "retention.jsonl", name=out_dir.name + "_retention", n_boot=2000,
+        in_sample=False)
+    s = res.summarize()
+    return {"retention_accuracy": float(s["mean"]),
+            "retention_accuracy_ci_low": float(s["ci_low"]),
+            "retention_accuracy_ci_high": float(s["ci_high"]),
+            "retention_num_problems": len(rprobs), "retention_task": str(rtask.name)}

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etils import epath
@@ -140,6 +140,8 @@ def _fmt(seconds: float) -> str:
 _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     # (file, title, metric keys, record kind)
     ("val_accuracy.png", "Memory-free validation accuracy", ("accuracy",), "eval"),
+    ("retention_accuracy.png", "Off-task retention accuracy (eval.retention)",
+     ("retention_accuracy",), "eval"),
     ("reward.png", "Rollout reward (train)", ("reward_mean", "success_group_fraction"), "train"),
     ("loss.png", "Training loss", ("loss",), "train"),
     (
@@ -206,4 +208,52 @@ def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
         paths.save_figure(fig, out)  # PNG bytes through epath: works on gs:// too
         plt.close(fig)
         written.append(out)
+    points = eval_kl_points(recs)
+    if points:
+        out = plot_dir / "accuracy_vs_kl.png"
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        for key, label in (("accuracy", "held-out accuracy"),
+                           ("retention_accuracy", "retention accuracy")):
+            pts = [p for p in points if p.get(key) is not None]
+            if not pts:
+                continue
+            xs, ys = [p["kl"] for p in pts], [p[key] for p in pts]
+            line = ax.plot(xs, ys, marker="o", ms=3, label=label)[0]
+            for p in pts:
+                ax.annotate(str(p["step"]), (p["kl"], p[key]), fontsize=6,
+                            color=line.get_color(), xytext=(2, 2), textcoords="offset points")
+        ax.set_title("Accuracy against KL(policy || initial) (labels: step)")
+        ax.set_xlabel("KL(policy || initial), nats / token")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.save_figure(fig, out)
+        plt.close(fig)
+        written.append(out)
     return written
+
+
+def eval_kl_points(recs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each evaluation with the KL(policy || initial) of the policy it evaluated.
+
+    The evaluation at step s sees the weights after s updates: the policy that sampled train
+    step s's rollouts, whose record carries ``kl_policy_initial`` (measured on those rollouts
+    with the sampler's log-probs, pmd_jax.distill.kl). An evaluation record's own
+    ``kl_policy_initial`` (measured at the evaluation) wins. An evaluation without either
+    (the one after the last step, or a step ``train.kl_initial_every`` skipped) is left out.
+    Returns dicts with step, kl, accuracy and (when measured) retention_accuracy."""
+    kl = {int(r["step"]): float(r["kl_policy_initial"]) for r in recs
+          if r.get("kind") == "train" and isinstance(r.get("kl_policy_initial"), int | float)}
+    out: list[dict[str, Any]] = []
+    for r in recs:
+        if r.get("kind") != "eval" or not isinstance(r.get("accuracy"), int | float):
+            continue
+        step = int(r["step"])
+        own = r.get("kl_policy_initial")
+        k = float(own) if isinstance(own, int | float) else kl.get(step)
+        if k is None:
+            continue
+        ret = r.get("retention_accuracy")
+        out.append({"step": step, "kl": k, "accuracy": float(r["accuracy"]),
+                    "retention_accuracy": float(ret) if isinstance(ret, int | float) else None})
+    return out

@@ -1,0 +1,141 @@
+"""Forgetting (eval.retention) and the training-free mode (memory_only).
+
+Unit: the retention set's task defaults, its disjointness from the run's training and
+evaluation questions (real SciQ and MMLU files), its seeded draw, and the config errors.
+End to end (the real entry point, tiny random Llama, real SciQ and MMLU data): a
+``mode=memory_only`` run of 2 steps evaluates with and without the memory and on the retention
+set, its memory grows, and its exported weights are bitwise those of a 0-step run (the initial
+weights); the plot of accuracy against KL to the initial policy is written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pmd_jax import retention as ret
+from pmd_jax.config import apply_mode, base_config, config_errors, freeze
+from pmd_jax.metrics import eval_kl_points
+from pmd_jax.tasks import get_task
+from tests.test_trainer import ROOT, _cmd, _env, _final_params
+
+
+@pytest.fixture(scope="module")
+def sciq():
+    return get_task("sciq")
+
+
+def _cfg(**over):
+    c = base_config()
+    for k, v in over.items():
+        node = c
+        *path, last = k.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = v
+    return freeze(apply_mode(c))
+
+
+def test_default_retention_task_is_off_task():
+    assert ret.retention_task_name(_cfg(**{"task.name": "sciq"})) == "mmlu_science"
+    assert ret.retention_task_name(_cfg(**{"task.name": "mbpp"})) == "sciq"
+    assert ret.retention_task_name(_cfg(**{"task.name": "mmlu_science"})) == "sciq"
+    assert ret.retention_task_name(_cfg(**{"task.name": "gsm8k"})) == "mmlu_science"
+    assert ret.retention_task_name(_cfg(**{"eval.retention_task": "gsm8k"})) == "gsm8k"
+
+
+def test_retention_set_shares_no_question_with_the_run(sciq):
+    keys = ret.question_key
+    run = [*sciq.problems("train"), *sciq.problems("validation")]
+    task, probs = ret.retention_set(_cfg(**{"task.name": "sciq"}), run)
+    assert task.name == "mmlu_science" and len(probs) == 200
+    assert len({p.id for p in probs}) == 200
+    assert not {keys(p.question) for p in probs} & {keys(p.question) for p in run}
+    # drawn from the run's own task, it keeps out the excluded questions
+    train = sciq.problems("train")
+    drawn = ret.draw_retention_problems(sciq, train, 50, seed=0)
+    assert not {keys(p.question) for p in drawn} & {keys(p.question) for p in train}
+    val_ids = {p.id for p in sciq.problems("validation")}
+    assert {p.id for p in drawn} <= val_ids
+    # SciQ has no question left once training and evaluation are excluded
+    with pytest.raises(ret.RetentionError, match="eval.retention_size=1 .* has only 0"):
+        ret.draw_retention_problems(sciq, run, 1, seed=0)
+
+
+def test_retention_draw_is_seeded_and_order_free(sciq):
+    a = [p.id for p in ret.draw_retention_problems(sciq, [], 30, seed=0)]
+    b = [p.id for p in ret.draw_retention_problems(sciq, [], 30, seed=0)]
+    c = [p.id for p in ret.draw_retention_problems(sciq, [], 30, seed=1)]
+    assert a == b and set(a) != set(c)
+
+    class Reversed:
+        name = "sciq"
+        splits = sciq.splits
+
+        def problems(self, split):
+            return list(reversed(sciq.problems(split)))
+
+    assert [p.id for p in ret.draw_retention_problems(Reversed(), [], 30, seed=0)] == a
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("retention_task", "nope", "eval.retention_task='nope' must be"),
+    ("retention_task", "jsonl_mcq", "reads a user file"),
+    ("retention_size", 0, "eval.retention_size must be an int >= 1"),
+])
+def test_bad_retention_knobs_name_the_knob(key, value, message):
+    c = base_config()
+    c.eval.retention = True
+    c.eval[key] = value
+    errs = config_errors(apply_mode(c))
+    assert any(message in e for e in errs), errs
+
+
+def test_eval_kl_points_pair_each_evaluation_with_its_policy():
+    recs = [{"kind": "eval", "step": 0, "accuracy": 0.3},
+            *({"kind": "train", "step": s, "kl_policy_initial": 0.1 * s} for s in range(4)),
+            {"kind": "eval", "step": 2, "accuracy": 0.4, "retention_accuracy": 0.5},
+            {"kind": "eval", "step": 4, "accuracy": 0.6},  # after the last step: no KL
+            {"kind": "eval", "step": 4, "accuracy": 0.6, "kl_policy_initial": 0.9}]
+    got = eval_kl_points(recs)
+    assert [(p["step"], p["kl"], p["retention_accuracy"]) for p in got] == [
+        (0, 0.0, None), (2, 0.2, 0.5), (4, 0.9, None)]
+
+
+# ----------------------------------------------------------------------------- end to end
+def _run(run_dir: Path, *extra: str) -> None:
+    p = subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+def test_memory_only_keeps_the_weights_and_reports_retention(tmp_path: Path):
+    initial, mem_only = tmp_path / "initial", tmp_path / "memory_only"
+    _run(initial, "--config.train.steps=0", "--config.train.eval_every=-1")
+    _run(mem_only, "--config.mode=memory_only", "--config.train.steps=2",
+         "--config.train.eval_every=0", "--config.eval.retention=True",
+         "--config.eval.retention_size=3")
+    # the weights never changed: the export is bitwise the initial one
+    a, b = _final_params(initial), _final_params(mem_only)
+    assert a and a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    recs = [json.loads(x) for x in (mem_only / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((mem_only / "config.json").read_text())["mode"] == "pmd_frozen_policy"
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [0, 1]
+    assert train[-1]["memory_experiences"] == 8  # the memory evolved: 2 steps x 2 x 2
+    (ev,) = [r for r in recs if r["kind"] == "eval"]
+    assert ev["step"] == 2 and "accuracy_with_memory" in ev
+    assert ev["retention_task"] == "mmlu_science" and ev["retention_num_problems"] == 3
+    assert ev["retention_accuracy_ci_low"] <= ev["retention_accuracy"] \
+        <= ev["retention_accuracy_ci_high"]
+    rows = [json.loads(x) for x in
+            (mem_only / "eval" / "step_000002" / "retention.jsonl").read_text().splitlines()]
+    assert len({r["problem_id"] for r in rows}) == 3
+    assert all(r["problem_id"].startswith("mmlu/") for r in rows)
+    assert (mem_only / "plots" / "retention_accuracy.png").exists()
