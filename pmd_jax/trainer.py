@@ -2,7 +2,8 @@
 
 1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch)
 2. verify        reward each rollout (``tasks/``)
-3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``)
+3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``);
+                 mode=mel instead reflects on right/wrong pairs and replays (``mel/``)
 4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
 5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
                  ``distill/kl.py`` for the KL to the initial model)
@@ -299,10 +300,20 @@ class Trainer:
                 )
             times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
             times["time_memory"] -= times["time_reflect"]
+        mel_step = None
+        if cfg.mode == "mel":  # 3'. MEL: reflections on right/wrong pairs, replay filter
+            from pmd_jax.mel import lessons as mel
+
+            with _timed(times, "mel"):
+                mel_step = mel.run_step(cfg, self.model, self.task, self.textgen.sampler, sb)
+            mem_stats = mel_step.stats
         with _timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
             batch, prompt_stats = teaching.build_train_batch(
                 cfg, self.model, self.task, self.memory, sb
             )
+            if mel_step is not None:  # + the kept lessons' rows (their NLL joins the loss)
+                batch.update(mel.lesson_rows(cfg, self.model, self.task, sb, mel_step.kept,
+                                             self.state.step_fn.batch_divisor()))
         return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
 
     # ------------------------------------------------------------------ 1. rollout

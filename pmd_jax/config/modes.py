@@ -19,7 +19,7 @@ PMD_VARIANTS: dict[str, dict[str, Any]] = {
 # prompt) is exactly pmd_frozen_policy; apply_mode writes the canonical name into the config.
 MODE_ALIASES: dict[str, str] = {"memory_only": "pmd_frozen_policy"}
 MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
-                          *PMD_VARIANTS)
+                          *PMD_VARIANTS, "mel")
 MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
 
 
@@ -49,6 +49,8 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         spec = loss_spec(loss.name)
         if c.mode == "grpo":
             loss.name = "grpo"
+        elif c.mode == "mel":  # GRPO + the lessons' NLL (pmd_jax/mel): the loss that reads them
+            loss.name = "mel"
         elif spec is not None and not spec.needs_teacher:  # a teacher-free loss: SDPO's
             loss.name = "sdpo"
         if c.mode == "pmd_frozen_memory" and c.memory.frozen_after_step < 0:

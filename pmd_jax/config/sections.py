@@ -17,6 +17,7 @@ import ml_collections
 from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import DistillConfig
+from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.sampling.backends import BACKENDS
 
@@ -287,7 +288,9 @@ class RunConfig(Section):
     name: str = knob("run", "Run name.")
     mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy "
                      "(alias memory_only: training-free, the memory evolves and the weights "
-                     "never change) | a PMD variant (pmd_jax/config/modes.py).")
+                     "never change) | mel (Meta-Experience Learning: GRPO + the NLL of "
+                     "replay-validated lessons, pmd_jax/mel) | a PMD variant "
+                     "(pmd_jax/config/modes.py).")
     seed: int = knob(0, "Run seed.")
     run_dir: str = knob("runs/default", "Run folder (local, or gs:// / s3:// / az://).")
     resume: bool = knob(True, "Continue from the last checkpoint in run_dir if there is one.")
@@ -301,6 +304,7 @@ class RunConfig(Section):
     eval: EvalConfig = section(EvalConfig, "Evaluation.")
     distill: DistillConfig = section(DistillConfig, "The distillation step.")
     memory: MemoryConfig = section(MemoryConfig, "The procedural memory.")
+    mel: MelConfig = section(MelConfig, "mode=mel: Meta-Experience Learning (pmd_jax/mel).")
 
 
 def base_config() -> ml_collections.ConfigDict:

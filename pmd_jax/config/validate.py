@@ -165,12 +165,22 @@ def _loss_errors(c: Any) -> list[str]:
     pmd_frozen_policy trains with one. GRPO groups are the rollouts of one problem."""
     errs: list[str] = []
     spec = loss_spec(c.distill.loss.name)
+    if c.mode != "mel" and spec is not None and spec.lesson_nll:
+        return [f"distill.loss.name={c.distill.loss.name!r} reads the lesson rows only "
+                f"mode=mel builds; mode={c.mode!r}"]
     if c.mode == "grpo":
         if spec is None or spec.needs_teacher:
             errs.append(f"mode=grpo needs a loss without a teacher as distill.loss.name, got "
                         f"{c.distill.loss.name!r}")
         if c.rollout.n < 2:
             errs.append("mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
+    elif c.mode == "mel":
+        if spec is None or not spec.lesson_nll:
+            errs.append(f"mode=mel needs distill.loss.name='mel' (GRPO + the lessons' NLL), "
+                        f"got {c.distill.loss.name!r}")
+        if c.rollout.n < 2:
+            errs.append("mode=mel with rollout.n=1 has no right and wrong rollouts of one "
+                        "problem (and zero GRPO advantages): use rollout.n >= 2")
     elif c.mode != "pmd_frozen_policy" and spec is not None and not spec.needs_teacher:
         from pmd_jax.distill.registry import loss_names
 
@@ -300,7 +310,7 @@ def _prompt_budget_errors(c: Any) -> list[str]:
         errs.append(
             f"rollout.max_prompt_tokens + max(rollout.max_tokens, eval.max_tokens) = "
             f"{r.max_prompt_tokens} + {gen} = {r.max_prompt_tokens + gen} exceeds {limit_what}")
-    if c.mode != "grpo":  # grpo has no teacher
+    if c.mode not in ("grpo", "mel"):  # grpo and mel have no teacher
         tb = teacher_prompt_budget(c)
         tname = ("min(teacher_prompt.max_tokens, memory.context.max_tokens)"
                  if c.mode in MEMORY_MODES else "teacher_prompt.max_tokens")

@@ -20,6 +20,12 @@ response slots), built on the host by :func:`make_batch` from an
 ``old_logp``           [B, R]      optional: old-policy log-probs (off-policy ratio); absent
                                    means on-policy (ratio 1, verl's old := stopgrad(logp))
 ``rewards``            [B]         grpo / hybrid: rewards, prompt-major groups of group_size
+``lesson_tokens``      [L, Tl]     mel: problem prompt + kept lesson (:func:`make_lesson_rows`)
+``lesson_positions``   [L, Tl]
+``lesson_attn_mask``   [L, Tl]
+``lesson_index``       [L, Rl]     position of the logits predicting lesson token t
+``lesson_targets``     [L, Rl]     the lesson tokens
+``lesson_mask``        [L, Rl]     1 on real lesson tokens (all 0 on filler rows)
 =====================  ==========  ==========================================================
 
 Every loss reads :data:`BASE_KEYS`; a loss's own arrays (teacher sequence, ``rewards``) are
@@ -28,7 +34,7 @@ its ``batch_keys`` in :mod:`pmd_jax.distill.registry`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -144,9 +150,69 @@ def check_batch(batch: Mapping[str, Any], loss: str | reg.LossSpec) -> tuple[int
             raise BatchError(f"{k} must be [B]={(b,)}, got shape {shape(k)}")
     if ts < 2 or (spec.needs_teacher and tt < 2):
         raise BatchError(f"sequences too short: student {ts}, teacher {tt} (need >= 2)")
-    for k in ("student_tokens", "teacher_tokens", "responses", "student_index", "teacher_index"):
+    if spec.lesson_nll:
+        _check_lesson_rows(shape)
+    for k in ("student_tokens", "teacher_tokens", "responses", "student_index", "teacher_index",
+              "lesson_tokens", "lesson_index", "lesson_targets"):
         if k in batch:
             dt = getattr(batch[k], "dtype", None) or np.asarray(batch[k]).dtype
             if not jnp.issubdtype(dt, jnp.integer):
                 raise BatchError(f"{k} must be an integer array, got {dt}")
     return b, ts, tt, r
+
+
+def _check_lesson_rows(shape: Any) -> None:
+    """The lesson rows (mode=mel): ``[L, Tl]`` sequence arrays and ``[L, Rl]`` lesson maps,
+    ``L`` independent of the rollout batch."""
+    l_shape = shape("lesson_tokens")
+    if len(l_shape) != 2 or l_shape[0] < 1 or l_shape[1] < 2:
+        raise BatchError(f"lesson_tokens must be [L >= 1, Tl >= 2], got shape {l_shape}")
+    for k in reg.LESSON_KEYS[1:3]:
+        if shape(k) != l_shape:
+            raise BatchError(f"{k} has shape {shape(k)}, lesson_tokens has {l_shape}")
+    m_shape = shape("lesson_targets")
+    if len(m_shape) != 2 or m_shape[0] != l_shape[0]:
+        raise BatchError(f"lesson_targets must be [L={l_shape[0]}, Rl], got shape {m_shape}")
+    for k in ("lesson_index", "lesson_mask"):
+        if shape(k) != m_shape:
+            raise BatchError(f"{k} has shape {shape(k)}, lesson_targets has {m_shape}")
+
+
+def make_lesson_rows(prompts: Sequence[Sequence[int]], lessons: Sequence[Sequence[int]], *,
+                     pad_id: int, rows: int, pad_to_multiple: int = 16) -> dict[str, np.ndarray]:
+    """The lesson arrays (:data:`pmd_jax.distill.registry.LESSON_KEYS`) of ``mode=mel``:
+    row ``i`` is ``prompts[i] + lessons[i]`` laid out exactly as a student row (right padded,
+    :func:`pmd_jax.distill.align.build_distill_batch`), the lesson in the response slots.
+
+    ``rows`` (>= ``len(lessons)``) fixes ``L``: the rows past the lessons are filler (one
+    attended pad token, ``lesson_mask`` 0), so a step without kept lessons still has the
+    arrays (NLL 0, no NaN: every row attends to at least one token).
+    """
+    n = len(lessons)
+    if len(prompts) != n:
+        raise BatchError(f"{len(prompts)} lesson prompts for {n} lessons")
+    if rows < max(n, 1):
+        raise BatchError(f"rows={rows} cannot hold {n} lessons (need >= max(n, 1))")
+    if n:
+        db = align.build_distill_batch(prompts, prompts, lessons, pad_id=pad_id,
+                                       pad_side="right", pad_to_multiple=pad_to_multiple)
+        tl, rl = db.student.tokens.shape[1], db.responses.shape[1]
+    else:
+        tl = rl = pad_to_multiple if pad_to_multiple >= 2 else 2
+    out = {
+        "lesson_tokens": np.full((rows, tl), pad_id, np.int32),
+        "lesson_positions": np.tile(np.arange(tl, dtype=np.int32), (rows, 1)),
+        "lesson_attn_mask": np.zeros((rows, tl), np.int32),
+        "lesson_index": np.zeros((rows, rl), np.int32),
+        "lesson_targets": np.full((rows, rl), pad_id, np.int32),
+        "lesson_mask": np.zeros((rows, rl), np.float32),
+    }
+    out["lesson_attn_mask"][:, 0] = 1  # filler rows: one attended token, never NaN
+    if n:
+        out["lesson_tokens"][:n] = db.student.tokens
+        out["lesson_positions"][:n] = db.student.positions
+        out["lesson_attn_mask"][:n] = db.student.attention_mask
+        out["lesson_index"][:n] = db.student.logit_index
+        out["lesson_targets"][:n] = db.responses
+        out["lesson_mask"][:n] = db.response_mask
+    return out

@@ -220,3 +220,43 @@ def make_loss_fn(
         return loss, metrics
 
     return loss_fn
+
+
+def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = None, *,
+                       loss_chunk_remat: bool = True):
+    """``nll_fn(params, batch) -> (nll, metrics)``: the token-mean negative log-likelihood
+    (temperature 1) of the lesson rows (``lesson_*`` arrays, :func:`pmd_jax.distill.batch.
+    make_lesson_rows`) given their prompts, over ``lesson_mask``; 0 when the mask is empty.
+
+    The same forward, response gather and chunked log-probs as the student side of
+    :func:`make_loss_fn` (mode=mel, :mod:`pmd_jax.mel`); the step differentiates it in the
+    same jitted step as the GRPO loss.
+    """
+    compute_dtype = jnp.dtype(opts.param_dtype)
+    if opts.matmul_dtype is not None:
+        model_cfg = model_cfg.replace(matmul_dtype=opts.matmul_dtype)
+
+    def nll_fn(params: Any, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
+        p = _cast(params, compute_dtype)
+        if opts.unrolled_layers:
+            p = decoder.unstack_layers(p)
+        h, _ = decoder.forward(
+            p, batch["lesson_tokens"].astype(jnp.int32),
+            batch["lesson_positions"].astype(jnp.int32), model_cfg,
+            attn_mask=batch["lesson_attn_mask"], return_hidden=True, remat=opts.remat,
+            shard_ctx=shard_ctx,
+        )
+        h = align.gather_response(h, batch["lesson_index"])
+        logp = chunked.chunked_token_logprobs(
+            h, _unembed(p, model_cfg), batch["lesson_targets"].astype(jnp.int32), 1.0,
+            opts.chunk, vocab_major=model_cfg.tie_embeddings, remat=loss_chunk_remat,
+            matmul_dtype=model_cfg.matmul_dtype,
+        )
+        mask = batch["lesson_mask"].astype(jnp.float32)
+        count = jnp.sum(mask)
+        nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(count, 1.0)
+        rows = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+        return nll, {"mel_lesson_nll": lax.stop_gradient(nll), "mel_lesson_tokens": count,
+                     "mel_lesson_rows": rows}
+
+    return nll_fn

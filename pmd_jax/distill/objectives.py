@@ -26,7 +26,7 @@ from jax import lax
 
 from pmd_jax.distill import losses
 from pmd_jax.distill import policy_gradient as pg
-from pmd_jax.distill.registry import TEACHER_KEYS, LossSpec, register_loss
+from pmd_jax.distill.registry import LESSON_KEYS, TEACHER_KEYS, LossSpec, register_loss
 
 Array = jax.Array
 
@@ -140,4 +140,17 @@ register_loss(LossSpec(
     doc="GRPO + SDPO hybrid (Eq. 3): the PPO-clip loss with the combined advantage "
         "(distill.loss.hybrid_lambda)",
     metric_kinds={**_PG_KINDS, **_DISTILL_METRIC_KINDS, "hybrid_adv_mean": "response"},
+))
+
+
+register_loss(LossSpec(
+    name="mel", fn=grpo, needs_teacher=False, needs_rewards=True, needs_old_logprobs=False,
+    batch_keys=("rewards", *LESSON_KEYS), lesson_nll=True,
+    doc="Meta-Experience Learning (mode=mel, pmd_jax/mel): the GRPO loss plus mel.nll_weight "
+        "x the token-mean NLL of the kept lessons given their problem's prompt",
+    # The lesson terms are computed once per step on the whole lesson batch, outside the
+    # microbatch scan (pmd_jax.distill.step), so no microbatch ever combines them: "sum" of
+    # one value is that value. grpo_loss is the GRPO part alone (a response-token mean).
+    metric_kinds={**_PG_KINDS, "grpo_loss": "response", "mel_lesson_nll": "sum",
+                  "mel_lesson_tokens": "sum", "mel_lesson_rows": "sum"},
 ))

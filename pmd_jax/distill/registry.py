@@ -18,6 +18,9 @@ config validation ask the registry; nothing else branches on loss names.
   ``check_batch`` requires them.
 * ``metric_kinds``: how each metric ``fn`` returns combines over microbatches (see
   :mod:`pmd_jax.distill.accumulate`); ``"loss"`` names the mask that normalises the loss.
+* ``lesson_nll``: the batch also carries lesson rows (:data:`LESSON_KEYS`, ``mode=mel``,
+  :mod:`pmd_jax.mel`); the step adds ``nll_weight`` x their token-mean NLL to the loss, from
+  a second forward in the same jitted step (:func:`pmd_jax.distill.loss_fn.make_lesson_nll_fn`).
 
 The built-in losses (``sdpo``, ``grpo``, ``hybrid``) are registered in
 :mod:`pmd_jax.distill.objectives`; adding a loss is one function and one
@@ -33,6 +36,9 @@ from collections.abc import Callable, Mapping
 # the combination rules a metric may declare (pmd_jax.distill.accumulate)
 METRIC_KINDS = ("loss_mask", "response", "rows", "sum", "max")
 TEACHER_KEYS = ("teacher_tokens", "teacher_positions", "teacher_attn_mask")
+# mode=mel: the kept lessons as rows of their own ([L, Tl] sequence, [L, Rl] lesson tokens)
+LESSON_KEYS = ("lesson_tokens", "lesson_positions", "lesson_attn_mask", "lesson_index",
+               "lesson_targets", "lesson_mask")
 
 _BUILTIN_MODULE = "pmd_jax.distill.objectives"
 
@@ -49,6 +55,7 @@ class LossSpec:
     batch_keys: tuple[str, ...]
     doc: str
     metric_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    lesson_nll: bool = False
 
     def required_keys(self) -> tuple[str, ...]:
         """The arrays this loss reads beyond the base keys, including ``old_logp`` if needed."""
@@ -74,6 +81,10 @@ def _check(spec: LossSpec) -> None:
         raise ValueError(f"loss {spec.name!r}: needs_rewards={spec.needs_rewards} but "
                          f"'rewards' is{'' if 'rewards' in spec.batch_keys else ' not'} in "
                          f"batch_keys {spec.batch_keys}")
+    if spec.lesson_nll != all(k in spec.batch_keys for k in LESSON_KEYS):
+        raise ValueError(f"loss {spec.name!r}: lesson_nll={spec.lesson_nll} but batch_keys "
+                         f"{spec.batch_keys} {'lack' if spec.lesson_nll else 'hold'} "
+                         f"{LESSON_KEYS}")
     bad = {k: v for k, v in spec.metric_kinds.items() if v not in METRIC_KINDS}
     if bad:
         raise ValueError(f"loss {spec.name!r}: unknown metric kinds {bad}; known: {METRIC_KINDS}")

@@ -8,6 +8,11 @@
 * ``step(state, batch) -> (state, metrics)``: one ``jax.jit`` call with in/out shardings from
   the logical-axis rules, the state donated (params, optimizer state, teacher).
 
+A loss with ``lesson_nll`` (``mel``): the lesson rows are taken out of the batch before the
+microbatch split; ``lesson_nll_weight`` x their token-mean NLL (a second forward, once per
+step on all lesson rows) is added to the loss and its gradient to the (accumulated) gradient,
+in the same jitted step; ``grpo_loss`` reports the loss without it.
+
 ``microbatch_rows=N`` (``train.microbatch_rows``; 0 = off): gradient accumulation inside the
 same jitted step, a ``lax.scan`` over microbatches of N rows with full-batch loss
 normalisation, then one optimizer update (:mod:`pmd_jax.distill.accumulate`).
@@ -46,7 +51,8 @@ from pmd_jax.distill import accumulate
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.batch import BatchError, check_batch
-from pmd_jax.distill.loss_fn import StepOptions, _cast, make_loss_fn
+from pmd_jax.distill.loss_fn import StepOptions, _cast, make_lesson_nll_fn, make_loss_fn
+from pmd_jax.distill.registry import LESSON_KEYS
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 
@@ -111,6 +117,7 @@ class TrainStep:
         donate: bool = True,
         loss_chunk_remat: bool = True,
         microbatch_rows: int = 0,
+        lesson_nll_weight: float = 1.0,
     ):
         self.model_cfg = model_cfg
         self.opts = StepOptions.from_config(distill_cfg, model_cfg.vocab_size)
@@ -121,6 +128,10 @@ class TrainStep:
         shard_ctx = (mesh, self.rules) if mesh is not None else None
         self.loss_fn = make_loss_fn(model_cfg, self.opts, shard_ctx,
                                     loss_chunk_remat=loss_chunk_remat)
+        self.lesson_nll_weight = float(lesson_nll_weight)
+        self.lesson_nll_fn = (make_lesson_nll_fn(model_cfg, self.opts, shard_ctx,
+                                                 loss_chunk_remat=loss_chunk_remat)
+                              if self.opts.loss_spec.lesson_nll else None)
         self._compiled: dict[tuple, Any] = {}
         self._state_shardings: Any = None
         # gradient accumulation (train.microbatch_rows; 0 = off): checked against the mesh now
@@ -206,13 +217,34 @@ class TrainStep:
     # ------------------------------------------------------------- step
     def _step(self, state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
         """The function jitted per batch layout: loss and gradient, then :func:`apply_update`."""
+        lessons = None
+        if self.lesson_nll_fn is not None:  # mode=mel: the lesson rows, outside the split
+            lessons = {k: batch[k] for k in LESSON_KEYS}
+            batch = {k: v for k, v in batch.items() if k not in LESSON_KEYS}
         n_micro = self.num_microbatches(batch["response_mask"].shape[0])
         if n_micro > 1:
             (loss, metrics), grads = self._accumulated(state, batch, n_micro)
         else:
             grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
             (loss, metrics), grads = grad_fn(state.params, state.teacher, batch)
+        if lessons is not None:
+            loss, metrics, grads = self._add_lesson_nll(state, lessons, loss, metrics, grads)
         return apply_update(self.opts, state, loss, metrics, grads)
+
+    def _add_lesson_nll(self, state: TrainState, lessons: dict[str, Array], loss: Array,
+                        metrics: Mapping[str, Array], grads: Any) -> tuple[Array, dict, Any]:
+        """``loss + w * NLL(lessons)`` and its gradient (``w = lesson_nll_weight``); with
+        ``w = 0`` the NLL is only measured (loss and gradient are the GRPO ones, bitwise)."""
+        assert self.lesson_nll_fn is not None
+        w = self.lesson_nll_weight
+        metrics = {**metrics, "grpo_loss": loss}
+        if w == 0.0:
+            _, m = self.lesson_nll_fn(jax.lax.stop_gradient(state.params), lessons)
+            return loss, {**metrics, **m}, grads
+        (nll, m), g = jax.value_and_grad(self.lesson_nll_fn, has_aux=True)(state.params, lessons)
+        grads = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + w * b.astype(jnp.float32)
+                                           ).astype(a.dtype), grads, g)
+        return loss + w * nll, {**metrics, **m}, grads
 
     def _accumulated(self, state: TrainState, batch: dict[str, Array], n: int) -> Any:
         """Loss, metrics and gradient of the whole batch from ``n`` microbatches."""
@@ -277,6 +309,8 @@ class TrainStep:
                 )
         if not spec.needs_teacher:
             batch = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
+        if spec.lesson_nll:
+            self._check_batch_divisible(int(np.shape(batch["lesson_tokens"])[0]))
         return self._get_compiled(batch)(state, dict(batch))
 
     def lower(self, state: Any, batch: Mapping[str, Any]) -> Any:

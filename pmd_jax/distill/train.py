@@ -22,7 +22,8 @@ def init_train_state(cfg: Any, model: Any) -> TrainBundle:
     from pmd_jax.distill.step import TrainStep
 
     ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules,
-                   microbatch_rows=int(cfg.train.microbatch_rows))
+                   microbatch_rows=int(cfg.train.microbatch_rows),
+                   lesson_nll_weight=float(cfg.mel.nll_weight))  # used by the mel loss only
     state = ts.init(model.params, rng=int(cfg.seed))
     return TrainBundle(ts, state, model.params)
 

@@ -128,3 +128,30 @@ def count_range(lo: int, hi: int) -> str:
 
 # ------------------------------------------------------------ control: inverted lessons --
 # "inverted_lessons" shows the lessons (mistakes) under the strategies header and vice versa.
+
+
+# ------------------------------------------ mode=mel: contrastive reflection (pmd_jax/mel) --
+# Ours, after MEL's structured instruction (arXiv 2602.10224, Sec. 3): locate the bifurcation
+# point in the wrong attempt, diagnose it (critique), abstract a reusable lesson.
+MEL_REFLECTION_SYSTEM = REFLECTION_SYSTEM
+MEL_REFLECTION_USER = """Problem:
+{problem}
+
+Correct attempt:
+{right}
+
+Incorrect attempt:
+{wrong}
+
+Compare the two attempts and find where the incorrect one first goes wrong. Write:
+- "split_point": the exact words of the incorrect attempt where it goes wrong, copied \
+verbatim (at most {split_chars} characters);
+- "critique": why that step is wrong and what the correct attempt did instead (at most \
+{critique_chars} characters);
+- "lesson": one general, reusable rule that would avoid this mistake on similar problems \
+({lesson_min}-{lesson_max} characters). Do not state the final answer, an option letter or \
+the expected output.
+Respond ONLY with valid JSON with exactly these three keys:
+{{"split_point": "...", "critique": "...", "lesson": "..."}}"""
+# the replay prompt and the NLL target's context: the problem, then the lesson
+MEL_LESSON_TEMPLATE = "{problem}\n\nA lesson from earlier attempts: {lesson}"

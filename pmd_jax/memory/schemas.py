@@ -100,6 +100,18 @@ def call_schema(call: str, memory_cfg: Any) -> Schema:
     return builders[call](memory_cfg.behavior)
 
 
+def mel_reflection_schema(mel_cfg: Any) -> Schema:
+    """``mode=mel``'s contrastive reflection (pmd_jax/mel): ``{"split_point", "critique",
+    "lesson"}``, bounded by ``mel.split_point_max_chars`` / ``critique_max_chars`` /
+    ``lesson_min_chars``..``lesson_max_chars`` (not one of :data:`CALLS`: the memory never
+    makes it)."""
+    return _object({
+        "split_point": _string(1, mel_cfg.split_point_max_chars),
+        "critique": _string(1, mel_cfg.critique_max_chars),
+        "lesson": _string(mel_cfg.lesson_min_chars, mel_cfg.lesson_max_chars),
+    })
+
+
 def schema_param(schema: Schema) -> str:
     """The ``SamplingParams.json_schema`` string of ``schema``: compact, key order kept."""
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -8,8 +8,10 @@ from pmd_jax.distill import accumulate, batch, registry
 
 
 def test_builtin_losses_and_what_they_need():
-    assert registry.loss_names() == ("sdpo", "grpo", "hybrid")
-    sdpo, grpo, hybrid = (registry.get_loss(n) for n in registry.loss_names())
+    assert registry.loss_names() == ("sdpo", "grpo", "hybrid", "mel")
+    sdpo, grpo, hybrid, mel = (registry.get_loss(n) for n in registry.loss_names())
+    assert (mel.needs_teacher, mel.needs_rewards, mel.lesson_nll) == (False, True, True)
+    assert mel.batch_keys == ("rewards", *registry.LESSON_KEYS)
     assert (sdpo.needs_teacher, sdpo.needs_rewards) == (True, False)
     assert (grpo.needs_teacher, grpo.needs_rewards) == (False, True)
     assert (hybrid.needs_teacher, hybrid.needs_rewards) == (True, True)
@@ -18,7 +20,7 @@ def test_builtin_losses_and_what_they_need():
     assert set(batch.SEQ_KEYS["teacher"]) <= set(hybrid.batch_keys)
     # the mask that normalises each loss (gradient accumulation weights by it)
     assert [accumulate.loss_mask_kind(n) for n in registry.loss_names()] == [
-        "loss_mask", "response", "response"]
+        "loss_mask", "response", "response", "response"]
 
 
 def test_unknown_name_lists_the_known_ones():

@@ -1,0 +1,254 @@
+"""MEL's host-side work of a step: pairs, structured reflections, replays, lesson rows.
+
+See :mod:`pmd_jax.mel` for the method and where it follows the paper. Nothing here raises on
+model output: a malformed reflection is counted and skipped. The metrics of a step
+(:data:`STAT_KEYS`, all logged every step, 0 when nothing happened) satisfy
+``mel_reflections == mel_malformed + mel_lessons_kept + mel_lessons_dropped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.memory import parsing, prompts
+from pmd_jax.memory.schemas import mel_reflection_schema, schema_param, validate
+from pmd_jax.sampling.base import Messages, SamplingParams
+
+STAT_KEYS = (
+    "mel_problems_mixed",  # problems with at least one right and one wrong rollout
+    "mel_pairs_found",  # right x wrong pairs of the step, before the caps
+    "mel_pairs",  # pairs reflected on (mel.max_pairs_per_problem, mel.max_pairs)
+    "mel_reflections",  # reflection replies expected (one per pair)
+    "mel_malformed",  # no JSON object, not the schema, or an unusable lesson: skipped
+    "mel_json_error", "mel_schema_error",  # the two main kinds of malformed
+    "mel_reflect_truncated",  # replies cut at mel.reflection.max_tokens
+    "mel_quote_missing",  # split_point not a span of the wrong rollout
+    "mel_lessons_replayed",  # lessons sent to replay
+    "mel_lessons_kept", "mel_lessons_dropped",  # kept: a replay was right (or replays=0)
+    "mel_replays",  # replay samples generated
+    "mel_replays_correct",
+    "mel_reflect_tokens", "mel_replay_tokens",  # generated tokens (grid: generation spent)
+    "mel_generated_tokens",
+)
+
+
+@dataclasses.dataclass
+class Lesson:
+    """A lesson written for pair (problem ``problem_index``: rollouts ``right``, ``wrong``)."""
+
+    problem_index: int
+    right: int
+    wrong: int
+    text: str
+    quoted: bool = True  # its split_point is a span of the wrong rollout
+    kept: bool = False
+
+
+@dataclasses.dataclass
+class StepLessons:
+    """What MEL made of one step: every parsed lesson (``kept`` marks the kept ones) and
+    the step's metrics."""
+
+    lessons: list[Lesson]
+    stats: dict[str, float]
+
+    @property
+    def kept(self) -> list[Lesson]:
+        return [x for x in self.lessons if x.kept]
+
+
+# ----------------------------------------------------------------------------- pairs
+def find_pairs(rewards: np.ndarray, threshold: float, per_problem: int = 1,
+               max_pairs: int = 0) -> tuple[list[tuple[int, int, int]], int, int]:
+    """``(pairs, found, mixed)`` for rewards ``[B, G]``: pairs ``(problem, right, wrong)``
+    (reward >= ``threshold`` vs below), per problem in order (1st right x 1st wrong, 2nd x
+    2nd, ..., then the remaining combinations), at most ``per_problem`` per problem and
+    ``max_pairs`` in all (0 = no cap); ``found`` counts every right x wrong pair, ``mixed``
+    the problems with both."""
+    rewards = np.asarray(rewards, np.float64)
+    out: list[tuple[int, int, int]] = []
+    found = mixed = 0
+    for i in range(rewards.shape[0]):
+        ok = rewards[i] >= threshold
+        rights, wrongs = np.flatnonzero(ok).tolist(), np.flatnonzero(~ok).tolist()
+        if not rights or not wrongs:
+            continue
+        mixed += 1
+        found += len(rights) * len(wrongs)
+        diag = [(rights[k], wrongs[k]) for k in range(min(len(rights), len(wrongs)))]
+        rest = [(r, w) for r in rights for w in wrongs if (r, w) not in diag]
+        mine = diag + rest
+        if per_problem:
+            mine = mine[:per_problem]
+        out.extend((i, r, w) for r, w in mine)
+    if max_pairs:
+        out = out[:max_pairs]
+    return out, found, mixed
+
+
+# ----------------------------------------------------------------------------- reflection
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n] + " [...]"
+
+
+def reflection_messages(mel: Any, problem: str, right: str, wrong: str) -> Messages:
+    """The contrastive reflection conversation of one pair."""
+    user = prompts.MEL_REFLECTION_USER.format(
+        problem=problem, right=_cut(right, mel.max_attempt_chars),
+        wrong=_cut(wrong, mel.max_attempt_chars), split_chars=mel.split_point_max_chars,
+        critique_chars=mel.critique_max_chars, lesson_min=mel.lesson_min_chars,
+        lesson_max=mel.lesson_max_chars)
+    return [{"role": "system", "content": prompts.MEL_REFLECTION_SYSTEM},
+            {"role": "user", "content": user}]
+
+
+def quote_in(quote: str, text: str) -> bool:
+    """``quote`` is a non-empty span of ``text`` (whitespace runs compared as one space)."""
+    q = " ".join(quote.split())
+    return bool(q) and q in " ".join(text.split())
+
+
+def parse_reflection(reply: object, wrong: str, mel: Any, counts: Counter,
+                     extra_tokens: Sequence[str] = ()) -> tuple[str | None, bool]:
+    """``(lesson, quoted)`` of one reply, or ``(None, False)`` when malformed (counted:
+    ``json_error``, ``schema_error``, or the lesson unusable after sanitising)."""
+    obj = parsing.extract_json_object(reply, counts)
+    if obj is None:
+        counts["malformed"] += 1
+        return None, False
+    if validate(obj, mel_reflection_schema(mel)):
+        counts["schema_error"] += 1
+        counts["malformed"] += 1
+        return None, False
+    lesson = parsing.clean_item(obj["lesson"], counts, max_chars=int(mel.lesson_max_chars),
+                                min_chars=int(mel.lesson_min_chars), extra_tokens=extra_tokens)
+    if lesson is None:
+        counts["malformed"] += 1
+        return None, False
+    quoted = quote_in(obj["split_point"], wrong)
+    if not quoted:
+        counts["quote_missing"] += 1
+    return lesson, quoted
+
+
+def reflection_params(cfg: Any, model: Any, step: int) -> SamplingParams:
+    r, mel = cfg.mel.reflection, cfg.mel
+    return SamplingParams(
+        n=1, temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k),
+        max_tokens=int(r.max_tokens), seed=int(r.seed) + int(step),
+        stop_token_ids=tuple(model.stop_token_ids),
+        json_schema=schema_param(mel_reflection_schema(mel)) if mel.structured_output else None)
+
+
+def replay_params(cfg: Any, model: Any, step: int) -> SamplingParams:
+    mel, r = cfg.mel, cfg.rollout
+    return SamplingParams(
+        n=int(mel.replays), temperature=float(mel.replay_temperature), top_p=float(r.top_p),
+        top_k=int(r.top_k), max_tokens=int(mel.replay_max_tokens or r.max_tokens),
+        stop_token_ids=tuple(model.stop_token_ids),
+        seed=hash((int(cfg.seed), int(step), 7919)) % (2**31))
+
+
+def lesson_messages(task_messages: Messages, lesson: str) -> Messages:
+    """The problem's prompt with the lesson after the problem (the replay's prompt)."""
+    out = [dict(m) for m in task_messages]
+    last = max(i for i, m in enumerate(out) if m["role"] == "user")
+    out[last]["content"] = prompts.MEL_LESSON_TEMPLATE.format(problem=out[last]["content"],
+                                                              lesson=lesson)
+    return out
+
+
+# ----------------------------------------------------------------------------- the step
+def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLessons:
+    """Reflections on the step's contrastive pairs and the replay filter, for the verified
+    rollouts ``sb`` (a trainer StepBatch). ``sampler``: the run's (the policy), token level;
+    ``model``: encode_chat / encode_prompt / decode / stop_token_ids / tokenizer."""
+    from pmd_jax.teaching import response_prefix, user_text
+
+    mel, g = cfg.mel, int(cfg.rollout.n)
+    thr = float(cfg.teacher_prompt.success_threshold)
+    stats = {k: 0.0 for k in STAT_KEYS}
+    pairs, found, mixed = find_pairs(sb.rewards, thr, int(mel.max_pairs_per_problem),
+                                     int(mel.max_pairs))
+    stats.update(mel_problems_mixed=float(mixed), mel_pairs_found=float(found),
+                 mel_pairs=float(len(pairs)))
+    extra = tuple(getattr(model.tokenizer, "special_tokens", ()) or ())
+    counts: Counter = Counter()
+    lessons: list[Lesson] = []
+    t0 = time.perf_counter()
+    if pairs:
+        convs = [reflection_messages(mel, user_text(task.prompt(sb.problems[i])),
+                                     sb.texts[i * g + r], sb.texts[i * g + w])
+                 for i, r, w in pairs]
+        rollouts = sampler.generate([model.encode_chat(c) for c in convs],
+                                    reflection_params(cfg, model, sb.step))
+        first: dict[int, Any] = {}
+        for ro in rollouts:
+            first.setdefault(ro.prompt_index, ro)
+            stats["mel_reflect_tokens"] += len(ro.tokens)
+        for k, (i, r, w) in enumerate(pairs):
+            ro = first.get(k)
+            if ro is not None and ro.finish_reason == "length":
+                counts["truncated"] += 1
+            reply = model.decode(ro.tokens.tolist()) if ro is not None else None
+            wrong = sb.texts[i * g + w]
+            text, quoted = parse_reflection(reply, wrong, mel, counts, extra)
+            if text is not None:
+                lessons.append(Lesson(i, r, w, text, quoted))
+    stats["time_mel_reflect"] = time.perf_counter() - t0
+    stats.update(mel_reflections=float(len(pairs)), mel_malformed=float(counts["malformed"]),
+                 mel_json_error=float(counts["json_error"]),
+                 mel_schema_error=float(counts["schema_error"]),
+                 mel_reflect_truncated=float(counts["truncated"]),
+                 mel_quote_missing=float(counts["quote_missing"]))
+    t0 = time.perf_counter()
+    todo = [x for x in lessons if x.quoted or mel.keep_unquoted]
+    if int(mel.replays) == 0:
+        for x in todo:
+            x.kept = True
+    elif todo:
+        probs = [sb.problems[x.problem_index] for x in todo]
+        prefixes = [response_prefix(task, p) for p in probs]
+        ids = [model.encode_prompt(lesson_messages(task.prompt(p), x.text), pre)
+               for x, p, pre in zip(todo, probs, prefixes, strict=True)]
+        rollouts = list(sampler.generate(ids, replay_params(cfg, model, sb.step)))
+        texts = [prefixes[ro.prompt_index] + model.decode(ro.tokens.tolist())
+                 for ro in rollouts]
+        results = task.verify_batch([probs[ro.prompt_index] for ro in rollouts], texts,
+                                    "train")
+        for ro, res in zip(rollouts, results, strict=True):
+            stats["mel_replay_tokens"] += len(ro.tokens)
+            if float(res.reward) >= thr:
+                stats["mel_replays_correct"] += 1
+                todo[ro.prompt_index].kept = True
+        stats["mel_replays"] = float(len(rollouts))
+        stats["mel_lessons_replayed"] = float(len(todo))
+    stats["time_mel_replay"] = time.perf_counter() - t0
+    kept = sum(x.kept for x in lessons)
+    stats["mel_lessons_kept"] = float(kept)
+    stats["mel_lessons_dropped"] = float(len(lessons) - kept)
+    stats["mel_generated_tokens"] = stats["mel_reflect_tokens"] + stats["mel_replay_tokens"]
+    return StepLessons(lessons, stats)
+
+
+def lesson_rows(cfg: Any, model: Any, task: Any, sb: Any, lessons: Sequence[Lesson],
+                row_multiple: int = 1) -> dict[str, np.ndarray]:
+    """The kept lessons as the train batch's lesson arrays (``distill.batch.LESSON_KEYS``):
+    each the problem's chat prompt (generation prompt, no response prefix) followed by the
+    lesson's tokens (at most ``mel.lesson_max_tokens``). ``L`` is ``row_multiple`` (the mesh's
+    batch axes) x the next power of two >= the lessons, so a run compiles few shapes."""
+    from pmd_jax.distill.batch import make_lesson_rows
+
+    prompts_ = [model.encode_chat(task.prompt(sb.problems[x.problem_index])) for x in lessons]
+    toks = [model.tokenizer.encode(x.text)[: int(cfg.mel.lesson_max_tokens)] for x in lessons]
+    m = max(1, int(row_multiple))
+    rows = m
+    while rows < len(lessons):
+        rows *= 2
+    return make_lesson_rows(prompts_, toks, pad_id=model.pad_id, rows=rows)
