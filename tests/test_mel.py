@@ -367,16 +367,53 @@ def test_config_listing_shows_the_mel_knobs(capsys):
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_two_step_mel_run_logs_the_mel_metrics(tmp_path_factory):
-    from tests.test_trainer import run_once
+# The real entry point (pmd_jax.main.run) with one phase patched: the tiny random model never
+# answers right, so the verifier's rewards are overridden to make rollout 0 of every problem
+# right (the others keep the real verifier's 0): every problem has a contrastive pair, the
+# policy writes real schema-constrained reflections through the run's sampler, and (with
+# keep_unquoted and replays=0: random text rarely quotes the wrong rollout, and never solves
+# a replay) the lessons reach the train step's NLL term.
+_ENTRY = """
+import pmd_jax.trainer as t
+_verify = t.Trainer.verify
+def verify(self, sb):
+    _verify(self, sb)
+    sb.rewards[:, 0] = 1.0
+t.Trainer.verify = verify
+from pmd_jax.main import run
+run()
+"""
 
-    run_dir = run_once(tmp_path_factory, "mel", "--config.mode=mel", "--config.train.steps=2",
-                       "--config.mel.replays=1", "--config.mel.reflection.max_tokens=600")
+
+def test_two_step_mel_run_logs_the_mel_metrics(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_trainer import TINY as TINY_FLAGS
+    from tests.test_trainer import _env, cache_flags
+
+    run_dir = tmp_path / "mel"
+    cmd = [sys.executable, "-c", _ENTRY, "--config=configs/smollm2_sciq.py",
+           f"--config.run_dir={run_dir}", *TINY_FLAGS, *cache_flags(), "--config.mode=mel",
+           "--config.train.steps=2", "--config.mel.replays=0", "--config.mel.keep_unquoted=True",
+           "--config.mel.split_point_max_chars=60", "--config.mel.critique_max_chars=60",
+           "--config.mel.lesson_max_chars=90", "--config.mel.reflection.max_tokens=160"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    train = [r for r in recs if r["kind"] == "train"]
+    train = [r.get("values", r) for r in recs if r["kind"] == "train"]
     assert len(train) == 2
     for r in train:
         for k in (*mel.STAT_KEYS, "mel_lesson_nll", "mel_lesson_tokens", "grpo_loss"):
-            assert k in r["values"] if "values" in r else k in r, k
+            assert k in r, k
+        assert r["mel_pairs"] == 2 and r["mel_reflections"] == 2
+        assert r["mel_reflect_tokens"] > 0 and r["mel_replays"] == 0
+        assert r["mel_reflections"] == (r["mel_malformed"] + r["mel_lessons_kept"]
+                                        + r["mel_lessons_dropped"])
+        assert r["mel_lesson_rows"] == r["mel_lessons_kept"]
+        if r["mel_lessons_kept"]:
+            assert r["mel_lesson_nll"] > 0
+            assert r["loss"] == pytest.approx(r["grpo_loss"] + r["mel_lesson_nll"], rel=1e-5)
+    assert sum(r["mel_lessons_kept"] for r in train) > 0
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["mode"] == "mel" and cfg["distill"]["loss"]["name"] == "mel"

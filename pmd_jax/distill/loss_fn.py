@@ -254,7 +254,7 @@ def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any
         )
         mask = batch["lesson_mask"].astype(jnp.float32)
         count = jnp.sum(mask)
-        nll = -jnp.sum(jnp.where(mask > 0, logp, 0.0)) / jnp.maximum(count, 1.0)
+        nll = jnp.sum(jnp.where(mask > 0, -logp, 0.0)) / jnp.maximum(count, 1.0)
         rows = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
         return nll, {"mel_lesson_nll": lax.stop_gradient(nll), "mel_lesson_tokens": count,
                      "mel_lesson_rows": rows}
