@@ -143,6 +143,50 @@ def test_table_matches_direct_computation(grid):
     assert img.shape[0] > 200 and img.shape[1] > 300
 
 
+def test_drift_and_retention_table(tmp_path):
+    """KL(policy || initial) of the last train record, mean / min / max over seeds; the
+    retention accuracy pooled over (problem, seed) pairs; the accuracy-vs-KL plot."""
+    from pmd_jax.grid.report import KL_PLOT_FILE
+
+    rng = np.random.default_rng(3)
+    out, kls, ret = tmp_path / "out", {}, {}
+    for mode in ("grpo", "pmd"):
+        for seed in (0, 1):
+            cell, folder = Cell(mode, seed), out / f"{mode}_seed{seed}"
+            _write_cell(folder, cell, (rng.random((10, 2)) < 0.5).astype(float))
+            recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+            kl = {s: float(rng.random()) for s in range(STEPS)}
+            for r in recs:
+                if r["kind"] == "train":
+                    r["kl_policy_initial"] = kl[r["step"]]
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            kls[cell] = kl[STEPS - 1]
+            if mode == "pmd":  # only pmd measured retention
+                rr = (rng.random((6, 1)) < 0.4).astype(float)
+                ret[cell] = rr.mean(axis=1)
+                (folder / "eval" / f"step_{STEPS:06d}" / "retention.jsonl").write_text("".join(
+                    json.dumps({"name": "r", "problem_id": f"mmlu/{p}", "seed": 0,
+                                "split": "retention", "rewards": r.tolist(), "reasons": [],
+                                "mean": float(r.mean()), "in_sample": False}) + "\n"
+                    for p, r in enumerate(rr)))
+    comp = ex.write_report(out, [Cell(m, s) for m in ("grpo", "pmd") for s in (0, 1)],
+                           ["grpo", "pmd"], [0, 1])
+    rows = {r["mode"]: r for r in comp["drift"]}
+    for mode in ("grpo", "pmd"):
+        v = [kls[Cell(mode, s)] for s in (0, 1)]
+        assert rows[mode]["kl_step"] == [STEPS - 1]
+        assert rows[mode]["kl_mean"] == pytest.approx(np.mean(v))
+        assert (rows[mode]["kl_min"], rows[mode]["kl_max"]) == (min(v), max(v))
+    assert "retention" not in rows["grpo"]
+    units = np.concatenate([ret[Cell("pmd", 0)], ret[Cell("pmd", 1)]])
+    assert rows["pmd"]["retention"]["accuracy"] == pytest.approx(units.mean())
+    assert rows["pmd"]["retention"]["n_pairs"] == 12
+    md = (out / "comparison.md").read_text()
+    assert "| grpo | 2 | 3 |" in md and "not measured" in md
+    assert f"{rows['pmd']['retention']['accuracy']:.3f}" in md
+    assert (out / KL_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_report_lists_a_missing_cell(grid):
     out, scores = grid
     modes, seeds = list(P), [0, 1, 2]  # seed 2 never ran; pmd seed 1 stopped midway

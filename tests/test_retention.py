@@ -107,35 +107,58 @@ def test_eval_kl_points_pair_each_evaluation_with_its_policy():
 
 
 # ----------------------------------------------------------------------------- end to end
-def _run(run_dir: Path, *extra: str) -> None:
-    p = subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
+def _initial_export(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
+    """The HF tensors of the run's initial weights: its random init (model.random_init, the
+    run seed), built here as pmd_jax.build does and written by the same exporter."""
+    import jax
+
+    from pmd_jax.models import decoder
+    from pmd_jax.models.config import preset
+    from pmd_jax.models.hf_io import save_hf_checkpoint
+
+    c = json.loads((run_dir / "config.json").read_text())
+    mc = preset(c["model"]["random_init"]).replace(dtype=c["model"]["dtype"],
+                                                   param_dtype=c["model"]["param_dtype"])
+    params = decoder.init_params(mc, jax.random.PRNGKey(int(c["seed"])))
+    save_hf_checkpoint(params, mc, out, dtype="float32" if mc.param_dtype == "float32"
+                       else "bfloat16")
+    from safetensors.numpy import load_file
+
+    got: dict[str, np.ndarray] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(f))
+    return got
 
 
 def test_memory_only_keeps_the_weights_and_reports_retention(tmp_path: Path):
-    initial, mem_only = tmp_path / "initial", tmp_path / "memory_only"
-    _run(initial, "--config.train.steps=0", "--config.train.eval_every=-1")
-    _run(mem_only, "--config.mode=memory_only", "--config.train.steps=2",
-         "--config.train.eval_every=0", "--config.eval.retention=True",
-         "--config.eval.retention_size=3")
+    """2 steps of mode=memory_only (reflections as free text and no behavior extraction, to
+    keep the run small), a final evaluation with and without the memory, and 2 retention
+    questions."""
+    run = tmp_path / "memory_only"
+    p = subprocess.run(_cmd(run, "--config.mode=memory_only", "--config.train.steps=2",
+                            "--config.train.eval_every=0", "--config.eval.retention=True",
+                            "--config.eval.retention_size=2",
+                            "--config.memory.structured_output=False",
+                            "--config.memory.behavior.every_n_steps=100"),
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
     # the weights never changed: the export is bitwise the initial one
-    a, b = _final_params(initial), _final_params(mem_only)
+    a, b = _initial_export(run, tmp_path / "initial"), _final_params(run)
     assert a and a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    recs = [json.loads(x) for x in (mem_only / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads((mem_only / "config.json").read_text())["mode"] == "pmd_frozen_policy"
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((run / "config.json").read_text())["mode"] == "pmd_frozen_policy"
     train = [r for r in recs if r["kind"] == "train"]
     assert [r["step"] for r in train] == [0, 1]
     assert train[-1]["memory_experiences"] == 8  # the memory evolved: 2 steps x 2 x 2
     (ev,) = [r for r in recs if r["kind"] == "eval"]
     assert ev["step"] == 2 and "accuracy_with_memory" in ev
-    assert ev["retention_task"] == "mmlu_science" and ev["retention_num_problems"] == 3
+    assert ev["retention_task"] == "mmlu_science" and ev["retention_num_problems"] == 2
     assert ev["retention_accuracy_ci_low"] <= ev["retention_accuracy"] \
         <= ev["retention_accuracy_ci_high"]
     rows = [json.loads(x) for x in
-            (mem_only / "eval" / "step_000002" / "retention.jsonl").read_text().splitlines()]
-    assert len({r["problem_id"] for r in rows}) == 3
+            (run / "eval" / "step_000002" / "retention.jsonl").read_text().splitlines()]
+    assert len({r["problem_id"] for r in rows}) == 2
     assert all(r["problem_id"].startswith("mmlu/") for r in rows)
-    assert (mem_only / "plots" / "retention_accuracy.png").exists()
+    assert (run / "plots" / "retention_accuracy.png").exists()

@@ -21,6 +21,7 @@ REFERENCE_MODES: tuple[str, ...] = ("sdpo", "grpo")
 N_BOOT = 10_000
 CI = 0.95
 PLOT_FILE = "accuracy_vs_step.png"
+KL_PLOT_FILE = "accuracy_vs_kl.png"
 
 
 @dataclass
@@ -30,17 +31,33 @@ class CellResult:
     scores: dict[str, float]  # problem_id -> mean reward (eval samples x eval seeds)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, accuracy)
     in_sample: bool = False
+    # each evaluation with the KL(policy || initial) of the policy it evaluated
+    kl_points: list[dict] = field(default_factory=list)
+    last_kl: tuple[int, float] | None = None  # (train step, kl_policy_initial): the last one
+    retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
+    retention_task: str = ""
 
 
 def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
-    from pmd_jax.metrics import read_metrics
+    from pmd_jax.metrics import eval_kl_points, read_metrics
     from pmd_jax.tasks import evaluation
 
     res = evaluation.load_results(eval_dir(folder, step) / "results.jsonl", name=cell.name)
+    recs = read_metrics(folder / "metrics.jsonl")
     curve = sorted(
-        (int(r["step"]), float(r["accuracy"])) for r in read_metrics(folder / "metrics.jsonl")
+        (int(r["step"]), float(r["accuracy"])) for r in recs
         if r.get("kind") == "eval" and isinstance(r.get("accuracy"), int | float))
-    return CellResult(cell, step, res.problem_scores(), curve, res.in_sample)
+    kls = sorted((int(r["step"]), float(r["kl_policy_initial"])) for r in recs
+                 if r.get("kind") == "train"
+                 and isinstance(r.get("kl_policy_initial"), int | float))
+    rpath = eval_dir(folder, step) / "retention.jsonl"
+    rscores, rtask = None, ""
+    if rpath.is_file():
+        rscores = evaluation.load_results(rpath, name=cell.name).problem_scores()
+        rtask = next((str(r["retention_task"]) for r in reversed(recs)
+                      if r.get("kind") == "eval" and r.get("retention_task")), "")
+    return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
+                      eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask)
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -170,6 +187,95 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
     return "\n".join(lines) + "\n"
 
 
+def drift_and_retention(results: Sequence[CellResult], modes: Sequence[str]) -> list[dict]:
+    """Per mode: KL(policy || initial) at the last measured step (mean, min, max over seeds)
+    and, where the cells evaluated a retention set (eval.retention), its accuracy at the last
+    step with the same statistics as the task accuracy."""
+    rows = []
+    for mode in modes:
+        rs = [r for r in results if r.cell.mode == mode]
+        if not rs:
+            continue
+        kls = [r.last_kl for r in rs if r.last_kl is not None]
+        row: dict = {"mode": mode, "n_seeds": len(rs)}
+        if kls:
+            v = [k for _, k in kls]
+            row.update(kl_step=sorted({s for s, _ in kls}), kl_mean=float(np.mean(v)),
+                       kl_min=float(np.min(v)), kl_max=float(np.max(v)), kl_n_seeds=len(v))
+        with_ret = [r for r in rs if r.retention_scores is not None]
+        if with_ret:
+            ret = [CellResult(r.cell, r.step, r.retention_scores or {}) for r in with_ret]
+            s = summarize_mode(mode, ret)
+            row["retention"] = {k: s[k] for k in ("accuracy", "ci_low", "ci_high", "n_pairs",
+                                                  "n_problems", "seeds")}
+            row["retention"]["task"] = sorted({r.retention_task for r in with_ret})
+        rows.append(row)
+    return rows
+
+
+def drift_markdown(rows: Sequence[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "", "Drift and forgetting at the last step. KL(policy || initial): the sampled-token "
+        "estimate on the last training step's rollouts (train.kl_initial_every), nats per "
+        "response token, mean [min, max] over seeds. Retention: memory-free accuracy on the "
+        "off-task retention set (eval.retention; 'not measured' when the cells ran without "
+        "it), mean over (problem, seed) pairs with its 95% bootstrap CI.", "",
+        "| mode | seeds | KL step | KL(policy ‖ initial) | retention task | retention "
+        "accuracy | 95% CI | pairs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        kl = (f"{_f(r['kl_mean'])} [{_f(r['kl_min'])}, {_f(r['kl_max'])}]"
+              if "kl_mean" in r else "not measured")
+        steps = ", ".join(str(s) for s in r.get("kl_step", [])) or "-"
+        if "retention" in r:
+            t = r["retention"]
+            ret = (f"{', '.join(t['task'])} | {_f(t['accuracy'])} | [{_f(t['ci_low'])}, "
+                   f"{_f(t['ci_high'])}] | {t['n_pairs']}")
+        else:
+            ret = "- | not measured | - | -"
+        lines.append(f"| {r['mode']} | {r['n_seeds']} | {steps} | {kl} | {ret} |")
+    return lines
+
+
+def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
+                        path: Path) -> Path | None:
+    """Held-out accuracy against KL(policy || initial) at each evaluation that has a KL
+    measurement, one line per cell, one colour per mode (FST's forgetting figure)."""
+    pts = {m: [r for r in results if r.cell.mode == m and r.kl_points] for m in modes}
+    pts = {m: rs for m, rs in pts.items() if rs}
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pmd_jax import paths
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (mode, rs) in enumerate(pts.items()):
+        color = colors[i % len(colors)]
+        for j, r in enumerate(rs):
+            xs = [p["kl"] for p in r.kl_points]
+            ys = [p["accuracy"] for p in r.kl_points]
+            ax.plot(xs, ys, color=color, lw=1.0, marker="o", ms=3, alpha=0.8,
+                    label=mode if j == 0 else None)
+    ax.set_xlabel("KL(policy || initial), nats / response token")
+    ax.set_ylabel("held-out accuracy (memory-free)")
+    ax.set_title("Held-out accuracy vs KL to the initial policy (one line per seed)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
 def accuracy_curves(results: Sequence[CellResult], modes: Sequence[str]) -> dict:
     """Per mode: the steps every seed of the mode evaluated at, and the mean / min / max
     over seeds of the held-out accuracy there (from the cells' metrics.jsonl)."""
@@ -267,7 +373,13 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
            if missing else "."),
         f"Plot: `{PLOT_FILE}` (mean over seeds, band min-max over seeds).",
     ]
-    table = report_markdown(comp, header, seeds)
+    comp["drift"] = drift_and_retention(finished, modes)
+    kl_plot = plot_accuracy_vs_kl(finished, modes, out / KL_PLOT_FILE)
+    if kl_plot is not None:
+        header.append(f"Plot: `{KL_PLOT_FILE}` (held-out accuracy against KL to the initial "
+                      "policy at each evaluation with a KL measurement).")
+    table = report_markdown(comp, header, seeds) + "\n".join(drift_markdown(comp["drift"]))
+    table = table.rstrip("\n") + "\n"
     (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(comp, indent=2, default=str) + "\n")
     plot_curves(comp["curves"], out / PLOT_FILE)
