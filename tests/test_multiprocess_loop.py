@@ -58,7 +58,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_trainer import TINY, _env, cache_flags
+from tests.tiny_runs import TINY, cache_flags
+from tests.tiny_runs import env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 # jax.distributed's heartbeat timeout for the two-process runs: short enough to see a dead

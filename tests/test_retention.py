@@ -21,7 +21,10 @@ from pmd_jax import retention as ret
 from pmd_jax.config import apply_mode, base_config, config_errors, freeze
 from pmd_jax.metrics import eval_kl_points
 from pmd_jax.tasks import get_task
-from tests.test_trainer import ROOT, _cmd, _env, _final_params
+from tests.tiny_runs import ROOT
+from tests.tiny_runs import cmd as _cmd
+from tests.tiny_runs import env as _env
+from tests.tiny_runs import final_params as _final_params
 
 
 @pytest.fixture(scope="module")

@@ -504,13 +504,13 @@ EVAL_RUN = textwrap.dedent("""
 """)
 
 
-from tests.test_trainer import _env  # noqa: E402 - this machine's devices, no PMD_* vars
+from tests.tiny_runs import run_env  # noqa: E402 - real devices, the session's XLA cache
 
 
 def test_evaluation_prompts_hold_no_memory_text(model, tmp_path):
     out = tmp_path / "captured.json"
     p = subprocess.run([sys.executable, "-c", EVAL_RUN, str(tmp_path / "run"), str(out)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     got = json.loads(out.read_text())
     items, free = got["items"], got["free"]

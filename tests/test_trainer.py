@@ -13,108 +13,32 @@ Every run of the session shares one persistent XLA compilation cache
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--config.model.random_init=tiny-llama",
-    "--config.rollout.problems_per_step=2",
-    "--config.rollout.n=2",
-    "--config.rollout.max_tokens=12",
-    "--config.rollout.max_prompt_tokens=320",
-    "--config.task.max_eval_problems=2",
-    "--config.eval.n=1",
-    "--config.eval.max_tokens=8",
-    "--config.train.steps=3",
-    "--config.train.checkpoint_every=1",
-    "--config.train.eval_every=-1",
-    "--config.train.eval_at_start=False",
-    "--config.memory.behavior.every_n_steps=2",
-    "--config.memory.behavior.min_problems=2",
-    "--config.memory.insight.sampling.max_tokens=16",
-    "--config.memory.behavior.sampling.max_tokens=16",
-    "--config.teacher_prompt.max_tokens=768",
-    "--config.distill.loss.topk=8",
-    # The random model never answers right, so without feedback no sample is reprompted and
-    # the loss is 0: feedback gives every sample a teacher signal, and a full learning rate
-    # from step 0 makes every update (and so every resume mismatch) visible.
-    "--config.teacher_prompt.include_feedback=True",
-    "--config.distill.optim.warmup_steps=0",
-    "--config.distill.optim.lr=1e-3",
-]
+from tests.tiny_runs import (  # noqa: E402  (other modules import these from here too)
+    ROOT,
+    TINY,
+    cache_flags,
+    jax_cache_dir,
+    run_once,
+)
+from tests.tiny_runs import cmd as _cmd
+from tests.tiny_runs import env as _env
+from tests.tiny_runs import final_params as _final_params
+from tests.tiny_runs import train_records as _train_records
 
-
-@functools.cache
-def jax_cache_dir() -> Path:
-    """This session's compilation cache (a temporary folder, not the user's ~/.cache)."""
-    path = Path(tempfile.mkdtemp(prefix="pmd_jax_test_xla_cache_"))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
-
-
-def cache_flags() -> list[str]:
-    """Config flags that point a run at the session's cache, caching every program."""
-    return [f"--config.train.compilation_cache_dir={jax_cache_dir()}",
-            "--config.train.compilation_cache_min_compile_secs=0"]
-
-
-def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
-            f"--config.run_dir={run_dir}", *TINY, *cache_flags(), *extra]
-
-
-def _env() -> dict[str, str]:
-    # The run must see this machine's real devices: other test modules set a fake device
-    # count in XLA_FLAGS, and a distributed run's PMD_* variables must not leak in either;
-    # jax's own cache variables would override the cache flags above.
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(("PMD_", "JAX_COMPILATION_CACHE",
-                                                      "JAX_PERSISTENT_CACHE"))}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-def _train_records(run_dir: Path) -> list[dict]:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    return [r for r in recs if r["kind"] == "train"]
-
-
-def _final_params(run_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out: dict[str, np.ndarray] = {}
-    for f in sorted((run_dir / "final_hf").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-_RUNS: dict[tuple[str, ...], Path] = {}
-
-
-def run_once(tmp_path_factory, name: str, *extra: str) -> Path:
-    """One complete run per set of extra flags per session (shared with
-    test_trainer_overlap.py, which compares against the clean run)."""
-    if extra not in _RUNS:
-        run_dir = tmp_path_factory.mktemp(name)
-        p = subprocess.run(_cmd(run_dir, *extra), cwd=ROOT, env=_env(), capture_output=True,
-                           text=True, timeout=900)
-        assert p.returncode == 0, p.stderr[-4000:]
-        _RUNS[extra] = run_dir
-    return _RUNS[extra]
+__all__ = ["ROOT", "TINY", "_cmd", "_env", "_final_params", "_train_records", "cache_flags",
+           "jax_cache_dir", "run_once"]
 
 
 @pytest.fixture(scope="module")

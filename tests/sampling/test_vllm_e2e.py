@@ -525,7 +525,8 @@ def test_trainer_runs_with_the_vllm_sampler(server, tmp_path):
     import subprocess
     import sys
 
-    from tests.test_trainer import _env, cache_flags
+    from tests.tiny_runs import cache_flags
+    from tests.tiny_runs import env as _env
 
     smp, _ = server
     store = tmp_path / "store"  # its own store: versions 0, 1, 2 published by the trainer
