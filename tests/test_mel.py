@@ -203,9 +203,9 @@ class FakeTask:
                 for t in texts]
 
 
-def _cfg(**mel_kw) -> RunConfig:
+def _cfg(max_context: int = 0, **mel_kw) -> RunConfig:
     return RunConfig().replace(
-        mode="mel", rollout=RolloutConfig(n=2, max_tokens=32),
+        mode="mel", rollout=RolloutConfig(n=2, max_tokens=32, max_context=max_context),
         teacher_prompt=TeacherPromptConfig(success_threshold=1.0),
         mel=MelConfig(**{"replays": 2, **mel_kw}))
 
@@ -280,6 +280,21 @@ def test_malformed_and_unquoted_reflections_are_counted_and_skipped():
             assert s["mel_lessons_dropped"] == 1
         assert s["mel_reflections"] == (s["mel_malformed"] + s["mel_lessons_kept"]
                                          + s["mel_lessons_dropped"])
+
+
+def test_prompts_past_the_context_are_counted_and_skipped():
+    sb = _sb([[1.0, 0.0]])
+    sampler = ScriptedSampler([], {})
+    out = mel.run_step(_cfg(max_context=700), FakeModel(), FakeTask(), sampler, sb)
+    assert out.stats["mel_reflect_too_long"] == 1 and out.stats["mel_reflections"] == 0
+    assert sampler.params == []  # nothing generated
+    sampler = ScriptedSampler([_reflection(LESSON_A)], {})
+    out = mel.run_step(_cfg(max_context=2000, replay_max_tokens=1950), FakeModel(), FakeTask(),
+                       sampler, sb)
+    s = out.stats
+    assert (s["mel_reflections"], s["mel_replay_too_long"], s["mel_replays"]) == (1, 1, 0)
+    assert (s["mel_lessons_kept"], s["mel_lessons_dropped"]) == (0, 1)
+    assert len(sampler.params) == 1  # the reflection only
 
 
 def test_pairs_and_caps():

@@ -24,11 +24,13 @@ STAT_KEYS = (
     "mel_problems_mixed",  # problems with at least one right and one wrong rollout
     "mel_pairs_found",  # right x wrong pairs of the step, before the caps
     "mel_pairs",  # pairs reflected on (mel.max_pairs_per_problem, mel.max_pairs)
-    "mel_reflections",  # reflection replies expected (one per pair)
+    "mel_reflect_too_long",  # pairs skipped: prompt + mel.reflection.max_tokens > context
+    "mel_reflections",  # reflection calls made (one per pair that fits)
     "mel_malformed",  # no JSON object, not the schema, or an unusable lesson: skipped
     "mel_json_error", "mel_schema_error",  # the two main kinds of malformed
     "mel_reflect_truncated",  # replies cut at mel.reflection.max_tokens
     "mel_quote_missing",  # split_point not a span of the wrong rollout
+    "mel_replay_too_long",  # lessons dropped: replay prompt + budget > context
     "mel_lessons_replayed",  # lessons sent to replay
     "mel_lessons_kept", "mel_lessons_dropped",  # kept: a replay was right (or replays=0)
     "mel_replays",  # replay samples generated
@@ -137,6 +139,12 @@ def parse_reflection(reply: object, wrong: str, mel: Any, counts: Counter,
     return lesson, quoted
 
 
+def context_limit(cfg: Any, model: Any) -> int:
+    """Prompt + generation bound of the run's sampler (as ``build.build_sampler`` sizes it)."""
+    mc = getattr(model, "cfg", None)
+    return int(cfg.rollout.max_context or getattr(mc, "max_position_embeddings", 1 << 30))
+
+
 def reflection_params(cfg: Any, model: Any, step: int) -> SamplingParams:
     r, mel = cfg.mel.reflection, cfg.mel
     return SamplingParams(
@@ -169,7 +177,7 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
     """Reflections on the step's contrastive pairs and the replay filter, for the verified
     rollouts ``sb`` (a trainer StepBatch). ``sampler``: the run's (the policy), token level;
     ``model``: encode_chat / encode_prompt / decode / stop_token_ids / tokenizer."""
-    from pmd_jax.teaching import response_prefix, user_text
+    from pmd_jax.teaching import user_text
 
     mel, g = cfg.mel, int(cfg.rollout.n)
     thr = float(cfg.teacher_prompt.success_threshold)
@@ -182,12 +190,17 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
     counts: Counter = Counter()
     lessons: list[Lesson] = []
     t0 = time.perf_counter()
+    limit = context_limit(cfg, model)
+    rp = reflection_params(cfg, model, sb.step)
+    ids = [model.encode_chat(reflection_messages(
+        mel, user_text(task.prompt(sb.problems[i])), sb.texts[i * g + r], sb.texts[i * g + w]))
+        for i, r, w in pairs]
+    fits = [len(x) + rp.max_tokens <= limit for x in ids]
+    stats["mel_reflect_too_long"] = float(len(pairs) - sum(fits))
+    pairs = [pr for pr, ok in zip(pairs, fits, strict=True) if ok]
+    ids = [x for x, ok in zip(ids, fits, strict=True) if ok]
     if pairs:
-        convs = [reflection_messages(mel, user_text(task.prompt(sb.problems[i])),
-                                     sb.texts[i * g + r], sb.texts[i * g + w])
-                 for i, r, w in pairs]
-        rollouts = sampler.generate([model.encode_chat(c) for c in convs],
-                                    reflection_params(cfg, model, sb.step))
+        rollouts = sampler.generate(ids, rp)
         first: dict[int, Any] = {}
         for ro in rollouts:
             first.setdefault(ro.prompt_index, ro)
@@ -213,28 +226,43 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
         for x in todo:
             x.kept = True
     elif todo:
-        probs = [sb.problems[x.problem_index] for x in todo]
-        prefixes = [response_prefix(task, p) for p in probs]
-        ids = [model.encode_prompt(lesson_messages(task.prompt(p), x.text), pre)
-               for x, p, pre in zip(todo, probs, prefixes, strict=True)]
-        rollouts = list(sampler.generate(ids, replay_params(cfg, model, sb.step)))
-        texts = [prefixes[ro.prompt_index] + model.decode(ro.tokens.tolist())
-                 for ro in rollouts]
-        results = task.verify_batch([probs[ro.prompt_index] for ro in rollouts], texts,
-                                    "train")
-        for ro, res in zip(rollouts, results, strict=True):
-            stats["mel_replay_tokens"] += len(ro.tokens)
-            if float(res.reward) >= thr:
-                stats["mel_replays_correct"] += 1
-                todo[ro.prompt_index].kept = True
-        stats["mel_replays"] = float(len(rollouts))
-        stats["mel_lessons_replayed"] = float(len(todo))
+        _replay(cfg, model, task, sampler, sb, todo, limit, stats)
     stats["time_mel_replay"] = time.perf_counter() - t0
     kept = sum(x.kept for x in lessons)
     stats["mel_lessons_kept"] = float(kept)
     stats["mel_lessons_dropped"] = float(len(lessons) - kept)
     stats["mel_generated_tokens"] = stats["mel_reflect_tokens"] + stats["mel_replay_tokens"]
     return StepLessons(lessons, stats)
+
+
+def _replay(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any, todo: list[Lesson],
+            limit: int, stats: dict[str, float]) -> None:
+    """``mel.replays`` samples of each lesson's problem with the lesson in its prompt,
+    verified like rollouts; marks the lessons with a right sample ``kept``."""
+    from pmd_jax.teaching import response_prefix
+
+    thr = float(cfg.teacher_prompt.success_threshold)
+    pp = replay_params(cfg, model, sb.step)
+    probs = [sb.problems[x.problem_index] for x in todo]
+    prefixes = [response_prefix(task, p) for p in probs]
+    ids = [model.encode_prompt(lesson_messages(task.prompt(p), x.text), pre)
+           for x, p, pre in zip(todo, probs, prefixes, strict=True)]
+    fits = [len(x) + pp.max_tokens <= limit for x in ids]
+    stats["mel_replay_too_long"] = float(len(todo) - sum(fits))
+    todo, probs, prefixes, ids = ([v for v, ok in zip(seq, fits, strict=True) if ok]
+                                  for seq in (todo, probs, prefixes, ids))
+    if not todo:
+        return
+    rollouts = list(sampler.generate(ids, pp))
+    texts = [prefixes[ro.prompt_index] + model.decode(ro.tokens.tolist()) for ro in rollouts]
+    results = task.verify_batch([probs[ro.prompt_index] for ro in rollouts], texts, "train")
+    for ro, res in zip(rollouts, results, strict=True):
+        stats["mel_replay_tokens"] += len(ro.tokens)
+        if float(res.reward) >= thr:
+            stats["mel_replays_correct"] += 1
+            todo[ro.prompt_index].kept = True
+    stats["mel_replays"] = float(len(rollouts))
+    stats["mel_lessons_replayed"] = float(len(todo))
 
 
 def lesson_rows(cfg: Any, model: Any, task: Any, sb: Any, lessons: Sequence[Lesson],
