@@ -1,13 +1,18 @@
 """Meta-Experience Learning as a mode of the loop (``mode=mel``; issue 18 item 2).
 
 MEL (Huang et al., "Internalizing Meta-Experience into Memory for Guided Reinforcement
-Learning in Large Language Models", arXiv 2602.10224, Sec. 3 "Method"), as far as it is public:
-after the GRPO rollouts are verified, each problem with a right and a wrong rollout gives
-contrastive pairs (y+, y-); the policy itself locates the bifurcation point where y- goes
-wrong, diagnoses it (critique) and abstracts a reusable meta-experience (here: the lesson);
-a lesson is validated empirically by replaying the problem with it; the kept lessons are
-internalised by a token-averaged NLL term added to the GRPO objective. No memory is used at
-inference: evaluation is memory-free, as for grpo.
+Learning in Large Language Models", arXiv 2602.10224, the method section), as far as its
+public text says: "Explorative Rollout and Verifiable Feedback": G rollouts per query, a
+rule-based verifier splits them into correct (Y+) and incorrect (Y-) ones; "Meta-Experience
+Construction": for the contrastive pairs P_x = {(y+, y-)}, the policy itself, under a
+structured instruction, "locates the bifurcation point" s* where y- diverges into an erroneous
+path, then ("Deep Diagnosis and Abstraction") writes a critique C (error attribution, the
+strategic gap to y+, the corrective principle) and abstracts it into a reusable
+meta-experience (here: the lesson); the meta-experience is validated empirically by replaying
+the query with it, and the kept ones are internalised into the weights by a token-averaged
+negative log-likelihood term beside the GRPO objective. No memory is used at inference:
+evaluation is memory-free, as for grpo. (The section numbers, the exact NLL conditioning and
+weights were not in the public text we could read; what we chose is listed below.)
 
 Here, step by step (``lessons.run_step``, called by the trainer after verification):
 
@@ -29,7 +34,9 @@ Where ours differs from the paper (each a config value, the paper's setting avai
 pairs per problem and per step are capped (``mel.max_pairs_per_problem=0`` and
 ``mel.max_pairs=0``: all pairs, as the paper); ``mel.replays=0`` keeps lessons without
 validation (an ablation). Ours, not the paper's, as far as its public text says: the lesson is
-the NLL target given the problem's prompt alone (the paper's exact conditioning context is not
-in the public summary we read), the reflection prompt wording, and the quote check of the
-split point. The paper's NLL weight is taken as 1 (``mel.nll_weight``).
+the NLL target given the problem's prompt alone, the critique and split point are not trained
+on (issue 18 asks for the lesson's NLL; the paper's exact conditioning context and target were
+not in the public text we read), the reflection prompt wording, the quote check of the split
+point, and the context-length guards (``mel_reflect_too_long`` / ``mel_replay_too_long``).
+The paper's NLL weight is taken as 1 (``mel.nll_weight``).
 """

@@ -131,8 +131,9 @@ def count_range(lo: int, hi: int) -> str:
 
 
 # ------------------------------------------ mode=mel: contrastive reflection (pmd_jax/mel) --
-# Ours, after MEL's structured instruction (arXiv 2602.10224, Sec. 3): locate the bifurcation
-# point in the wrong attempt, diagnose it (critique), abstract a reusable lesson.
+# Ours, after MEL's structured instruction (arXiv 2602.10224, "Meta-Experience Construction"):
+# locate the bifurcation point in the wrong attempt, diagnose it (critique), abstract a
+# reusable lesson.
 MEL_REFLECTION_SYSTEM = REFLECTION_SYSTEM
 MEL_REFLECTION_USER = """Problem:
 {problem}
