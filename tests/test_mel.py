@@ -380,19 +380,27 @@ def test_config_listing_shows_the_mel_knobs(capsys):
 
 
 # ----------------------------------------------------------------------------- end to end
-# The real entry point (pmd_jax.main.run) with one phase patched: the tiny random model never
-# answers right, so the verifier's rewards are overridden to make rollout 0 of every problem
-# right (the others keep the real verifier's 0): every problem has a contrastive pair, the
-# policy writes real schema-constrained reflections through the run's sampler, and (with
-# keep_unquoted and replays=0: random text rarely quotes the wrong rollout, and never solves
-# a replay) the lessons reach the train step's NLL term.
+# The real entry point (pmd_jax.main.run) with the task's verifier patched: the tiny random
+# model never answers right, so every even-numbered response of a verify call is made right
+# (the others keep the real verifier's 0). Rollouts (n=2): rollout 0 of every problem is right,
+# so every problem has a contrastive pair and the policy writes real schema-constrained
+# reflections through the run's sampler; replays (mel.replays=2): the first sample of each
+# lesson is right, so the replayed lessons are kept and reach the train step's NLL term
+# (keep_unquoted: random text rarely quotes the wrong rollout).
 _ENTRY = """
 import pmd_jax.trainer as t
-_verify = t.Trainer.verify
-def verify(self, sb):
-    _verify(self, sb)
-    sb.rewards[:, 0] = 1.0
-t.Trainer.verify = verify
+_init = t.Trainer.__init__
+def init(self, cfg):
+    _init(self, cfg)
+    real = self.task.verify_batch
+    def verify_batch(problems, texts, split):
+        out = real(problems, texts, split)
+        for k, res in enumerate(out):
+            if k % 2 == 0:
+                res.reward = 1.0
+        return out
+    self.task.verify_batch = verify_batch
+t.Trainer.__init__ = init
 from pmd_jax.main import run
 run()
 """
@@ -409,7 +417,7 @@ def test_two_step_mel_run_logs_the_mel_metrics(tmp_path):
     run_dir = tmp_path / "mel"
     cmd = [sys.executable, "-c", _ENTRY, "--config=configs/smollm2_sciq.py",
            f"--config.run_dir={run_dir}", *TINY_FLAGS, *cache_flags(), "--config.mode=mel",
-           "--config.train.steps=2", "--config.mel.replays=0", "--config.mel.keep_unquoted=True",
+           "--config.train.steps=2", "--config.mel.replays=2", "--config.mel.keep_unquoted=True",
            "--config.mel.split_point_max_chars=60", "--config.mel.critique_max_chars=60",
            "--config.mel.lesson_max_chars=90", "--config.mel.reflection.max_tokens=160",
            "--config.train.microbatch_rows=2"]  # 2 microbatches: the lessons stay whole
@@ -422,7 +430,9 @@ def test_two_step_mel_run_logs_the_mel_metrics(tmp_path):
         for k in (*mel.STAT_KEYS, "mel_lesson_nll", "mel_lesson_tokens", "grpo_loss"):
             assert k in r, k
         assert r["mel_pairs"] == 2 and r["mel_reflections"] == 2
-        assert r["mel_reflect_tokens"] > 0 and r["mel_replays"] == 0
+        assert r["mel_reflect_tokens"] > 0
+        assert r["mel_replays"] == 2 * r["mel_lessons_replayed"] and r["mel_replay_tokens"] > 0
+        assert r["mel_lessons_kept"] == r["mel_lessons_replayed"] == r["mel_replays_correct"]
         assert r["mel_reflections"] == (r["mel_malformed"] + r["mel_lessons_kept"]
                                         + r["mel_lessons_dropped"])
         assert r["mel_lesson_rows"] == r["mel_lessons_kept"]
