@@ -40,7 +40,7 @@ import numpy as np
 from pmd_jax.memory import prompts
 from pmd_jax.memory.calls import (
     BEHAVIOR_CALLS,
-    CALL_COUNTS,
+    COUNT_KEYS,
     TimedGenerator,
     call_params,
     generate_first,
@@ -172,7 +172,7 @@ class BehaviorBank:
                                 "evolution", cluster_leaks[c], cc)
         for name, cc in per_call.items():
             counts.update(cc)  # the round's totals, per-item counts included
-            for k in CALL_COUNTS:
+            for k in COUNT_KEYS:
                 counts[f"{name}/{k}"] = cc[k]
         self._evict(counts)
         self._reindex(embed)

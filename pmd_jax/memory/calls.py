@@ -9,7 +9,10 @@ replies are counted under :data:`CALL_COUNTS`:
 - ``parsed`` / ``json_error`` / ``schema_error``: exactly one per reply (memory/parsing.py),
   so ``reflections == parsed + json_error + schema_error``;
 - ``truncated``: replies whose finish reason was "length" (cut at ``max_tokens``), whatever
-  they parsed to.
+  they parsed to;
+- ``generated_tokens`` (:data:`COUNT_KEYS`, not a reply count): the tokens the sampler
+  generated for the replies, so a run's generation spent on reflection is on record beside
+  its rollouts'.
 
 The insight level logs them bare (``reflections``, ``parsed``, ...); the behavior round under
 ``behavior/`` (all its calls) and ``behavior/<call>/`` per call type (``summary``,
@@ -28,6 +31,7 @@ from pmd_jax.memory.schemas import Schema, schema_param
 from pmd_jax.sampling.base import Messages, SamplingParams
 
 CALL_COUNTS = ("reflections", "parsed", "json_error", "schema_error", "truncated")
+COUNT_KEYS = (*CALL_COUNTS, "generated_tokens")  # every per-call key, reply counts first
 BEHAVIOR_CALLS = ("summary", "extraction", "evolution")
 
 
@@ -75,15 +79,19 @@ def generate_first(generator: Any, conversations: Sequence[Messages], params: Sa
             text = ""
         if getattr(first, "finish_reason", None) == "length":
             counts["truncated"] += 1
+        if first is not None:  # every reply the sampler generated for it (n of them)
+            every = r if isinstance(r, (list, tuple)) else [r]
+            counts["generated_tokens"] += sum(int(getattr(x, "num_tokens", 0) or 0)
+                                              for x in every)
         out.append(text)
     return out
 
 
 def zero_counts() -> dict[str, int]:
     """Every per-call count key of one memory update, at 0."""
-    out = {k: 0 for k in CALL_COUNTS}
-    out.update({f"behavior/{k}": 0 for k in CALL_COUNTS})
-    out.update({f"behavior/{c}/{k}": 0 for c in BEHAVIOR_CALLS for k in CALL_COUNTS})
+    out = {k: 0 for k in COUNT_KEYS}
+    out.update({f"behavior/{k}": 0 for k in COUNT_KEYS})
+    out.update({f"behavior/{c}/{k}": 0 for c in BEHAVIOR_CALLS for k in COUNT_KEYS})
     return out
 
 

@@ -155,10 +155,12 @@ Messages = list[dict[str, str]]
 
 @dataclasses.dataclass(frozen=True)
 class TextReply:
-    """One decoded response and why it ended ("length": cut at ``max_tokens``)."""
+    """One decoded response, why it ended ("length": cut at ``max_tokens``) and how many
+    tokens were generated for it (0 when unknown)."""
 
     text: str
     finish_reason: FinishReason
+    num_tokens: int = 0
 
 
 class TextGenerator:
@@ -194,7 +196,7 @@ class TextGenerator:
         out: list[list[TextReply]] = [[] for _ in conversations]
         for r in rollouts:
             out[r.prompt_index].append(
-                TextReply(self.decode(r.tokens.tolist()), r.finish_reason))
+                TextReply(self.decode(r.tokens.tolist()), r.finish_reason, int(len(r.tokens))))
         return out
 
     def generate_texts(self, conversations: Sequence[Messages], params: SamplingParams, *,

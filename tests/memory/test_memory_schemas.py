@@ -560,6 +560,12 @@ def test_text_generator_replies_carry_finish_reasons():
     assert tg.generate_texts(convs, params) == [[r.text for r in rs] for rs in replies]
     assert sampler.params[0].json_schema == params.json_schema
     assert tg.generate_replies([], params) == []
+    # each reply says how many tokens it took; generate_first counts all n replies' tokens
+    ids = [len(r.text) for rs in replies for r in rs]
+    assert [r.num_tokens for rs in replies for r in rs] == ids and min(ids) > 0
+    c: Counter = Counter()
+    generate_first(tg, convs, params, c)
+    assert c["generated_tokens"] == sum(ids) and c["reflections"] == 2
 
 
 def test_generate_first_handles_text_only_and_broken_generators():
