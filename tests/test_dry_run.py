@@ -126,6 +126,31 @@ def _small_step_report(impl: str, student: int, teacher: int, response: int):
                                student, teacher, response)
 
 
+def test_mel_step_compiles_on_the_abstract_batch_with_lesson_rows():
+    """mode=mel's loss reads lesson rows: the dry run's abstract batch has them, as many as
+    the largest step makes (mel.max_pairs on the mesh's batch axes, a power of two), each the
+    prompt budget plus mel.lesson_max_tokens long, and the real step lowers on it."""
+    from pmd_jax.config import apply_mode, base_config, freeze
+    from pmd_jax.distill.registry import LESSON_KEYS
+    from pmd_jax.distill.step import TrainStep
+    from pmd_jax.dry_run.distill_step import abstract_batch, lesson_shape
+    from pmd_jax.models.config import ModelConfig
+
+    c = base_config()
+    c.mode, c.mel.max_pairs, c.mel.lesson_max_tokens = "mel", 5, 16
+    c.rollout.max_prompt_tokens, c.distill.loss.topk = 32, 8
+    cfg = freeze(apply_mode(c))
+    assert lesson_shape(cfg, 1) == (8, 48, 16) and lesson_shape(cfg, 4) == (8, 48, 16)
+    assert lesson_shape(cfg, 16) == (16, 48, 16)
+    tiny = ModelConfig(family="llama", vocab_size=48, hidden_size=16, intermediate_size=32,
+                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8)
+    ts = TrainStep(tiny, cfg.distill, lesson_nll_weight=float(cfg.mel.nll_weight))
+    ab = abstract_batch(ts, 8, 24, 24, 8, lesson_shape(cfg, ts.batch_divisor()))
+    assert set(LESSON_KEYS) <= set(ab) and ab["lesson_tokens"].shape == (8, 48)
+    assert ab["lesson_mask"].shape == (8, 16) and "teacher_tokens" not in ab
+    ts.lower(ts.abstract_state(), ab)
+
+
 @needs8
 def test_distill_step_memory_bounded_with_chunked_attention():
     """The real distillation step (student + teacher forward, backward, loss, optimizer) on a

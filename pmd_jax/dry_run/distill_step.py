@@ -37,8 +37,26 @@ def _mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
     return shape
 
 
+def lesson_shape(cfg: Any, row_multiple: int) -> tuple[int, int, int]:
+    """(rows, sequence length, lesson length) of the largest lesson rows a ``mode=mel`` step
+    gets: ``mel.max_pairs`` lessons (0 = every problem of the step can give one per allowed
+    pair), rows rounded as ``mel.lessons.lesson_rows`` does (the mesh's batch axes x a power
+    of two), each the prompt budget plus ``mel.lesson_max_tokens``."""
+    m = cfg.mel
+    pairs = int(m.max_pairs) or int(cfg.rollout.problems_per_step) * max(
+        1, int(m.max_pairs_per_problem) or int(cfg.rollout.n) ** 2)
+    rows = max(1, int(row_multiple))
+    while rows < pairs:
+        rows *= 2
+    lesson = int(m.lesson_max_tokens)
+    return rows, int(cfg.rollout.max_prompt_tokens) + lesson, lesson
+
+
 def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
-                   response_len: int) -> dict[str, Any]:
+                   response_len: int, lessons: tuple[int, int, int] | None = None
+                   ) -> dict[str, Any]:
+    """The step's batch as ShapeDtypeStructs with their shardings; ``lessons`` (rows,
+    sequence length, lesson length; :func:`lesson_shape`) for a loss with lesson rows."""
     import jax
     import jax.numpy as jnp
 
@@ -61,21 +79,40 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
         "old_logp": sds((batch, response_len), jnp.float32),
         "rewards": sds((batch,), jnp.float32),
     }
-    from pmd_jax.distill.registry import get_loss
+    from pmd_jax.distill.registry import TEACHER_KEYS, get_loss
 
-    if not get_loss(step_fn.opts.loss_name).needs_teacher:  # e.g. grpo: no teacher prompt
-        b = {k: v for k, v in b.items() if not k.startswith("teacher_")}
-    sh = step_fn.batch_shardings(b)
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in b.items()}
+    spec = get_loss(step_fn.opts.loss_name)
+    if not spec.needs_teacher:  # e.g. grpo: no teacher prompt (teacher_index is a base key)
+        b = {k: v for k, v in b.items() if k not in TEACHER_KEYS}
+    sh = step_fn.batch_shardings(b) or {}  # (None without a mesh)
+    out = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh.get(k))
+           for k, v in b.items()}
+    if spec.lesson_nll:  # mode=mel: the lesson rows (laid out as distill.batch makes them)
+        rows, seq, resp = lessons or (max(1, step_fn.batch_divisor()), student_len,
+                                      response_len)
+        ls = {"lesson_tokens": sds((rows, seq), jnp.int32),
+              "lesson_positions": sds((rows, seq), jnp.int32),
+              "lesson_attn_mask": sds((rows, seq), jnp.int32),
+              "lesson_index": sds((rows, resp), jnp.int32),
+              "lesson_targets": sds((rows, resp), jnp.int32),
+              "lesson_mask": sds((rows, resp), jnp.float32)}
+        lsh = step_fn.batch_shardings(ls) or {}
+        out.update({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=lsh.get(k))
+                    for k, v in ls.items()})
+    return out
 
 
 def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: int,
                         student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
     from pmd_jax.distill.step import TrainStep
 
-    ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules)
+    ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules,
+                   lesson_nll_weight=float(cfg.mel.nll_weight))
     state = ts.abstract_state()
-    ab = abstract_batch(ts, batch, student_len, teacher_len, response_len)
+    unit = ts.microbatch_unit()  # GRPO-style losses: whole groups of rollout.n rows
+    batch = -(-batch // unit) * unit
+    ab = abstract_batch(ts, batch, student_len, teacher_len, response_len,
+                        lesson_shape(cfg, ts.batch_divisor()))
     t0 = time.perf_counter()
     compiled = ts.lower(state, ab).compile()
     ma = compiled.memory_analysis()

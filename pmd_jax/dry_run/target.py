@@ -97,10 +97,11 @@ def _timing(flops: float, nbytes: float, t: tg.Target, model_flops: float,
             "floor_s": f.seconds, "floor_bound": f.bound, "floor_mfu": f.mfu}
 
 
-def _batch(ts: Any, rows: int, s: int, t: int, r: int) -> dict[str, Any]:
+def _batch(ts: Any, rows: int, s: int, t: int, r: int,
+           lessons: tuple[int, int, int] | None = None) -> dict[str, Any]:
     from pmd_jax.dry_run.distill_step import abstract_batch
 
-    b = abstract_batch(ts, rows, s, t, r)
+    b = abstract_batch(ts, rows, s, t, r, lessons)
     b.pop("old_logp", None)  # one update per rollout batch: the trainer passes no old_logp
     return b
 
@@ -115,13 +116,18 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
     s_len = int(cfg.rollout.max_prompt_tokens) + resp
     t_len = int(cfg.teacher_prompt.max_tokens) + resp
     mb = int(cfg.train.microbatch_rows)
-    ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules, microbatch_rows=mb)
+    ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules, microbatch_rows=mb,
+                   lesson_nll_weight=float(cfg.mel.nll_weight))
     if rows % ts.batch_divisor():
         raise BatchError(f"the update batch of {rows} rows does not split over the mesh's "
                          f"batch axes ({ts.batch_divisor()} devices) of target {t.name}")
     n_micro = ts.num_microbatches(rows)
     t0 = time.perf_counter()
-    compiled = ts.lower(ts.abstract_state(), _batch(ts, rows, s_len, t_len, resp)).compile()
+    from pmd_jax.dry_run.distill_step import lesson_shape
+
+    lessons = lesson_shape(cfg, ts.batch_divisor())
+    compiled = ts.lower(ts.abstract_state(),
+                        _batch(ts, rows, s_len, t_len, resp, lessons)).compile()
     out: dict[str, Any] = {
         "rows": rows, "microbatch_rows": rows // n_micro, "microbatches": n_micro,
         "student_len": s_len, "teacher_len": t_len, "response_len": resp,
@@ -149,7 +155,8 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
             m = _depth(mc, depth).replace(attention_impl="dense")
             small = TrainStep(m, dc, mesh=mesh, rules=rules)
             c = small.lower(small.abstract_state(),
-                            _batch(small, rows // n_micro, s_len, t_len, resp)).compile()
+                            _batch(small, rows // n_micro, s_len, t_len, resp,
+                                   lessons)).compile()
             costs.append(_cost(c))
         flops, nbytes = _extrapolate(costs[0], costs[1], mc.num_layers)
         out.update(_timing(n_micro * flops, n_micro * nbytes, t, model_flops, out))
