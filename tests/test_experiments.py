@@ -159,7 +159,14 @@ def test_drift_and_retention_table(tmp_path):
             for r in recs:
                 if r["kind"] == "train":
                     r["kl_policy_initial"] = kl[r["step"]]
+                    # 3 problems of 4 (one skipped) x n=2 rollouts of 10 tokens: 60 per step
+                    r.update(response_tokens_mean=10.0, skipped_long_prompts=1.0)
+                    if mode == "pmd":
+                        r.update({"memory_generated_tokens": 7.0,
+                                  "memory_behavior/generated_tokens": 3.0})
             (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            (folder / "config.json").write_text(json.dumps(
+                {"mode": mode, "seed": seed, "rollout": {"problems_per_step": 4, "n": 2}}))
             kls[cell] = kl[STEPS - 1]
             if mode == "pmd":  # only pmd measured retention
                 rr = (rng.random((6, 1)) < 0.4).astype(float)
@@ -185,6 +192,11 @@ def test_drift_and_retention_table(tmp_path):
     assert "| grpo | 2 | 3 |" in md and "not measured" in md
     assert f"{rows['pmd']['retention']['accuracy']:.3f}" in md
     assert (out / KL_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # generated tokens: rollouts for both, the memory's reflections for pmd only
+    assert rows["grpo"]["tokens"] == {"rollouts": 60.0 * STEPS}
+    assert rows["pmd"]["tokens"] == {"rollouts": 60.0 * STEPS, "memory": 10.0 * STEPS}
+    assert f"| grpo | {60 * STEPS:,} | - | - | - | {60 * STEPS:,} |" in md
+    assert f"| pmd | {60 * STEPS:,} | {10 * STEPS:,} | - | - | {70 * STEPS:,} |" in md
 
 
 def test_report_lists_a_missing_cell(grid):

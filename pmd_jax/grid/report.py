@@ -36,6 +36,38 @@ class CellResult:
     last_kl: tuple[int, float] | None = None  # (train step, kl_policy_initial): the last one
     retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
     retention_task: str = ""
+    tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
+
+
+# Train-record metrics that count tokens a mode generated besides its rollouts (summed over
+# steps): the memory's reflection calls (pmd_jax.memory.calls), MEL's reflections and replays
+# (pmd_jax.mel), Fast-Slow's (pmd_jax.fast_slow). Evaluation is left out: every mode spends
+# the same on it.
+TOKEN_METRICS: dict[str, tuple[str, ...]] = {
+    "memory": ("memory_generated_tokens", "memory_behavior/generated_tokens"),
+    "mel": ("mel_generated_tokens",),
+    "fast_slow": ("fast_slow_generated_tokens",),
+}
+
+
+def generated_tokens(recs: Sequence[dict], config: dict) -> dict[str, float]:
+    """Tokens a cell generated outside evaluation, by purpose: ``rollouts`` (each step's mean
+    response length x its rollouts: (problems - skipped) x rollout.n) and each
+    :data:`TOKEN_METRICS` group the run logged (a group it never logged is absent: older
+    runs did not count reflection tokens)."""
+    ro = config.get("rollout", {})
+    per_step, n = int(ro.get("problems_per_step", 0)), int(ro.get("n", 0))
+    out: dict[str, float] = {"rollouts": 0.0}
+    for r in recs:
+        if r.get("kind") != "train":
+            continue
+        rows = (per_step - float(r.get("skipped_long_prompts", 0.0))) * n
+        out["rollouts"] += float(r.get("response_tokens_mean", 0.0)) * rows
+        for group, keys in TOKEN_METRICS.items():
+            vals = [r[k] for k in keys if isinstance(r.get(k), int | float)]
+            if vals:
+                out[group] = out.get(group, 0.0) + float(sum(vals))
+    return out
 
 
 def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
@@ -56,8 +88,11 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
         rscores = evaluation.load_results(rpath, name=cell.name).problem_scores()
         rtask = next((str(r["retention_task"]) for r in reversed(recs)
                       if r.get("kind") == "eval" and r.get("retention_task")), "")
+    cfg_path = folder / "config.json"
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
-                      eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask)
+                      eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask,
+                      generated_tokens(recs, config))
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -202,6 +237,11 @@ def drift_and_retention(results: Sequence[CellResult], modes: Sequence[str]) -> 
             v = [k for _, k in kls]
             row.update(kl_step=sorted({s for s, _ in kls}), kl_mean=float(np.mean(v)),
                        kl_min=float(np.min(v)), kl_max=float(np.max(v)), kl_n_seeds=len(v))
+        groups = sorted({g for r in rs for g in r.tokens})
+        row["tokens"] = {g: float(np.mean([r.tokens.get(g, 0.0) for r in rs
+                                           if g in r.tokens]))
+                         for g in groups}
+        row["tokens_total"] = float(np.mean([sum(r.tokens.values()) for r in rs]))
         with_ret = [r for r in rs if r.retention_scores is not None]
         if with_ret:
             ret = [CellResult(r.cell, r.step, r.retention_scores or {}) for r in with_ret]
@@ -237,6 +277,20 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         else:
             ret = "- | not measured | - | -"
         lines.append(f"| {r['mode']} | {r['n_seeds']} | {steps} | {kl} | {ret} |")
+    lines += [
+        "", "Generated tokens per run outside evaluation (mean over seeds): rollouts (mean "
+        "response length x rollouts, per step), and what each mode generates besides "
+        "(the memory's reflection calls, MEL's reflections and replays, Fast-Slow's); "
+        "'-' = the runs did not log that kind (runs before the counters existed).", "",
+        "| mode | rollouts | memory | mel | fast_slow | total |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.get("tokens", {})
+        cells = [f"{t[g]:,.0f}" if g in t else "-" for g in
+                 ("rollouts", "memory", "mel", "fast_slow")]
+        lines.append(f"| {r['mode']} | " + " | ".join(cells)
+                     + f" | {r.get('tokens_total', 0.0):,.0f} |")
     return lines
 
 
