@@ -481,11 +481,12 @@ class Checkpointer:
 # the run's checkpoints: train state + the loop's slots
 class RunCheckpointer:
     """The trainer's checkpoints under ``<run_dir>/checkpoints``: the train state and the
-    memory, data-cursor, trainer-counter and prefetched-rollouts slots."""
+    memory, data-cursor, trainer-counter, prefetched-rollouts and fast_slow-pool slots."""
 
     def __init__(self, run_dir: Path, keep: int) -> None:
         self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
-                                 slots=("memory", "data_cursor", "trainer", "prefetch"))
+                                 slots=("memory", "data_cursor", "trainer", "prefetch",
+                                        "fast_slow"))
 
     def save(self, step: int, bundle: Any, extras: dict[str, Any]) -> None:
         """Saves ``bundle.state`` (a distill.train.TrainBundle) and the trainer's ``extras``."""
@@ -498,6 +499,9 @@ class RunCheckpointer:
             "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
             # rollout.overlap: the next step's rollouts, already sampled (pickled bytes)
             "prefetch": extras.get("prefetch"),
+            # mode=fast_slow: the context pool (pmd_jax/fast_slow), pickled like the memory
+            "fast_slow": (pickle.dumps(extras["fast_slow"], protocol=5)
+                          if extras.get("fast_slow") is not None else None),
         }
         self.ckpt.wait()  # surface a failed background write before starting the next one
         self.ckpt.save(int(step), bundle.state, slots=slots)
@@ -524,6 +528,8 @@ class RunCheckpointer:
             "memory": pickle.loads(mem) if mem else None,
             "prefetch": r.slots.get("prefetch"),
         }
+        if r.slots.get("fast_slow"):
+            extras["fast_slow"] = pickle.loads(r.slots["fast_slow"])
         return bundle, extras
 
     def latest_committed(self) -> int | None:

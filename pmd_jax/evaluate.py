@@ -1,6 +1,8 @@
 """Evaluation during a run: the policy answers the task's evaluation problems memory-free
 (``tasks.evaluation`` scores them); in ``pmd_frozen_policy`` mode also with the memory's
-context; with ``eval.retention`` also an off-task retention set (``pmd_jax.retention``).
+context; in ``fast_slow`` mode also with the pool's best context in the prompt (``context``:
+``accuracy_deployed``); with ``eval.retention`` also an off-task retention set
+(``pmd_jax.retention``).
 ``Trainer.evaluate`` calls :func:`evaluate` on process 0.
 """
 
@@ -20,10 +22,12 @@ if TYPE_CHECKING:
 def make_generate_fn(
     cfg: Any, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
     pid_by_text: dict[str, str] | None = None, prefix_by_text: dict[str, str] | None = None,
+    context: str | None = None,
 ) -> Callable[[list[Messages], int, int], list[list[str]]]:
     """``generate(conversations, n, seed) -> n texts each`` for tasks.evaluation (memory-free
-    unless ``memory`` is given). A task's response prefix is appended to the prompt and
-    prepended to each text, as in training."""
+    unless ``memory`` is given; with ``context``, a fast_slow context in the system message as
+    in the rollouts). A task's response prefix is appended to the prompt and prepended to each
+    text, as in training."""
     from pmd_jax.metrics import Progress
 
     e = cfg.eval
@@ -40,6 +44,10 @@ def make_generate_fn(
             convs = [teacher_messages(c, memory.teacher_context(
                 pids.get(user_text(c), ""), user_text(c)).render(model.count_tokens))
                 for c in convs]
+        if context is not None:  # fast_slow's deployed form: the pool's best context
+            from pmd_jax.fast_slow.contexts import with_context
+
+            convs = [with_context(c, context) for c in convs]
         sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
                             max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
                             seed=int(seed))
@@ -63,7 +71,8 @@ def make_generate_fn(
 
 
 def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
-             problems: Sequence[Any], out_dir: Path, memory: Any = None) -> dict[str, Any]:
+             problems: Sequence[Any], out_dir: Path, memory: Any = None,
+             context: str | None = None) -> dict[str, Any]:
     from pmd_jax.tasks import evaluation
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +103,19 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
         )
         sm = rm.summarize()
         out.update({"accuracy_with_memory": float(sm["mean"])})
+    if context is not None:
+        rd = evaluation.evaluate(
+            task, make_generate_fn(cfg, model, textgen, prefix_by_text=prefix_by_text,
+                                   context=context),
+            split=cfg.task.eval_split, k=cfg.eval.n, seeds=tuple(cfg.eval.seeds),
+            problems=problems, out_path=out_dir / "results_deployed.jsonl",
+            name=out_dir.name + "_deployed", n_boot=2000)
+        sd = rd.summarize()
+        out.update({"accuracy_deployed": float(sd["mean"]),
+                    "accuracy_deployed_ci_low": float(sd["ci_low"]),
+                    "accuracy_deployed_ci_high": float(sd["ci_high"]),
+                    "deployed_context_tokens": model.count_tokens(context)})
+        (out_dir / "deployed_context.txt").write_text(context)
     return out
 
 

@@ -150,7 +150,8 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any,
     students = [sb.student_prompts[r.prompt_index] for r in sb.rollouts]
     sampler_logp = [r.logprobs for r in sb.rollouts]
     stats: dict[str, float] = {}
-    if cfg.mode in ("grpo", "mel"):  # no teacher (mel's lesson rows: pmd_jax/mel)
+    # no teacher (mel's lesson rows: pmd_jax/mel; fast_slow's student prompts carry the context)
+    if cfg.mode in ("grpo", "mel", "fast_slow"):
         teachers = students
         sd = np.ones(len(responses), np.float32)
     else:

@@ -3,7 +3,8 @@
 1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch)
 2. verify        reward each rollout (``tasks/``)
 3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``);
-                 mode=mel instead reflects on right/wrong pairs and replays (``mel/``)
+                 mode=mel instead reflects on right/wrong pairs and replays (``mel/``);
+                 mode=fast_slow also updates its context pool (``fast_slow/``)
 4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
 5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
                  ``distill/kl.py`` for the KL to the initial model)
@@ -45,6 +46,7 @@ from pmd_jax.checkpoint import build_checkpointer
 from pmd_jax.config import MEMORY_MODES, freeze, to_dict
 from pmd_jax.distill import kl, train
 from pmd_jax.distill.update_rows import rows_for_update
+from pmd_jax.fast_slow import pool as fast_slow
 from pmd_jax.metrics import MetricsWriter, Progress, write_plots
 from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollouts, SamplerError, SamplingParams, TextGenerator
@@ -141,7 +143,11 @@ class Trainer:
         self.uses_memory = cfg.mode in MEMORY_MODES
         self.memory = build.build_memory(cfg, self.model) if self.is_main else None
         self.state = train.init_train_state(cfg, self.model)
-        self.stream = ProblemStream(self.train_problems, seed=cfg.seed)
+        # mode=fast_slow: the context pool (fast weights) and its held-out validation problems
+        self.fast_slow = fast_slow.build_pool(cfg, self.model, self.task, self.train_problems,
+                                              self.eval_problems)
+        self.stream = ProblemStream(fast_slow.train_items(self.fast_slow, self.train_problems),
+                                    seed=cfg.seed)
         self.ckpt = build_checkpointer(cfg, self.run_dir)
         self.nonfinite_in_a_row = 0
         self.skipped_long_prompts = 0
@@ -307,6 +313,9 @@ class Trainer:
             with _timed(times, "mel"):
                 mel_step = mel.run_step(cfg, self.model, self.task, self.textgen.sampler, sb)
             mem_stats = mel_step.stats
+        if self.fast_slow is not None:  # 3''. fast_slow: new contexts, scored, Pareto front
+            with _timed(times, "fast_slow"):
+                mem_stats.update(self.fast_slow.update(step, sb, self.memory, self.textgen))
         with _timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
             batch, prompt_stats = teaching.build_train_batch(
                 cfg, self.model, self.task, self.memory, sb
@@ -340,7 +349,9 @@ class Trainer:
         while len(problems) < cfg.rollout.problems_per_step:
             for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
                 pre = teaching.response_prefix(self.task, p)
-                ids = self.model.encode_prompt(self.task.prompt(p), pre)
+                msgs = fast_slow.student_messages(self.fast_slow, step, len(problems),
+                                                  self.task.prompt(p))  # (+ its context)
+                ids = self.model.encode_prompt(msgs, pre)
                 if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
                     skipped += 1
                     if skipped > 100 * cfg.rollout.problems_per_step:
@@ -487,6 +498,7 @@ class Trainer:
             "skipped_long_prompts": self.skipped_long_prompts,
             # rollout.overlap: the next step's rollouts (the cursor above is already past them)
             "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
+            "fast_slow": self.fast_slow.state_dict() if self.fast_slow is not None else None,
         }
         self._wait_checkpoint()  # a failed background write of the previous save stops here
         try:
@@ -523,6 +535,8 @@ class Trainer:
             self.memory.load_state_dict(extras["memory"])
         self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
         self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
+        if self.fast_slow is not None and extras.get("fast_slow") is not None:
+            self.fast_slow.load_state_dict(extras["fast_slow"])
         nxt = extras.get("prefetch")
         if nxt is not None:
             # The batch for this step was sampled (one version stale) before the checkpoint
@@ -548,7 +562,8 @@ class Trainer:
         res = multihost.lead(
             lambda: evaluation.evaluate(self.cfg, self.model, self.task, self.textgen,
                                         self.eval_problems,
-                                        self.run_dir / "eval" / f"step_{step:06d}", self.memory),
+                                        self.run_dir / "eval" / f"step_{step:06d}", self.memory,
+                                        context=fast_slow.deployed_context(self.fast_slow)),
             self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
         self.metrics.write("eval", step, res)

@@ -19,8 +19,10 @@ PMD_VARIANTS: dict[str, dict[str, Any]] = {
 # prompt) is exactly pmd_frozen_policy; apply_mode writes the canonical name into the config.
 MODE_ALIASES: dict[str, str] = {"memory_only": "pmd_frozen_policy"}
 MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
-                          *PMD_VARIANTS, "mel")
-MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS)
+                          *PMD_VARIANTS, "mel", "fast_slow")
+# fast_slow keeps a memory (updated as in pmd) to render its contexts from (pmd_jax/fast_slow).
+MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS,
+                                 "fast_slow")
 
 
 def _memory_defaults() -> ml_collections.ConfigDict:
@@ -47,7 +49,7 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         c.mode = MODE_ALIASES.get(c.mode, c.mode)
         loss = c.distill.loss
         spec = loss_spec(loss.name)
-        if c.mode == "grpo":
+        if c.mode in ("grpo", "fast_slow"):  # fast_slow: GRPO on the context-carrying prompts
             loss.name = "grpo"
         elif c.mode == "mel":  # GRPO + the lessons' NLL (pmd_jax/mel): the loss that reads them
             loss.name = "mel"

@@ -17,6 +17,7 @@ import ml_collections
 from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import DistillConfig
+from pmd_jax.fast_slow.config import FastSlowConfig
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.sampling.backends import BACKENDS
@@ -289,7 +290,9 @@ class RunConfig(Section):
     mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy "
                      "(alias memory_only: training-free, the memory evolves and the weights "
                      "never change) | mel (Meta-Experience Learning: GRPO + the NLL of "
-                     "replay-validated lessons, pmd_jax/mel) | a PMD variant "
+                     "replay-validated lessons, pmd_jax/mel) | fast_slow (Fast-Slow "
+                     "Training: a Pareto pool of memory-rendered contexts in the prompt + "
+                     "GRPO, pmd_jax/fast_slow) | a PMD variant "
                      "(pmd_jax/config/modes.py).")
     seed: int = knob(0, "Run seed.")
     run_dir: str = knob("runs/default", "Run folder (local, or gs:// / s3:// / az://).")
@@ -305,6 +308,8 @@ class RunConfig(Section):
     distill: DistillConfig = section(DistillConfig, "The distillation step.")
     memory: MemoryConfig = section(MemoryConfig, "The procedural memory.")
     mel: MelConfig = section(MelConfig, "mode=mel: Meta-Experience Learning (pmd_jax/mel).")
+    fast_slow: FastSlowConfig = section(FastSlowConfig, "mode=fast_slow: Fast-Slow Training "
+                                        "(pmd_jax/fast_slow).")
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -168,12 +168,18 @@ def _loss_errors(c: Any) -> list[str]:
     if c.mode != "mel" and spec is not None and spec.lesson_nll:
         return [f"distill.loss.name={c.distill.loss.name!r} reads the lesson rows only "
                 f"mode=mel builds; mode={c.mode!r}"]
-    if c.mode == "grpo":
+    if c.mode in ("grpo", "fast_slow"):
         if spec is None or spec.needs_teacher:
-            errs.append(f"mode=grpo needs a loss without a teacher as distill.loss.name, got "
-                        f"{c.distill.loss.name!r}")
+            errs.append(f"mode={c.mode} needs a loss without a teacher as distill.loss.name, "
+                        f"got {c.distill.loss.name!r}")
         if c.rollout.n < 2:
-            errs.append("mode=grpo with rollout.n=1 has zero advantages: use n >= 2")
+            errs.append(f"mode={c.mode} with rollout.n=1 has zero advantages: use n >= 2")
+        mct = c.fast_slow.max_context_tokens
+        if (c.mode == "fast_slow" and isinstance(mct, int)
+                and mct >= c.rollout.max_prompt_tokens):
+            errs.append(f"fast_slow.max_context_tokens={mct} must be "
+                        f"below rollout.max_prompt_tokens={c.rollout.max_prompt_tokens} (the "
+                        "context is part of the student prompt)")
     elif c.mode == "mel":
         if spec is None or not spec.lesson_nll:
             errs.append(f"mode=mel needs distill.loss.name='mel' (GRPO + the lessons' NLL), "
@@ -310,7 +316,7 @@ def _prompt_budget_errors(c: Any) -> list[str]:
         errs.append(
             f"rollout.max_prompt_tokens + max(rollout.max_tokens, eval.max_tokens) = "
             f"{r.max_prompt_tokens} + {gen} = {r.max_prompt_tokens + gen} exceeds {limit_what}")
-    if c.mode not in ("grpo", "mel"):  # grpo and mel have no teacher
+    if c.mode not in ("grpo", "mel", "fast_slow"):  # these have no teacher
         tb = teacher_prompt_budget(c)
         tname = ("min(teacher_prompt.max_tokens, memory.context.max_tokens)"
                  if c.mode in MEMORY_MODES else "teacher_prompt.max_tokens")
