@@ -107,8 +107,9 @@ def test_unknown_key_names_the_closest_valid_keys():
     assert line.errors == [
         "unknown config key 'rolout.max_batch'; did you mean 'rollout.max_batch'?",
         "unknown config key 'train.stepz'; did you mean 'train.steps'?",
-        "unknown config key 'bogus'; valid top-level keys: distill, dry_run, eval, mel, memory, "
-        "mesh, mode, model, name, resume, rollout, run_dir, seed, task, teacher_prompt, train",
+        "unknown config key 'bogus'; valid top-level keys: distill, dry_run, eval, fast_slow, "
+        "mel, memory, mesh, mode, model, name, resume, rollout, run_dir, seed, task, "
+        "teacher_prompt, train",
         "unknown config key 'max_batch'; did you mean 'rollout.max_batch'?",
     ]
     # absl gets the valid overrides only (the unknown ones and their values are left out)
