@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
     if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
         from pmd_jax.config.validate import batch_plan_errors, schema_errors
 
+        cfg = apply_mode(cfg)  # the loss, group size etc. a mode implies, as for a run
         errs = pre_errs + schema_errors(cfg) + batch_plan_errors(cfg)
         if errs:
             return _report(errs)
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
         from pmd_jax.dry_run.distill_step import dry_run_from_config
 
-        report = dry_run_from_config(cfg)
+        report = dry_run_from_config(freeze(cfg))
         # exit 1 when the train step or the decode step does not fit the target's HBM
         return 0 if report.get("fits", True) else 1
     # What the mode implies is set on the ConfigDict, then every problem is named at once;

@@ -104,8 +104,10 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
 
 def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: int,
                         student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
+    from pmd_jax.config import freeze
     from pmd_jax.distill.step import TrainStep
 
+    cfg = freeze(cfg)  # (a RunConfig is kept as it is)
     ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules,
                    lesson_nll_weight=float(cfg.mel.nll_weight))
     state = ts.abstract_state()
@@ -185,6 +187,11 @@ def _model_config(cfg: Any) -> Any:
 
 
 def dry_run_from_config(cfg: Any) -> dict[str, Any]:
+    """The dry run of a run config (a RunConfig, or a ConfigDict that is frozen here: the
+    derived knobs, e.g. the loss's group size, come from the rollout section)."""
+    from pmd_jax.config import freeze
+
+    cfg = freeze(cfg)
     target = cfg.dry_run.target
     if target:
         from pmd_jax.dry_run.target import target_report

@@ -45,7 +45,6 @@ keeps part of the HBM for itself (XLA_PYTHON_CLIENT_MEM_FRACTION, 75% by default
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -147,9 +146,8 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
 
     model_flops = rows * (3 * fwd(s_len) + n_teacher * fwd(t_len)) / mesh.size
     if count_cost:
-        dc = copy.deepcopy(cfg.distill)
-        dc.precision.layer_loop = "unrolled"
-        dc.loss.chunk_size = resp
+        dc = cfg.distill.replace(precision=cfg.distill.precision.replace(layer_loop="unrolled"),
+                                 loss=cfg.distill.loss.replace(chunk_size=resp))
         costs = []
         for depth in (1, 2):
             m = _depth(mc, depth).replace(attention_impl="dense")
@@ -277,9 +275,11 @@ def format_target_report(r: dict[str, Any]) -> str:
 def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, Any]:
     import jax
 
+    from pmd_jax.config import freeze
     from pmd_jax.dry_run.distill_step import _mesh_shape, _model_config
     from pmd_jax.sharding import ShardingRules, make_mesh
 
+    cfg = freeze(cfg)  # (a RunConfig is kept as it is)
     t = tg.get_target(target)
     n = jax.device_count()
     if n != t.chips:
