@@ -379,35 +379,97 @@ def test_config_listing_shows_the_fast_slow_knobs(capsys):
 
 
 # ----------------------------------------------------------------------------- end to end
-FS_FLAGS = ["--config.mode=fast_slow", "--config.train.steps=2",
-            "--config.train.eval_every=2", "--config.fast_slow.val_size=2",
+FS_FLAGS = ["--config.mode=fast_slow", "--config.train.steps=1",
+            "--config.train.eval_every=1", "--config.fast_slow.val_size=2",
             "--config.fast_slow.max_context_tokens=48", "--config.fast_slow.pool_size=2",
             "--config.fast_slow.rewrite.max_tokens=24", "--config.fast_slow.rewrite_rollouts=2"]
 
 
-def test_two_step_fast_slow_run_logs_the_pool_and_the_deployed_accuracy(tmp_path):
-    """The real entry point (python -m pmd_jax.main) on the tiny random model: 2 steps with a
-    pool update after each (rewrites by the policy, validation scoring), a checkpoint holding
-    the pool, the final evaluation with and without the deployed context."""
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return [r.get("values", r) for r in recs if r["kind"] == kind]
+
+
+def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     from tests.tiny_runs import cmd, env
 
-    run_dir = tmp_path / "fast_slow"
-    p = subprocess.run(cmd(run_dir, *FS_FLAGS), cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=900)
+    p = subprocess.run(cmd(run_dir, *FS_FLAGS, *extra), cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    train = [r.get("values", r) for r in recs if r["kind"] == "train"]
-    assert len(train) == 2
-    for r in train:
-        for k in fsp.STAT_KEYS:
-            assert k in r, k
-        assert r["fast_slow_updated"] == 1 and r["fast_slow_candidates_scored"] >= 1
-        assert 1 <= r["fast_slow_pool_size"] <= 2
-        assert r["fast_slow_val_tokens"] > 0 and r["fast_slow_rewrite_tokens"] > 0
-    ev = [r.get("values", r) for r in recs if r["kind"] == "eval"]
+    return p
+
+
+def _check_step(r: dict) -> None:
+    for k in fsp.STAT_KEYS:
+        assert k in r, k
+    assert r["fast_slow_updated"] == 1 and r["fast_slow_candidates_scored"] >= 1
+    assert 1 <= r["fast_slow_pool_size"] <= 2
+    assert r["fast_slow_val_tokens"] > 0 and r["fast_slow_rewrite_tokens"] > 0
+
+
+def test_one_step_fast_slow_run_logs_the_pool_and_the_deployed_accuracy(tmp_path):
+    """The real entry point (python -m pmd_jax.main) on the tiny random model: one step with a
+    pool update (a rewrite by the policy, validation scoring of the seed and the new context), a
+    checkpoint holding the pool, the evaluation with and without the deployed context."""
+    run_dir = tmp_path / "fast_slow"
+    _run(run_dir)
+    (r,) = _records(run_dir, "train")
+    _check_step(r)
+    # a fresh pool's seed context is scored with the new candidates
+    assert r["fast_slow_candidates_scored"] == (r["fast_slow_candidates"]
+                                                - r["fast_slow_duplicates"] + 1)
+    ev = _records(run_dir, "eval")
     assert ev and "accuracy_deployed" in ev[-1] and "accuracy" in ev[-1]
-    ctx = (run_dir / "eval" / "step_000002" / "deployed_context.txt").read_text()
-    assert ctx.strip()
+    assert (run_dir / "eval" / "step_000001" / "deployed_context.txt").read_text().strip()
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["mode"] == "fast_slow" and cfg["distill"]["loss"]["name"] == "grpo"
     assert list((run_dir / "checkpoints").glob("*/fast_slow"))
+
+
+@pytest.mark.slow  # ~60 s for 2 steps + ~35 s for the resumed third, on 2 loaded cores
+def test_a_resumed_fast_slow_run_continues_with_the_checkpoints_pool(tmp_path):
+    """Two steps, then the same run resumed for a third: the third step's update scores only
+    its new candidates (the restored pool kept its scores; a fresh pool's seed would be scored
+    again), and both runs log the pool and the deployed accuracy."""
+    run_dir = tmp_path / "fast_slow"
+    _run(run_dir, "--config.train.steps=2", "--config.train.eval_every=2")
+    assert [_check_step(r) for r in _records(run_dir, "train")] == [None, None]
+    p = _run(run_dir, "--config.train.steps=3", "--config.train.eval_every=3")
+    assert "resumed from checkpoint at step 2" in p.stderr
+    r = [x for x in _records(run_dir, "train") if x.get("step", 2) == 2][-1]
+    _check_step(r)
+    assert r["fast_slow_candidates_scored"] == (r["fast_slow_candidates"]
+                                                - r["fast_slow_duplicates"])
+    assert "accuracy_deployed" in _records(run_dir, "eval")[-1]
+
+
+def test_the_run_checkpoint_stores_and_restores_the_pool(tmp_path):
+    """The trainer's checkpoint (RunCheckpointer) has a fast_slow slot: the pool saved with a
+    step comes back with it (a resumed run continues with the same pool); other modes save
+    none."""
+    import jax
+    import jax.numpy as jnp
+
+    from pmd_jax.checkpoint import RunCheckpointer
+
+    pool = _pool(_cfg(), CONTEXTS)
+    pool.candidates[2].scores = [1.0, 0.5]
+    pool.draw(4, 0)
+    bundle = types.SimpleNamespace(
+        state={"w": jnp.arange(3, dtype=jnp.float32)},
+        step_fn=types.SimpleNamespace(abstract_state=lambda: {
+            "w": jax.ShapeDtypeStruct((3,), jnp.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(
+                                          jax.devices()[0]))}))
+    extras = {"data_cursor": {"epoch": 0, "position": 2}, "memory": None, "prefetch": None}
+    ck = RunCheckpointer(tmp_path / "a", keep=2)
+    ck.save(5, bundle, {**extras, "fast_slow": pool.state_dict()})
+    ck.wait()
+    _, got = RunCheckpointer(tmp_path / "a", keep=2).restore_latest(bundle)
+    back = fsp.ContextPool(_cfg(), FakeModel(), FakeTask(), _problems(2))
+    back.load_state_dict(got["fast_slow"])
+    assert back.state_dict() == pool.state_dict() and back.draws == {4: {0: pool.draws[4][0]}}
+    ck = RunCheckpointer(tmp_path / "b", keep=2)
+    ck.save(5, bundle, {**extras, "fast_slow": None})
+    ck.wait()
+    assert "fast_slow" not in RunCheckpointer(tmp_path / "b", keep=2).restore_latest(bundle)[1]
