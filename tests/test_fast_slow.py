@@ -287,6 +287,13 @@ def test_update_scores_new_candidates_and_keeps_the_front():
     rewrite_prompt = sampler.prompts[0][0]
     assert seed in rewrite_prompt and "problem p0?" in rewrite_prompt and "Reward: 1" in \
         rewrite_prompt and "Feedback: fb" in rewrite_prompt
+    assert st["fast_slow_rewrite_too_long"] == 0
+    # a rewrite prompt past the sampler's context: fewer attempts, then skipped and counted
+    small = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_context=400))
+    pool3 = fsp.ContextPool(small, FakeModel(), FakeTask(), _problems(2))
+    st3 = pool3.update(0, sb, _memory(), tg)
+    assert st3["fast_slow_rewrite_too_long"] == 1 and st3["fast_slow_rewrite_tokens"] == 0
+    assert st3["fast_slow_candidates"] == 1  # the memory's rendering alone
     # update_every=2: the step after does not change the pool
     pool2 = fsp.ContextPool(_cfg(update_every=2), FakeModel(), FakeTask(), _problems(2))
     st2 = pool2.update(0, sb, _memory(), tg)
@@ -338,6 +345,7 @@ def test_mode_fast_slow_validates_with_the_embedded_default(tmp_path):
     ("seed_context", " ", "fast_slow.seed_context"),
     ("rewrite.top_p", 0.0, "fast_slow.rewrite.top_p"),
     ("max_context_tokens", 384, "fast_slow.max_context_tokens=384 must be below"),
+    ("val_max_tokens", 100, "fast_slow.val_max_tokens=100 exceeds"),
 ])
 def test_bad_fast_slow_knobs_fail_naming_the_knob(tmp_path, key, value, match):
     from pmd_jax.config import apply_mode

@@ -180,6 +180,12 @@ def _loss_errors(c: Any) -> list[str]:
             errs.append(f"fast_slow.max_context_tokens={mct} must be "
                         f"below rollout.max_prompt_tokens={c.rollout.max_prompt_tokens} (the "
                         "context is part of the student prompt)")
+        vmt = c.fast_slow.val_max_tokens
+        if (c.mode == "fast_slow" and isinstance(vmt, int)
+                and vmt > max(c.rollout.max_tokens, c.eval.max_tokens)):
+            errs.append(f"fast_slow.val_max_tokens={vmt} exceeds max(rollout.max_tokens, "
+                        "eval.max_tokens), the generation budget the sampler's context is "
+                        "checked for")
     elif c.mode == "mel":
         if spec is None or not spec.lesson_nll:
             errs.append(f"mode=mel needs distill.loss.name='mel' (GRPO + the lessons' NLL), "

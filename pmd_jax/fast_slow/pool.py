@@ -28,7 +28,7 @@ STAT_KEYS: tuple[str, ...] = (
     "fast_slow_updated", "fast_slow_pool_size", "fast_slow_candidates",
     "fast_slow_candidates_scored", "fast_slow_duplicates", "fast_slow_front_size",
     "fast_slow_best_val_reward", "fast_slow_context_tokens", "fast_slow_rewrite_tokens",
-    "fast_slow_val_tokens", "fast_slow_generated_tokens",
+    "fast_slow_val_tokens", "fast_slow_generated_tokens", "fast_slow_rewrite_too_long",
 )
 
 
@@ -163,15 +163,21 @@ class ContextPool:
                 prob = sb.problems[r.prompt_index]
                 attempts.append((user_text(self.task.prompt(prob)), sb.texts[i],
                                  float(res.reward), res.feedback or ""))
-            convs.append(rewrite_conversation(parent.text, attempts,
-                                              int(fs.rewrite_attempt_chars)))
-            parents.append(parent)
+            conv = rewrite_conversation(parent.text, attempts, int(fs.rewrite_attempt_chars))
+            while len(attempts) > 1 and not self._fits(conv):  # fewer attempts, then skip
+                attempts.pop()
+                conv = rewrite_conversation(parent.text, attempts, int(fs.rewrite_attempt_chars))
+            if self._fits(conv):
+                convs.append(conv)
+                parents.append(parent)
+            else:
+                st["fast_slow_rewrite_too_long"] += 1.0
         r = fs.rewrite
         sp = SamplingParams(n=1, temperature=float(r.temperature), top_p=float(r.top_p),
                             top_k=int(r.top_k), max_tokens=int(r.max_tokens),
                             stop_token_ids=tuple(self.model.stop_token_ids),
                             seed=(int(r.seed) + 7919 * int(step)) % (2**31))
-        replies = textgen.generate_replies(convs, sp)
+        replies = textgen.generate_replies(convs, sp) if convs else []
         out = []
         extra = tuple(getattr(self.model.tokenizer, "special_tokens", ()))
         for rs in replies:
@@ -183,6 +189,14 @@ class ContextPool:
                 if text:
                     out.append(self._new(text, "rewrite", step))
         return out
+
+    def _fits(self, conv: Messages) -> bool:
+        """The rewrite prompt + its budget fit the sampler's context (rollout.max_context, else
+        the model's), as ``build.build_sampler`` sizes it."""
+        mc = getattr(self.model, "cfg", None)
+        limit = int(self.cfg.rollout.max_context
+                    or getattr(mc, "max_position_embeddings", 1 << 30))
+        return len(self.model.encode_chat(conv)) + int(self.fs.rewrite.max_tokens) <= limit
 
     def _weights(self) -> np.ndarray:
         scored = [c for c in self.candidates if c.scores]
