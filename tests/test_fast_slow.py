@@ -377,6 +377,19 @@ def test_no_candidates_and_no_groups_fail(tmp_path):
     assert any("mode=fast_slow with rollout.n=1" in e for e in errs)
 
 
+def test_fast_slow_is_single_process(tmp_path, monkeypatch):
+    from pmd_jax.config import apply_mode
+    from pmd_jax.config.validate import config_errors
+
+    monkeypatch.setenv("PMD_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("PMD_NUM_PROCESSES", "2")
+    c = _embedded_default()
+    c.mode, c.run_dir = "fast_slow", str(tmp_path / "run")
+    apply_mode(c)
+    assert any("mode=fast_slow runs in a single JAX process only" in e
+               for e in config_errors(c))
+
+
 def test_config_listing_shows_the_fast_slow_knobs(capsys):
     from pmd_jax.config.__main__ import main
 

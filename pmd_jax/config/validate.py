@@ -186,6 +186,10 @@ def _loss_errors(c: Any) -> list[str]:
             errs.append(f"fast_slow.val_max_tokens={vmt} exceeds max(rollout.max_tokens, "
                         "eval.max_tokens), the generation budget the sampler's context is "
                         "checked for")
+        if c.mode == "fast_slow" and env_process_count() != 1:
+            errs.append("mode=fast_slow runs in a single JAX process only (the context pool "
+                        f"lives in one), but the environment asks for "
+                        f"{_describe_processes(env_process_count())}")
     elif c.mode == "mel":
         if spec is None or not spec.lesson_nll:
             errs.append(f"mode=mel needs distill.loss.name='mel' (GRPO + the lessons' NLL), "
