@@ -47,7 +47,8 @@ Where ours differs from FST (as far as the review says; each a config value wher
 - a context keeps the scores it was given when it entered the pool (GEPA's rule;
   ``fast_slow.rescore_pool=True`` scores the pool again with the current weights each update);
 - a full front is cut to K by the number of problems a context is best on, then mean reward;
-- single-process runs only.
+- single-process runs only (config validation says so); a rewrite prompt past the sampler's
+  context shows fewer attempts, then is skipped and counted (``fast_slow_rewrite_too_long``).
 """
 
 from pmd_jax.fast_slow.pareto import dominates, pareto_front

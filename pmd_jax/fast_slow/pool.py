@@ -148,7 +148,7 @@ class ContextPool:
         n = int(fs.rewrite_candidates)
         if n == 0 or not len(sb.rollouts):
             return []
-        convs, parents = [], []
+        convs: list[Messages] = []
         rollouts = list(sb.rollouts)
         for k in range(n):
             rng = self._rng(step, 2 << 20, k)
@@ -169,7 +169,6 @@ class ContextPool:
                 conv = rewrite_conversation(parent.text, attempts, int(fs.rewrite_attempt_chars))
             if self._fits(conv):
                 convs.append(conv)
-                parents.append(parent)
             else:
                 st["fast_slow_rewrite_too_long"] += 1.0
         r = fs.rewrite
@@ -303,11 +302,11 @@ def build_pool(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
     return ContextPool(cfg, model, task, val)
 
 
-def train_items(pool: ContextPool | None, train_problems: Sequence[Any]) -> list[Any]:
+def train_items(pool: ContextPool | None, train_problems: Sequence[Any]) -> Sequence[Any]:
     """The training stream's problems: without the validation ones unless fast_slow.val_in_train
     (unchanged for every other mode)."""
     if pool is None or pool.fs.val_in_train:
-        return list(train_problems) if pool is not None else train_problems  # type: ignore
+        return train_problems
     val = {id(p) for p in pool.val_problems}
     return [p for p in train_problems if id(p) not in val]
 
