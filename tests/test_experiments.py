@@ -164,6 +164,8 @@ def test_drift_and_retention_table(tmp_path):
                     if mode == "pmd":
                         r.update({"memory_generated_tokens": 7.0,
                                   "memory_behavior/generated_tokens": 3.0})
+                elif r["step"] == STEPS and mode == "pmd":  # as memory_only logs it
+                    r["accuracy_with_memory"] = 0.25 + 0.5 * seed
             (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
             (folder / "config.json").write_text(json.dumps(
                 {"mode": mode, "seed": seed, "rollout": {"problems_per_step": 4, "n": 2}}))
@@ -192,6 +194,10 @@ def test_drift_and_retention_table(tmp_path):
     assert "| grpo | 2 | 3 |" in md and "not measured" in md
     assert f"{rows['pmd']['retention']['accuracy']:.3f}" in md
     assert (out / KL_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "in_prompt" not in rows["grpo"]
+    assert rows["pmd"]["in_prompt"] == {"metric": "accuracy_with_memory", "n_seeds": 2,
+                                        "accuracy": 0.5}
+    assert "| pmd | accuracy_with_memory | 2 | 0.500 |" in md
     # generated tokens: rollouts for both, the memory's reflections for pmd only
     assert rows["grpo"]["tokens"] == {"rollouts": 60.0 * STEPS}
     assert rows["pmd"]["tokens"] == {"rollouts": 60.0 * STEPS, "memory": 10.0 * STEPS}

@@ -37,6 +37,13 @@ class CellResult:
     retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
     retention_task: str = ""
     tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
+    # the last evaluation with the mode's text in the prompt: (metric, accuracy)
+    in_prompt: tuple[str, float] | None = None
+
+
+# Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context
+# (pmd_jax.fast_slow), memory_only's memory (pmd_frozen_policy).
+IN_PROMPT_METRICS = ("accuracy_deployed", "accuracy_with_memory")
 
 
 # Train-record metrics that count tokens a mode generated besides its rollouts (summed over
@@ -88,11 +95,15 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
         rscores = evaluation.load_results(rpath, name=cell.name).problem_scores()
         rtask = next((str(r["retention_task"]) for r in reversed(recs)
                       if r.get("kind") == "eval" and r.get("retention_task")), "")
+    last_eval = next((r for r in reversed(recs)
+                      if r.get("kind") == "eval" and int(r.get("step", -1)) == step), {})
+    in_prompt = next(((k, float(last_eval[k])) for k in IN_PROMPT_METRICS
+                      if isinstance(last_eval.get(k), int | float)), None)
     cfg_path = folder / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
                       eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask,
-                      generated_tokens(recs, config))
+                      generated_tokens(recs, config), in_prompt)
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -242,6 +253,10 @@ def drift_and_retention(results: Sequence[CellResult], modes: Sequence[str]) -> 
                                            if g in r.tokens]))
                          for g in groups}
         row["tokens_total"] = float(np.mean([sum(r.tokens.values()) for r in rs]))
+        prompted = [r.in_prompt for r in rs if r.in_prompt is not None]
+        if prompted:
+            row["in_prompt"] = {"metric": prompted[0][0], "n_seeds": len(prompted),
+                                "accuracy": float(np.mean([v for _, v in prompted]))}
         with_ret = [r for r in rs if r.retention_scores is not None]
         if with_ret:
             ret = [CellResult(r.cell, r.step, r.retention_scores or {}) for r in with_ret]
@@ -277,6 +292,14 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         else:
             ret = "- | not measured | - | -"
         lines.append(f"| {r['mode']} | {r['n_seeds']} | {steps} | {kl} | {ret} |")
+    prompted = [r for r in rows if "in_prompt" in r]
+    if prompted:
+        lines += ["", "Deployed with text in the prompt (the table above is the weights alone): "
+                  "fast_slow with its pool's best context (accuracy_deployed), memory_only with "
+                  "its memory (accuracy_with_memory); accuracy at the last step, mean over "
+                  "seeds.", "", "| mode | metric | seeds | accuracy |", "|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['in_prompt']['metric']} | {r['in_prompt']['n_seeds']} | "
+                  f"{_f(r['in_prompt']['accuracy'])} |" for r in prompted]
     lines += [
         "", "Generated tokens per run outside evaluation (mean over seeds): rollouts (mean "
         "response length x rollouts, per step), and what each mode generates besides "
