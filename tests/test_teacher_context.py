@@ -482,14 +482,14 @@ EVAL_RUN = textwrap.dedent("""
                           prompts=[list(map(int, p)) for p in prompts]))
         return real_generate(self, prompts, params, **kw)
 
-    def evaluate(cfg, model, task, textgen, problems, out_dir, memory=None):
+    def evaluate(cfg, model, task, textgen, problems, out_dir, memory=None, **kw):
         s = memory.stats()
         mem_text = {str(p.id): memory.teacher_context(
             str(p.id), teaching.user_text(task.prompt(p))).render() for p in problems}
         evals.append(dict(stats=s, memory_conditioned=mem_text, calls_before=len(calls)))
         phase.append("eval")
         try:
-            return real_evaluate(cfg, model, task, textgen, problems, out_dir, memory)
+            return real_evaluate(cfg, model, task, textgen, problems, out_dir, memory, **kw)
         finally:
             phase.pop()
 
