@@ -418,6 +418,19 @@ def serve(payload, rfd, wfd):
             write_frame(wfd, {"err": f"unknown request {op!r}", "type": "ValueError"})
 
 
+def _fork(tries=40, wait=0.025):
+    """os.fork, retried for up to about a second on EAGAIN: the sandbox uid's process limit
+    (RLIMIT_NPROC) can still count the processes of the previous test or program while they
+    are being reaped. A limit still reached after that raises, and the test is an error."""
+    for k in range(tries):
+        try:
+            return os.fork()
+        except BlockingIOError:
+            if k == tries - 1:
+                raise
+            time.sleep(wait)
+
+
 def _run_one(payload, i, test):
     tmp = os.environ.get("TMPDIR", "/tmp")
     in_path = os.path.join(tmp, f"in{i}")
@@ -428,7 +441,7 @@ def _run_one(payload, i, test):
     r_fd, w_fd = os.pipe()
     timeout = float(payload["timeout"])
     t0 = time.monotonic()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:  # child
         try:
             os.close(r_fd)

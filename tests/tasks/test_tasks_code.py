@@ -471,3 +471,28 @@ def test_custom_equality_hack_fails(humaneval, mbpp):
         "import collections\ndef f():\n    return collections.Counter('aa')", tests, [0]
     )
     assert recs[0]["passed"], recs
+
+
+def test_harness_fork_waits_out_a_transient_process_limit(monkeypatch):
+    """The sandboxed harness retries a fork refused with EAGAIN (the sandbox uid's RLIMIT_NPROC
+    still counting the last program's processes; seen once in a full suite run) and gives up,
+    raising, when the limit stays reached."""
+    from pmd_jax.tasks import code_runner
+
+    calls = []
+
+    def refuse_twice():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return 4242
+
+    monkeypatch.setattr(code_runner.os, "fork", refuse_twice)
+    assert code_runner._fork(wait=0.0) == 4242 and len(calls) == 3
+
+    def refuse():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(code_runner.os, "fork", refuse)
+    with pytest.raises(BlockingIOError):
+        code_runner._fork(tries=3, wait=0.0)
