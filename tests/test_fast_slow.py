@@ -5,7 +5,6 @@ state round trip, the config, and one short run of the real entry point."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import types
@@ -22,6 +21,7 @@ from pmd_jax.fast_slow.contexts import render_memory, with_context
 from pmd_jax.rollout import ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator
 from tests.fakes import FakeSampler
+from tests.tiny_runs import embedded_default, mode_knob_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -315,20 +315,12 @@ def test_validation_problems_skip_evaluation_problems_and_are_held_out():
 
 
 # ----------------------------------------------------------------------------- config
-def _embedded_default():
-    spec = importlib.util.spec_from_file_location("smollm2_sciq", ROOT / "configs" /
-                                                  "smollm2_sciq.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m.get_config()
-
-
 def test_mode_fast_slow_validates_with_the_embedded_default(tmp_path):
     from pmd_jax.config import MEMORY_MODES, MODES, apply_mode, freeze
     from pmd_jax.config.validate import config_errors
 
     assert "fast_slow" in MODES and "fast_slow" in MEMORY_MODES
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir = "fast_slow", str(tmp_path / "run")
     apply_mode(c)
     assert c.distill.loss.name == "grpo"
@@ -348,18 +340,7 @@ def test_mode_fast_slow_validates_with_the_embedded_default(tmp_path):
     ("val_max_tokens", 100, "fast_slow.val_max_tokens=100 exceeds"),
 ])
 def test_bad_fast_slow_knobs_fail_naming_the_knob(tmp_path, key, value, match):
-    from pmd_jax.config import apply_mode
-    from pmd_jax.config.validate import config_errors
-
-    c = _embedded_default()
-    c.mode, c.run_dir = "fast_slow", str(tmp_path / "run")
-    sec, *rest = key.split(".")
-    if rest:
-        c.fast_slow[sec][rest[0]] = value
-    else:
-        c.fast_slow[sec] = value
-    apply_mode(c)
-    errs = config_errors(c)
+    errs = mode_knob_errors(tmp_path, "fast_slow", key, value)
     assert len(errs) == 1 and match in errs[0], errs
 
 
@@ -367,7 +348,7 @@ def test_no_candidates_and_no_groups_fail(tmp_path):
     from pmd_jax.config import apply_mode
     from pmd_jax.config.validate import config_errors
 
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir = "fast_slow", str(tmp_path / "run")
     c.fast_slow.memory_candidates = c.fast_slow.rewrite_candidates = 0
     c.rollout.n = 1
@@ -383,7 +364,7 @@ def test_fast_slow_is_single_process(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PMD_COORDINATOR", "10.0.0.1:1234")
     monkeypatch.setenv("PMD_NUM_PROCESSES", "2")
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir = "fast_slow", str(tmp_path / "run")
     apply_mode(c)
     assert any("mode=fast_slow runs in a single JAX process only" in e

@@ -5,7 +5,6 @@ config, and a 2-step run of the real entry point."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import types
 from pathlib import Path
@@ -18,13 +17,13 @@ from pmd_jax.config.sections import RolloutConfig, RunConfig, TeacherPromptConfi
 from pmd_jax.distill import align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import step as st
-from pmd_jax.distill.config import default_distill_config
 from pmd_jax.mel import lessons as mel
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.models import decoder
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams
-from tests.distill.distill_common import TINY
+from tests.distill.distill_common import TINY, small_distill_config
 from tests.fakes import FakeSampler
+from tests.tiny_runs import embedded_default, mode_knob_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 2
@@ -32,17 +31,8 @@ GROUP = 2
 
 # ----------------------------------------------------------------------------- train step
 def _dcfg(loss: str, **kw):
-    c = default_distill_config()
-    c.loss.name = loss
-    c.loss.chunk_size = 5
-    c.loss.topk = 8
-    c.loss.group_size = GROUP
-    c.optim.lr = 3e-3
-    c.optim.warmup_steps = 0
-    for k, v in kw.items():
-        sec, name = k.split("__")
-        c[sec][name] = v
-    return c
+    return small_distill_config(**{"loss__name": loss, "loss__chunk_size": 5,
+                                   "loss__group_size": GROUP, **kw})
 
 
 def _grpo_batch(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -309,19 +299,11 @@ def test_pairs_and_caps():
 
 
 # ----------------------------------------------------------------------------- config
-def _embedded_default():
-    spec = importlib.util.spec_from_file_location("smollm2_sciq", ROOT / "configs" /
-                                                  "smollm2_sciq.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m.get_config()
-
-
 def test_mode_mel_validates_with_the_embedded_default(tmp_path):
     from pmd_jax.config import apply_mode, freeze
     from pmd_jax.config.validate import config_errors
 
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir = "mel", str(tmp_path / "run")
     apply_mode(c)
     assert c.distill.loss.name == "mel"
@@ -340,18 +322,7 @@ def test_mode_mel_validates_with_the_embedded_default(tmp_path):
     ("reflection.top_p", 0.0, "mel.reflection.top_p"),
 ])
 def test_bad_mel_knobs_fail_naming_the_knob(tmp_path, key, value, match):
-    from pmd_jax.config import apply_mode
-    from pmd_jax.config.validate import config_errors
-
-    c = _embedded_default()
-    c.mode, c.run_dir = "mel", str(tmp_path / "run")
-    sec, *rest = key.split(".")
-    if rest:
-        c.mel[sec][rest[0]] = value
-    else:
-        c.mel[sec] = value
-    apply_mode(c)
-    errs = config_errors(c)
+    errs = mode_knob_errors(tmp_path, "mel", key, value)
     assert len(errs) == 1 and match in errs[0], errs
 
 
@@ -359,11 +330,11 @@ def test_mode_mel_needs_groups_and_its_loss(tmp_path):
     from pmd_jax.config import apply_mode
     from pmd_jax.config.validate import config_errors
 
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir, c.rollout.n = "mel", str(tmp_path / "run"), 1
     apply_mode(c)
     assert any("mode=mel with rollout.n=1" in e for e in config_errors(c))
-    c = _embedded_default()
+    c = embedded_default()
     c.mode, c.run_dir = "grpo", str(tmp_path / "run")
     apply_mode(c)
     c.distill.loss.name = "mel"

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -114,3 +115,26 @@ def run_env() -> dict[str, str]:
     are not started with :func:`cmd`'s flags (a Trainer built in a ``python -c`` script)."""
     return {**env(), "JAX_COMPILATION_CACHE_DIR": str(jax_cache_dir()),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def embedded_default() -> Any:
+    """The embedded default's ConfigDict (configs/smollm2_sciq.py), as the entry point loads it."""
+    from pmd_jax.config_cli import load_config_file
+
+    return load_config_file(str(ROOT / "configs" / "smollm2_sciq.py"))
+
+
+def mode_knob_errors(tmp_path: Path, mode: str, key: str, value: Any) -> list[str]:
+    """The config errors of the embedded default in ``mode`` with ``<mode>.<key> = value``
+    (``key`` may be ``section.knob``), after apply_mode, as ``main`` checks it."""
+    from pmd_jax.config import apply_mode
+    from pmd_jax.config.validate import config_errors
+
+    c = embedded_default()
+    c.mode, c.run_dir = mode, str(tmp_path / "run")
+    node = c[mode]
+    *path, last = key.split(".")
+    for part in path:
+        node = node[part]
+    node[last] = value
+    return config_errors(apply_mode(c))

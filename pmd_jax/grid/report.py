@@ -317,6 +317,23 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def _save_plot(fig, ax, path: Path, xlabel: str, title: str) -> Path:
+    """Labels, grid and legend of a held-out accuracy plot; writes it to ``path``."""
+    import matplotlib.pyplot as plt
+
+    from pmd_jax import paths
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (memory-free)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
 def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
                         path: Path) -> Path | None:
     """Held-out accuracy against KL(policy || initial) at each evaluation that has a KL
@@ -330,7 +347,6 @@ def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pmd_jax import paths
 
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -341,16 +357,8 @@ def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
             ys = [p["accuracy"] for p in r.kl_points]
             ax.plot(xs, ys, color=color, lw=1.0, marker="o", ms=3, alpha=0.8,
                     label=mode if j == 0 else None)
-    ax.set_xlabel("KL(policy || initial), nats / response token")
-    ax.set_ylabel("held-out accuracy (memory-free)")
-    ax.set_title("Held-out accuracy vs KL to the initial policy (one line per seed)",
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return _save_plot(fig, ax, path, "KL(policy || initial), nats / response token",
+                      "Held-out accuracy vs KL to the initial policy (one line per seed)")
 
 
 def accuracy_curves(results: Sequence[CellResult], modes: Sequence[str]) -> dict:
@@ -383,7 +391,6 @@ def plot_curves(curves: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from pmd_jax import paths
 
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -400,16 +407,8 @@ def plot_curves(curves: dict, path: Path) -> Path:
         if c["n_seeds"] > 1:
             ax.fill_between(c["steps"], c["min"], c["max"], color=color, alpha=0.15)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("training step")
-    ax.set_ylabel("held-out accuracy (memory-free)")
-    ax.set_title("Held-out accuracy vs step (band: min-max over seeds; thin: each seed)",
-                 fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return _save_plot(fig, ax, path, "training step",
+                      "Held-out accuracy vs step (band: min-max over seeds; thin: each seed)")
 
 
 def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],

@@ -22,3 +22,19 @@ def make_mesh8() -> jax.sharding.Mesh:
     """The data x fsdp x tensor = 2 x 2 x 2 mesh of the 8 fake devices."""
     assert len(jax.devices()) == 8, "XLA_FLAGS must give 8 CPU devices"
     return shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def small_distill_config(**kw):
+    """The distill ConfigDict the step tests train TINY with (top-K 8, GRPO groups of 2, lr
+    3e-3 from step 0); ``section__knob=value`` overrides."""
+    from pmd_jax.distill.config import default_distill_config
+
+    c = default_distill_config()
+    c.loss.topk = 8
+    c.loss.group_size = 2
+    c.optim.lr = 3e-3
+    c.optim.warmup_steps = 0
+    for k, v in kw.items():
+        sec, name = k.split("__")
+        c[sec][name] = v
+    return c

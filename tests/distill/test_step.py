@@ -7,7 +7,11 @@ loss recomputed from full decoder logits with numpy gathering and the unchunked 
 from __future__ import annotations
 
 # isort: off
-from tests.distill.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+from tests.distill.distill_common import (  # first: sets 8 fake devices
+    TINY,
+    make_mesh8,
+    small_distill_config,
+)
 # isort: on
 
 import functools
@@ -22,7 +26,7 @@ from pmd_jax.distill import align, losses
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import policy_gradient as pg
 from pmd_jax.distill import step as st
-from pmd_jax.distill.config import DistillConfigError, default_distill_config
+from pmd_jax.distill.config import DistillConfigError
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 from tests.distill import reference_losses
@@ -32,17 +36,8 @@ GROUP = 2
 
 
 def _cfg(**kw):
-    c = default_distill_config()
-    c.teacher.rule = "frozen"
-    c.loss.topk = 8
-    c.loss.chunk_size = 3
-    c.loss.group_size = GROUP
-    c.optim.lr = 3e-3
-    c.optim.warmup_steps = 0
-    for k, v in kw.items():
-        sec, name = k.split("__")
-        c[sec][name] = v
-    return c
+    return small_distill_config(**{"teacher__rule": "frozen", "loss__chunk_size": 3,
+                                   "loss__group_size": GROUP, **kw})
 
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:
