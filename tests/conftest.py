@@ -3,7 +3,9 @@ several test modules.
 
 Fake devices: every test process sees 8 CPU devices (``XLA_FLAGS``), so the sharding, FSDP and
 multi-device sampler tests run on one CPU; a test module must not set it again. Tests that
-start subprocesses set their own device counts (tests/test_multiprocess*.py).
+start subprocesses give them ``tiny_runs.child_env()`` (this machine's devices, or their own
+count). Code generation: XLA:CPU at LLVM -O0 for the whole session and its subprocesses
+(``tiny_runs.codegen_flags``; ``PMD_TEST_XLA_OPT=default`` turns it off).
 Shared helpers that are not fixtures live next to the tests that use them:
 ``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
 (direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).
@@ -13,10 +15,14 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from tests.tiny_runs import codegen_flags  # noqa: E402 (numpy only: jax not started yet)
+
+_flags = os.environ.get("XLA_FLAGS", "").split()
+if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
+    _flags.append("--xla_force_host_platform_device_count=8")
+if not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
+    _flags += codegen_flags()  # LLVM -O0: see tests/tiny_runs.py
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import pytest  # noqa: E402
 

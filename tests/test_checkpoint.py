@@ -9,29 +9,24 @@ must be bitwise identical to the uninterrupted run's.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-if __name__ != "__main__":
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError  # noqa: E402
+from pmd_jax import sharding as shd
+from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError
+from tests.tiny_runs import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,8 +220,7 @@ def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
 
 
 def _run_worker(ck_dir: Path, out: Path, steps: int, delay: float, kill_after: int | None):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     # one compile shared by the three runs (the cached executable is the same program)
     env["JAX_COMPILATION_CACHE_DIR"] = str(ck_dir.parent / "jax_cache")

@@ -1,13 +1,13 @@
 """Dry run: a full-width train step compiles on abstract, sharded inputs for a simulated mesh."""
 
-import os
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from pmd_jax import sharding as sh  # noqa: E402
-from pmd_jax.dry_run import forward_backward as dr  # noqa: E402
-from pmd_jax.models.config import olmo3_7b, qwen3_8b  # noqa: E402
+from pmd_jax import sharding as sh
+from pmd_jax.dry_run import forward_backward as dr
+from pmd_jax.models.config import olmo3_7b, qwen3_8b
+from tests.tiny_runs import child_env
 
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
@@ -200,7 +200,7 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "    int(cfg.teacher_prompt.max_tokens) + resp, resp)\n"
         "print(json.dumps(r))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -252,7 +252,7 @@ def _main(*args, timeout=1500):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py", "--dry_run",
          *args], capture_output=True, text=True, timeout=timeout, env=env)

@@ -10,7 +10,6 @@ normal approximation, the sign test against scipy.stats.binomtest. The real end-
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from pmd_jax import experiments as ex
 from pmd_jax.experiments import Cell, GridError
 from pmd_jax.grid.report import PLOT_FILE
+from tests.tiny_runs import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/smollm2_sciq.py"
@@ -299,7 +299,7 @@ def test_run_grid_skips_finished_copies_scratch_and_reruns_unfinished(tmp_path):
 
 
 def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "pmd_jax.experiments", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
 

@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 
 from pmd_jax.sampling.weight_store import WeightStore
+from tests.tiny_runs import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "mp_worker.py"
@@ -58,12 +59,7 @@ def _free_port() -> int:
 
 
 def _child_env(devices: int, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PMD_")}
-    # Other test modules append their own device count to XLA_FLAGS: drop it, set ours.
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    env = {k: v for k, v in child_env(devices).items() if not k.startswith("PMD_")}
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])

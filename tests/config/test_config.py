@@ -8,6 +8,7 @@ import pytest
 from pmd_jax.config import apply_mode, base_config, config_errors, freeze, validate_config
 from pmd_jax.models.config import ConfigError
 from pmd_jax.tasks.registry import task_names
+from tests.tiny_runs import child_env
 
 
 def _load(path):
@@ -324,7 +325,7 @@ def test_none_sets_a_nullable_field():
 
 def _main(*args: str, code: str = "") -> subprocess.CompletedProcess[str]:
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     prog = code + "import sys; from pmd_jax import main; sys.argv = sys.argv[:1] + " \
         f"{list(args)!r}; main.run()"
     return subprocess.run([sys.executable, "-c", prog], cwd=Path(__file__).parents[2],

@@ -21,6 +21,7 @@ from pmd_jax.config import apply_mode, base_config, config_errors
 from pmd_jax.tasks import TaskError, get_task, olmo_data
 from pmd_jax.tasks import evaluation as ev
 from pmd_jax.tasks.splits import TransferTask
+from tests.tiny_runs import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,7 +185,7 @@ def test_command_line_refuses_before_loading_the_model(tmp_path):
         [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_mbpp.py",
          "--config.task.eval_split=all", f"--config.run_dir={tmp_path}/r"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"},
+        env=child_env(),
     )
     assert p.returncode == 2, p.stderr[-2000:]
     t = get_task("mbpp")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from pmd_jax.tasks.mcq import (
     load_sciknoweval,
     sciknoweval_filters,
 )
+from tests.tiny_runs import child_env
 
 ROOT = Path(__file__).parents[2]
 DATA = ROOT / "tests" / "data"
@@ -333,7 +333,7 @@ def test_config_validation_reads_the_file():
 
 
 def test_command_line_bad_file_exits_2_naming_line_and_field(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     args = ["--config=configs/smollm2_sciq.py", "--config.task.name=jsonl_mcq",
             f"--config.task.path={BAD['mcq']}", f"--config.run_dir={tmp_path}/run"]
     prog = f"import sys; from pmd_jax import main; sys.argv = sys.argv[:1] + {args!r}; main.run()"
