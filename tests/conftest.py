@@ -4,8 +4,8 @@ several test modules.
 Fake devices: every test process sees 8 CPU devices (``XLA_FLAGS``), so the sharding, FSDP and
 multi-device sampler tests run on one CPU; a test module must not set it again. Tests that
 start subprocesses give them ``tiny_runs.child_env()`` (this machine's devices, or their own
-count). Code generation: XLA:CPU at LLVM -O0 for the whole session and its subprocesses
-(``tiny_runs.codegen_flags``; ``PMD_TEST_XLA_OPT=default`` turns it off).
+count). Code generation: XLA:CPU at LLVM -O0 in the test process, XLA's default in the runs
+it starts (``tiny_runs.codegen_flags``; ``PMD_TEST_XLA_OPT=default`` turns -O0 off).
 Shared helpers that are not fixtures live next to the tests that use them:
 ``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
 (direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).

@@ -70,28 +70,29 @@ def cmd(run_dir: Path, *extra: str) -> list[str]:
             f"--config.run_dir={run_dir}", *TINY, *cache_flags(), *extra]
 
 
-# XLA:CPU code generation for the test session (set in conftest.py before jax starts, and
-# passed to every run a test launches): LLVM at -O0. Compiling dominates this suite (in
-# tests/distill, tests/models and tests/sampling, 590 s of 880 s were XLA backend compiles,
-# 2,422 programs, almost none compiled twice), and -O0 took tests/distill/test_step.py from
-# 112 s to 70 s (-O1: 79 s). The HLO passes, hence the programs' buffers and fusions, are the
-# same; the matmuls call the same library kernels; only the generated loops are slower, which
-# tiny test shapes do not feel. PMD_TEST_XLA_OPT=default keeps XLA's default (to check a
-# result against optimised code).
+# XLA:CPU code generation for the in-process tests (set in conftest.py before jax starts):
+# LLVM at -O0. Compiling dominates them (in tests/distill, tests/models and tests/sampling,
+# 590 s of 880 s were XLA backend compiles, 2,422 programs, almost none compiled twice), and
+# -O0 took tests/distill/test_step.py from 112 s to 70 s (-O1: 79 s). The HLO passes, hence
+# the programs' buffers and fusions, are the same; matmuls call the same library kernels;
+# only the generated loops are slower, which tiny test shapes do not feel. The runs tests
+# start (child_env) keep XLA's default: they run longer than they compile, and -O0 took the
+# two-process loop fixture from 173 s to 649 s. PMD_TEST_XLA_OPT=default: no -O0 at all.
 _CODEGEN = ("--xla_backend_optimization_level=0",)
 
 
 def codegen_flags() -> list[str]:
-    """The XLA flags of the test session's code generation (none with PMD_TEST_XLA_OPT=default)."""
+    """The in-process tests' code generation flags (none with PMD_TEST_XLA_OPT=default)."""
     return [] if os.environ.get("PMD_TEST_XLA_OPT") == "default" else list(_CODEGEN)
 
 
 def child_env(devices: int | None = None) -> dict[str, str]:
-    """``os.environ`` for a subprocess: the session's XLA flags without its fake device count,
-    so the child sees this machine's real devices (or ``devices`` fake CPU ones)."""
+    """``os.environ`` for a subprocess: the session's XLA flags without its fake device count
+    and without the in-process -O0, so the child sees this machine's real devices (or
+    ``devices`` fake CPU ones) and compiles as a user's run does."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    session_only = ("--xla_force_host_platform_device_count", *_CODEGEN)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(session_only)]
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)

@@ -7,6 +7,7 @@ import base64
 import json
 import pickle
 import random
+import re
 import zlib
 
 import pytest
@@ -395,6 +396,8 @@ def test_reward_hacks_fail(mbpp, tmp_path):
         task.warm_pool = pooled
         r = task.verify(q, spy, "validation")
         shown = "\n".join(str(rec["actual"]) for rec in r.details["records"])
+        # the harness's random 32-hex nonce may hold "101" by chance (seen once: '010172bed...')
+        shown = re.sub(r"[0-9a-f]{32}", "<nonce>", shown)
         assert "100 1" in shown  # the spy did read the payload (the inputs are in it)
         if not pooled:
             assert "payload.bin:" in shown
