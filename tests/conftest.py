@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from tests.tiny_runs import codegen_flags  # noqa: E402 (numpy only: jax not started yet)
+from tests.tiny_runs import codegen_flags  # (numpy only: jax not started yet)
 
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):

@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tiny_runs import TINY, cache_flags
+from tests.tiny_runs import TINY, cache_flags, child_env
 from tests.tiny_runs import env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def _free_port() -> int:
 
 def _proc_env(devices: int, extra: dict[str, str]) -> dict[str, str]:
     env = _env()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = child_env(devices)["XLA_FLAGS"]
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env.update(extra)
