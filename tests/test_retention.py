@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -110,21 +111,34 @@ def test_eval_kl_points_pair_each_evaluation_with_its_policy():
 
 
 # ----------------------------------------------------------------------------- end to end
+_INITIAL_EXPORT = """
+import json, sys
+from pathlib import Path
+
+import jax
+
+from pmd_jax.models import decoder
+from pmd_jax.models.config import preset
+from pmd_jax.models.hf_io import save_hf_checkpoint
+
+run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+c = json.loads((run_dir / "config.json").read_text())
+mc = preset(c["model"]["random_init"]).replace(dtype=c["model"]["dtype"],
+                                               param_dtype=c["model"]["param_dtype"])
+params = decoder.init_params(mc, jax.random.PRNGKey(int(c["seed"])))
+save_hf_checkpoint(params, mc, out,
+                   dtype="float32" if mc.param_dtype == "float32" else "bfloat16")
+"""
+
+
 def _initial_export(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
     """The HF tensors of the run's initial weights: its random init (model.random_init, the
-    run seed), built here as pmd_jax.build does and written by the same exporter."""
-    import jax
-
-    from pmd_jax.models import decoder
-    from pmd_jax.models.config import preset
-    from pmd_jax.models.hf_io import save_hf_checkpoint
-
-    c = json.loads((run_dir / "config.json").read_text())
-    mc = preset(c["model"]["random_init"]).replace(dtype=c["model"]["dtype"],
-                                                   param_dtype=c["model"]["param_dtype"])
-    params = decoder.init_params(mc, jax.random.PRNGKey(int(c["seed"])))
-    save_hf_checkpoint(params, mc, out, dtype="float32" if mc.param_dtype == "float32"
-                       else "bfloat16")
+    run seed), built as pmd_jax.build does and written by the same exporter. Built in a
+    subprocess with the run's environment: this test session compiles at -O0
+    (tiny_runs.codegen_flags), whose random-normal init differs from a run's in the last bit."""
+    p = subprocess.run([sys.executable, "-c", _INITIAL_EXPORT, str(run_dir), str(out)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
     from safetensors.numpy import load_file
 
     got: dict[str, np.ndarray] = {}
