@@ -78,13 +78,58 @@ def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, NEG_INF)
 
 
+# filter_logits looks at the FAST_FILTER_K largest logits of each row (jax.lax.top_k) instead
+# of sorting the vocabulary. On this project's 2-core CPU box, [64, 49152] float32 rows: the
+# two sorts of top_k_filter + top_p_filter took 777 ms per decode step, lax.top_k(256) 12.5 ms.
+FAST_FILTER_K = 256
+
+
+def fast_filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                fast_k: int = FAST_FILTER_K) -> tuple[jax.Array, jax.Array]:
+    """top-k then top-p of ``x`` [B, V] from the ``fast_k`` largest logits of each row.
+
+    Returns ``(filtered, exact)``: ``exact`` [B] says the row's result is the one of
+    :func:`top_k_filter` + :func:`top_p_filter` (up to float32 rounding of the mass sums):
+    its k is off or <= ``fast_k``, and its nucleus ends within the ``fast_k`` largest (the
+    mass before some of them reaches ``top_p``), or top-p is off, or no more than ``fast_k``
+    tokens are left after top-k. Rows that are not exact must take the sorting path.
+    """
+    v = x.shape[-1]
+    kk = min(int(fast_k), v)
+    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])
+    p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), x.shape[:-1])
+    vals = jax.lax.top_k(x, kk)[0]  # descending
+    k_on = (k > 0) & (k < v)
+    kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, kk - 1)[..., None], axis=-1)
+    xf = jnp.where(k_on[..., None] & (x < kth), NEG_INF, x)  # top_k_filter's result
+    vf = jnp.where(k_on[..., None] & (vals < kth), NEG_INF, vals)  # its fast_k largest
+    # top_p_filter on xf, with the probabilities of its fast_k largest only
+    z = jnp.sum(jnp.exp(xf - vf[..., :1]), axis=-1, keepdims=True)
+    probs = jnp.exp(vf - vf[..., :1]) / z
+    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < p[..., None]
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    cutoff = jnp.take_along_axis(vf, (n_keep - 1)[..., None], axis=-1)
+    keep = (xf >= cutoff) | (p[..., None] >= 1.0)
+    left = jnp.sum(jnp.isfinite(xf), axis=-1)
+    exact = (~k_on | (k <= kk)) & ((p >= 1.0) | ~jnp.all(keep_sorted, axis=-1) | (left <= kk))
+    return jnp.where(keep, xf, NEG_INF), exact
+
+
 def filter_logits(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+    *, fast_k: int | None = None,
 ) -> jax.Array:
-    """Temperature-scaled logits with top-k then top-p applied (vLLM / HF order)."""
+    """Temperature-scaled logits with top-k then top-p applied (vLLM / HF order).
+
+    :func:`fast_filter` (``fast_k``: None = FAST_FILTER_K, read when traced) when it is exact
+    for every row, else the two sorting filters."""
+    fast_k = FAST_FILTER_K if fast_k is None else int(fast_k)
     x = logits.astype(jnp.float32) / safe_temperature(temperature)[..., None]
-    x = top_k_filter(x, top_k)
-    return top_p_filter(x, top_p)
+    if x.ndim != 2 or fast_k >= x.shape[-1]:
+        return top_p_filter(top_k_filter(x, top_k), top_p)
+    fast, exact = fast_filter(x, top_k, top_p, fast_k)
+    return jax.lax.cond(jnp.all(exact), lambda: fast,
+                        lambda: top_p_filter(top_k_filter(x, top_k), top_p))
 
 
 def row_keys(seed: jax.Array, prompt_idx: jax.Array, sample_idx: jax.Array,

@@ -70,6 +70,50 @@ def test_per_row_settings_and_combined_filter():
                                    rtol=1e-6)
 
 
+def _peaked(rng, b: int, v: int, scale: float) -> np.ndarray:
+    """Logits like a small LM's: a few likely tokens over a long flat tail."""
+    x = rng.normal(size=(b, v)).astype(np.float32)
+    x[:, :5] += scale * rng.uniform(0.5, 1.0, size=(b, 5)).astype(np.float32)
+    return x[:, rng.permutation(v)]
+
+
+@pytest.mark.parametrize("k,p,scale,exact", [
+    (0, 0.95, 20.0, True),    # nucleus inside the 64 largest
+    (0, 0.9, 0.0, False),     # flat: the nucleus needs thousands of tokens -> sort path
+    (40, 0.95, 0.0, True),    # top-k <= fast_k leaves 40 tokens
+    (40, 1.0, 0.0, True),
+    (500, 1.0, 0.0, False),   # k > fast_k
+    (0, 1.0, 0.0, True),
+])
+def test_fast_filter_is_the_sorting_filters_where_it_says_exact(k, p, scale, exact):
+    rng = np.random.default_rng(k + int(p * 100))
+    x = _peaked(rng, 8, 4096, scale)
+    ref = np.asarray(sample_ops.top_p_filter(sample_ops.top_k_filter(jnp.asarray(x), k), p))
+    got, ok = sample_ops.fast_filter(jnp.asarray(x), k, p, fast_k=64)
+    assert np.asarray(ok).all() == exact
+    ok = np.asarray(ok)
+    np.testing.assert_array_equal(np.asarray(got)[ok], ref[ok])
+    # filter_logits takes the sort path for the whole batch if one row needs it
+    full = np.asarray(sample_ops.filter_logits(jnp.asarray(x), 1.0, k, p, fast_k=64))
+    np.testing.assert_array_equal(np.isfinite(full), np.isfinite(ref))
+
+
+@pytest.mark.parametrize("fast_k", [8, 256])
+def test_filter_logits_matches_numpy_and_hf_on_both_paths(fast_k):
+    rng = np.random.default_rng(fast_k)
+    x = _peaked(rng, 6, 200, 8.0)
+    for k, p in [(0, 0.9), (5, 0.95), (0, 0.3), (20, 0.99), (0, 1.0)]:
+        got = np.asarray(sample_ops.filter_logits(jnp.asarray(x), 1.0, k, p, fast_k=fast_k))
+        ref = _np_top_p(_np_top_k(x, k), p)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref), err_msg=f"{k} {p}")
+        hx = torch.tensor(x)
+        if k > 0:
+            hx = TopKLogitsWarper(top_k=k, filter_value=-float("inf"))(None, hx)
+        if p < 1.0:
+            hx = TopPLogitsWarper(top_p=p, filter_value=-float("inf"))(None, hx)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(hx.numpy()))
+
+
 def test_scaled_log_probs_formula():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(4, 30)).astype(np.float32) * 4
