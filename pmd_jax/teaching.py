@@ -139,10 +139,12 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
 
 
 # ----------------------------------------------------------------------------- train batch
-def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any,
-                      sb: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
+                      student_only: bool = False) -> tuple[dict[str, np.ndarray],
+                                                           dict[str, float]]:
     """The host-side train batch of a step's rollouts (``distill.batch.make_batch``'s keys,
-    right padded) and the teacher prompts' metrics."""
+    right padded) and the teacher prompts' metrics. ``student_only``: the teacher side is the
+    student's own prompt (GRPO's batch; what the KL to the initial policy reads)."""
     from pmd_jax.distill import align
     from pmd_jax.distill.batch import make_batch
 
@@ -151,7 +153,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any,
     sampler_logp = [r.logprobs for r in sb.rollouts]
     stats: dict[str, float] = {}
     # no teacher (mel's lesson rows: pmd_jax/mel; fast_slow's student prompts carry the context)
-    if cfg.mode in ("grpo", "mel", "fast_slow"):
+    if student_only or cfg.mode in ("grpo", "mel", "fast_slow"):
         teachers = students
         sd = np.ones(len(responses), np.float32)
     else:

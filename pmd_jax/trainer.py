@@ -566,6 +566,10 @@ class Trainer:
                                         context=fast_slow.deployed_context(self.fast_slow)),
             self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
+        if self._final_kl_due(step):
+            t1 = time.perf_counter()
+            res["kl_policy_initial"] = self._final_kl(step)
+            res["time_kl_final"] = time.perf_counter() - t1
         self.metrics.write("eval", step, res)
         log.info(
             "eval @ step %d: accuracy %.4f [%.4f, %.4f]%s (%d problems x %d samples, %.0fs)",
@@ -575,6 +579,26 @@ class Trainer:
             res.get("num_problems", 0), self.cfg.eval.n, res["time_eval"],
         )
         return res
+
+    def _final_kl_due(self, step: int) -> bool:
+        cfg = self.cfg
+        return (cfg.eval.kl_final and step == cfg.train.steps and step > 0
+                and cfg.train.kl_initial_every > 0 and cfg.mode != "pmd_frozen_policy")
+
+    def _final_kl(self, step: int) -> float:
+        """KL(policy || initial) of the final weights (eval.kl_final): the rollouts of a step
+        ``step`` (the next problems of the data stream, the rollout settings of training,
+        sampled by every process), verified, as GRPO's batch, through the same estimator as
+        the steps' (distill.kl). The memory is not touched."""
+        sb = self.sample(step)
+
+        def host() -> dict[str, np.ndarray]:
+            self.verify(sb)
+            return teaching.build_train_batch(self.cfg, self.model, self.task, None, sb,
+                                              student_only=True)[0]
+
+        batch = multihost.lead(host, self.leader_sampler, f"final KL at step {step}")
+        return kl.kl_to_initial(self.cfg, self.model, self.state, batch)
 
     # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:

@@ -144,7 +144,8 @@ def test_table_matches_direct_computation(grid):
 
 
 def test_drift_and_retention_table(tmp_path):
-    """KL(policy || initial) of the last train record, mean / min / max over seeds; the
+    """KL(policy || initial) of the last record that has one (grpo: the final evaluation's
+    own, pmd: the last train record's), mean / min / max over seeds; the
     retention accuracy pooled over (problem, seed) pairs; the accuracy-vs-KL plot."""
     from pmd_jax.grid.report import KL_PLOT_FILE
 
@@ -166,10 +167,12 @@ def test_drift_and_retention_table(tmp_path):
                                   "memory_behavior/generated_tokens": 3.0})
                 elif r["step"] == STEPS and mode == "pmd":  # as memory_only logs it
                     r["accuracy_with_memory"] = 0.25 + 0.5 * seed
+                elif r["step"] == STEPS:  # grpo: the final weights' own KL (eval.kl_final)
+                    r["kl_policy_initial"] = kl[STEPS] = float(rng.random())
             (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
             (folder / "config.json").write_text(json.dumps(
                 {"mode": mode, "seed": seed, "rollout": {"problems_per_step": 4, "n": 2}}))
-            kls[cell] = kl[STEPS - 1]
+            kls[cell] = kl[max(kl)]
             if mode == "pmd":  # only pmd measured retention
                 rr = (rng.random((6, 1)) < 0.4).astype(float)
                 ret[cell] = rr.mean(axis=1)
@@ -183,7 +186,7 @@ def test_drift_and_retention_table(tmp_path):
     rows = {r["mode"]: r for r in comp["drift"]}
     for mode in ("grpo", "pmd"):
         v = [kls[Cell(mode, s)] for s in (0, 1)]
-        assert rows[mode]["kl_step"] == [STEPS - 1]
+        assert rows[mode]["kl_step"] == [STEPS if mode == "grpo" else STEPS - 1]
         assert rows[mode]["kl_mean"] == pytest.approx(np.mean(v))
         assert (rows[mode]["kl_min"], rows[mode]["kl_max"]) == (min(v), max(v))
     assert "retention" not in rows["grpo"]
@@ -191,7 +194,7 @@ def test_drift_and_retention_table(tmp_path):
     assert rows["pmd"]["retention"]["accuracy"] == pytest.approx(units.mean())
     assert rows["pmd"]["retention"]["n_pairs"] == 12
     md = (out / "comparison.md").read_text()
-    assert "| grpo | 2 | 3 |" in md and "not measured" in md
+    assert f"| grpo | 2 | {STEPS} |" in md and "not measured" in md
     assert f"{rows['pmd']['retention']['accuracy']:.3f}" in md
     assert (out / KL_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "in_prompt" not in rows["grpo"]

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pmd_jax.metrics import eval_kl_points
 from tests.tiny_runs import (  # noqa: E402  (other modules import these from here too)
     ROOT,
     TINY,
@@ -102,6 +103,26 @@ def test_run_writes_the_run_directory(clean_run: Path):
     assert list((clean_run / "plots").glob("*.png"))
     assert list((clean_run / "tensorboard").iterdir())
     assert list(jax_cache_dir().glob("*-cache"))  # the run wrote its compiled programs
+
+
+def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path_factory):
+    """eval.kl_final: the evaluation after a 2-step run's last step samples the rollouts of a
+    step 2 with the final weights and measures their KL to the initial policy, which is the
+    KL the 3-step clean run measures on its step 2 (the same problems, sampling seed and
+    weights: tiny_runs' learning rate is constant). The memory is not touched."""
+    short = run_once(tmp_path_factory, "final_kl", "--config.train.steps=2",
+                     "--config.train.eval_every=0")
+    recs = [json.loads(x) for x in (short / "metrics.jsonl").read_text().splitlines() if x]
+    (ev,) = [r for r in recs if r["kind"] == "eval"]
+    assert ev["step"] == 2 and ev["time_kl_final"] > 0
+    step2 = _train_records(clean_run)[2]
+    assert step2["step"] == 2
+    assert abs(ev["kl_policy_initial"]) > 1e-4  # the weights moved
+    assert ev["kl_policy_initial"] == pytest.approx(step2["kl_policy_initial"], rel=1e-5)
+    assert _train_records(short)[-1]["memory_experiences"] == 8  # 2 steps x 2 problems x 2
+    mem = [json.loads(x) for x in (short / "memory.jsonl").read_text().splitlines() if x]
+    assert sum(r.get("level") == "experience" for r in mem) == 8, mem[:2]
+    assert [p["step"] for p in eval_kl_points(recs)] == [2]
 
 
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):

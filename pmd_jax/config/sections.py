@@ -269,6 +269,11 @@ class EvalConfig(Section):
                                "retention task's evaluation split, the same in every run).")
     retention_seed: int = knob(0, "Seed of the retention draw (not the run seed: every cell of "
                                "a grid sees the same questions).")
+    kl_final: bool = knob(True, "KL(policy || initial) at the evaluation after the last step, "
+                          "on one extra rollout batch sampled with the final weights (the "
+                          "other evaluation points take the KL of their step's rollouts; "
+                          "needs train.kl_initial_every > 0; skipped when the weights never "
+                          "change, mode pmd_frozen_policy).")
 
     @staticmethod
     def errors(e: Any) -> list[str]:

@@ -33,7 +33,7 @@ class CellResult:
     in_sample: bool = False
     # each evaluation with the KL(policy || initial) of the policy it evaluated
     kl_points: list[dict] = field(default_factory=list)
-    last_kl: tuple[int, float] | None = None  # (train step, kl_policy_initial): the last one
+    last_kl: tuple[int, float] | None = None  # (step, kl_policy_initial): the last one
     retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
     retention_task: str = ""
     tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
@@ -86,8 +86,10 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
     curve = sorted(
         (int(r["step"]), float(r["accuracy"])) for r in recs
         if r.get("kind") == "eval" and isinstance(r.get("accuracy"), int | float))
+    # a training step's KL (its rollouts), or an evaluation's own (eval.kl_final: the final
+    # weights' batch, one step after the last training step)
     kls = sorted((int(r["step"]), float(r["kl_policy_initial"])) for r in recs
-                 if r.get("kind") == "train"
+                 if r.get("kind") in ("train", "eval")
                  and isinstance(r.get("kl_policy_initial"), int | float))
     rpath = eval_dir(folder, step) / "retention.jsonl"
     rscores, rtask = None, ""
@@ -273,10 +275,12 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         return []
     lines = [
         "", "Drift and forgetting at the last step. KL(policy || initial): the sampled-token "
-        "estimate on the last training step's rollouts (train.kl_initial_every), nats per "
-        "response token, mean [min, max] over seeds. Retention: memory-free accuracy on the "
-        "off-task retention set (eval.retention; 'not measured' when the cells ran without "
-        "it), mean over (problem, seed) pairs with its 95% bootstrap CI.", "",
+        "estimate on the rollouts of the last measured point (KL step: the final weights' own "
+        "batch with eval.kl_final, else the last training step's rollouts, "
+        "train.kl_initial_every), nats per response token, mean [min, max] over seeds. "
+        "Retention: memory-free accuracy on the off-task retention set (eval.retention; "
+        "'not measured' when the cells ran without it), mean over (problem, seed) pairs with "
+        "its 95% bootstrap CI.", "",
         "| mode | seeds | KL step | KL(policy ‖ initial) | retention task | retention "
         "accuracy | 95% CI | pairs |",
         "|---|---|---|---|---|---|---|---|",
