@@ -48,7 +48,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from pmd_jax import paths
+from pmd_jax import footprint, paths
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ _JSON_FILE = "value.json"
 _DIR_NAME = "dir"
 # Files orbax rewrites at or after the commit (timestamps), not covered by our marker.
 _UNLISTED = frozenset({COMMIT_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"})
+# Bytes of arrays orbax serialises at once (its default, 96 GB, is every array of the state at
+# once). The write buffers are host memory beside the live train state: saving the embedded
+# default's 2.0 GiB train state (after a step, so the moments do not compress) took 1.9 GiB of
+# C heap at the default, 0.9 GiB at 1; the same arrays, format and write time (13.5 s).
+SAVE_CONCURRENT_GB = 1
 
 
 class CheckpointError(RuntimeError):
@@ -338,7 +343,8 @@ class Checkpointer:
 
     def _make_manager(self) -> ocp.CheckpointManager:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        registry.add(STATE_ITEM, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add(STATE_ITEM, ocp.args.StandardSave,
+                     ocp.StandardCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB))
         registry.add(STATE_ITEM, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
         for s in self.slots:
             h = BlobCheckpointHandler(staging_root=self.directory)
@@ -356,6 +362,7 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
     def _on_finalized(self) -> None:
+        footprint.release_free_memory()  # the write buffers, freed, back to the kernel
         with self._lock:
             pending, self._pending = self._pending, []
         if jax.process_index() != 0:

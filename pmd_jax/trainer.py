@@ -84,6 +84,9 @@ def _timed(times: dict[str, float], name: str) -> Iterator[None]:
         # The process's peak RSS once this phase is done: the phase where it jumps is the one
         # that sets the run's memory need.
         times[f"rss_peak_gib_after_{name}"] = footprint.peak_rss_gib()
+        # What the phase freed (temporaries, compiler memory, replaced weights) goes back to
+        # the kernel instead of staying resident in the C heap under the next phase's peak.
+        footprint.release_free_memory()
 
 
 def _retry(fn, what: str, retries: int, base_delay: float = 2.0):
@@ -255,6 +258,12 @@ class Trainer:
         batch, prompt_stats, mem_stats, sb.rewards, sb.results, lead_times = multihost.lead(
             lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
         times.update(lead_times)
+        if self._sampler_weights_dead():
+            # The sampler's weights are those the train step is about to replace, and nothing
+            # samples until the publish below hands it the new ones: drop them for the train
+            # step and the KL forward (its per-layer copy, 0.40 GiB on the embedded default).
+            self.sampler.release_params()
+            footprint.release_free_memory()
         train_metrics = self._train(batch, step, times)
         if self._kl_due(step):
             with _timed(times, "kl_initial"):
@@ -463,6 +472,13 @@ class Trainer:
                 self.nonfinite_in_a_row = 0
         return train_metrics
 
+    def _sampler_weights_dead(self) -> bool:
+        """Whether the sampler's weights go unused from the train step to the publish after
+        it: not with rollout.overlap (the next batch is sampled meanwhile), nor without a
+        publish (pmd_frozen_policy), nor for a sampler that keeps no weights in process."""
+        return (not self.overlap and self.cfg.mode != "pmd_frozen_policy"
+                and self.sampler.share_weights() == "in_process")
+
     def _kl_due(self, step: int) -> bool:
         every = self.cfg.train.kl_initial_every
         return every > 0 and ((step + 1) % every == 0 or step == 0)
@@ -557,6 +573,11 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, Any]:
         from pmd_jax import evaluate as evaluation  # (module attribute: tests patch it)
 
+        # The checkpoint written in the background finishes first: its write buffers (0.6-1.6
+        # GiB of C heap on the embedded default) and an evaluation's batches, the run's
+        # largest sampling programs, would otherwise be resident together.
+        self._wait_checkpoint()
+        footprint.release_free_memory()
         t0 = time.perf_counter()
         # Process 0 evaluates and writes the results; the others serve its generate calls.
         res = multihost.lead(
@@ -570,6 +591,7 @@ class Trainer:
             t1 = time.perf_counter()
             res["kl_policy_initial"] = self._final_kl(step)
             res["time_kl_final"] = time.perf_counter() - t1
+        footprint.release_free_memory()
         self.metrics.write("eval", step, res)
         log.info(
             "eval @ step %d: accuracy %.4f [%.4f, %.4f]%s (%d problems x %d samples, %.0fs)",

@@ -36,5 +36,8 @@ class FakeSampler:
     def set_params(self, params: Any, version: int, *, copy: bool = False) -> None:
         self.calls.append(("set_params", (params, version, copy)))
 
+    def release_params(self) -> None:
+        self.calls.append(("release_params", None))
+
     def set_weights(self, version: int) -> None:
         self.calls.append(("set_weights", version))

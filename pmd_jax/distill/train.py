@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax import footprint
+
 
 @dataclasses.dataclass
 class TrainBundle:
@@ -38,6 +40,10 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
         # shardings that span processes, so place them first (each process its own shards).
         batch = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
     bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
+    # The step is dispatched (compiled the first time a batch shape comes): the compiler's
+    # freed working memory goes back to the kernel while the step runs, not beside its
+    # temporaries (footprint module docstring).
+    footprint.release_free_memory()
     return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
 

@@ -8,11 +8,12 @@ New weights reach a sampler in one of two ways, which the sampler names with
 ``share_weights()`` (``sampling/publish.py`` asks it, never probes attributes):
 
 * ``"in_process"``: the sampler lives in the trainer's process and takes the param arrays
-  themselves, ``set_params(params, version)``;
+  themselves, ``set_params(params, version)``; ``release_params()`` drops them while nothing
+  samples (the trainer does so during a train step that replaces them);
 * ``"store"``: the sampler reads a committed version of the tensorstore weight store
   (``sampling/weight_store.py``) that the trainer published, ``set_weights(version)``.
 
-Adding a backend: a module here with a class implementing the four methods of
+Adding a backend: a module here with a class implementing the five methods of
 :class:`Sampler` (errors are :class:`SamplerError`, a server's failures
 :class:`SamplerServerError`); and one entry in ``sampling/backends.py:BACKENDS``
 (its ``rollout.sampler`` name and how it is built; config validation reads the names there).
@@ -126,8 +127,8 @@ class Sampler(Protocol):
     time some finish (a long request reports as it goes; at the latest once, at the end).
 
     Weights: ``share_weights()`` says how the sampler takes them ("in_process" or "store");
-    an "in_process" sampler implements ``set_params``, a "store" one ``set_weights`` (the
-    other method raises :class:`SamplerError` saying which to use).
+    an "in_process" sampler implements ``set_params`` and ``release_params``, a "store" one
+    ``set_weights`` (the other methods raise :class:`SamplerError` saying which to use).
     """
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -142,6 +143,11 @@ class Sampler(Protocol):
 
         ``copy=True``: the caller will delete (donate) these arrays, so the sampler must not
         keep references to them."""
+        ...
+
+    def release_params(self) -> None:
+        """Drop the weights ``set_params`` gave (generate refuses until it gives new ones):
+        the trainer calls it while a train step computes the weights that replace them."""
         ...
 
     def set_weights(self, version: int) -> None:

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from pmd_jax import footprint
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 from pmd_jax.multihost import to_host
@@ -229,6 +230,13 @@ class JaxSampler:
         self.params = decoder.unstack_layers(placed) if self.unstack_layers else placed
         self.weights_version = version
 
+    def release_params(self) -> None:
+        """Drop this sampler's reference to its weights (the trainer does so while a train
+        step computes the weights that replace them, so the per-layer copy is not resident
+        during it); :meth:`generate` raises SamplerError until :meth:`set_params` (or
+        :meth:`use_weights_of`, :meth:`set_weights`) gives it weights again."""
+        self.params = None
+
     def use_weights_of(self, other: JaxSampler) -> None:
         """Use ``other``'s placed weights and version as they are (no copy): for a second
         sampler of the same model, e.g. one serving reflection calls on another thread.
@@ -316,6 +324,9 @@ class JaxSampler:
         generation.
         """
         t0 = time.perf_counter()
+        if self.params is None:
+            raise SamplerError("this JaxSampler holds no weights (released by release_params; "
+                               "set_params gives it weights again)")
         arrays = self._validate(prompts, params)
         if grammar is None:
             grammar = grammar_lib.Grammar.from_params(params)
@@ -355,6 +366,10 @@ class JaxSampler:
             else:
                 pending.append((chunk, self._launch_constrained(
                     chunk, rows, arrays, params, scalars, engine, grammar_s)))
+            # The batch is dispatched (an unconstrained one runs on): what compiling its
+            # program freed goes back to the kernel instead of staying resident beside the
+            # KV caches (pmd_jax.footprint).
+            footprint.release_free_memory()
         items: list[Rollout | None] = [None] * len(rows)
         new_tokens = 0
         for chunk, result in pending:

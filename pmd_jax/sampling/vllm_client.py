@@ -320,6 +320,10 @@ class VLLMSampler:
             "publish the version (sampling.publish.publish, or WeightStore.publish) and call "
             "set_weights(version)")
 
+    def release_params(self) -> None:
+        """Not served: the server's weights live in another process (``set_params``)."""
+        self.set_params(None, self.weights_version)
+
     def set_weights(self, version: int) -> None:
         """Make the server load committed ``version`` from the store; returns once served.
 

@@ -193,6 +193,22 @@ def test_set_params_validates_and_swaps(tiny_params):
         s.set_weights(3)
 
 
+def test_release_params_until_set_params(tiny_params):
+    """The trainer drops the sampler's weights during a train step: generate refuses until
+    set_params hands it weights again, which then sample as before."""
+    s = JaxSampler(TINY, tiny_params, max_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    before = [r.tokens.tolist() for r in s.generate(PROMPTS, sp)]
+    s.release_params()
+    assert s.params is None
+    with pytest.raises(SamplerError, match="holds no weights"):
+        s.generate(PROMPTS, sp)
+    s.set_params(tiny_params, version=2)
+    out = s.generate(PROMPTS, sp)
+    assert out.weights_version == 2
+    assert [r.tokens.tolist() for r in out] == before
+
+
 def test_set_weights_from_weight_store(tmp_path, tiny_params):
     from pmd_jax.models import hf_io
     from pmd_jax.sampling.weight_store import WeightStore
