@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -77,6 +78,12 @@ _CELLS = flags.DEFINE_list("cells", [], "Run only these cells: mode:seed,mode:se
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "Run nothing: build the comparison from the finished cells.")
 _DRY = flags.DEFINE_bool("print_only", False, "Print the commands, run nothing.")
+_PRUNE = flags.DEFINE_bool(
+    "prune_checkpoints", True,
+    "Delete a finished cell's checkpoints/ folder from its run directory once its results are "
+    "copied to --out (the HF export and the plots stay). A cell of the SciQ grid keeps three "
+    "1.9 GB checkpoints, so 12 cells need 67 GB without pruning; --noprune_checkpoints keeps "
+    "them (to train a cell further, or to evaluate an intermediate step).")
 
 log = logging.getLogger("pmd_jax")
 
@@ -188,11 +195,20 @@ def _fmt(seconds: float) -> str:
     return fmt(seconds)
 
 
+def _prune(cell: Cell, run_dir: Path) -> None:
+    """Deletes a finished cell's checkpoints (its results are in --out already)."""
+    if (run_dir / "checkpoints").is_dir():
+        shutil.rmtree(run_dir / "checkpoints")
+        log.info("cell %s: finished, its checkpoints deleted (--prune_checkpoints)", cell.key)
+
+
 def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
              scratch: Path, overrides: Sequence[str], cells: Sequence[Cell] | None = None,
-             print_only: bool = False, runner: Any = subprocess.call) -> list[Cell]:
+             print_only: bool = False, runner: Any = subprocess.call,
+             prune_checkpoints: bool = False) -> list[Cell]:
     """Runs the unfinished cells of ``cells`` (default: the whole grid), one process each;
-    copies each finished cell's small files to ``out``. Returns the cells it launched."""
+    copies each finished cell's small files to ``out`` (and with ``prune_checkpoints``
+    deletes its run directory's ``checkpoints/`` then). Returns the cells it launched."""
     overrides = check_overrides(overrides)
     out, scratch = Path(out), Path(scratch)
     ro, rs = out.resolve(), scratch.resolve()
@@ -216,6 +232,8 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
         check_budget(read_info(dest), budget, dest)
         if cell_state(dest, steps)[0]:
             log.info("cell %d/%d %s: finished (%s), skipped", k, n, cell.key, dest)
+            if prune_checkpoints and not print_only:
+                _prune(cell, run_dir)
             continue
         check_budget(read_info(run_dir), budget, run_dir)
         cmd = cell_command(config, cell.mode, cell.seed, run_dir, list(overrides))
@@ -246,6 +264,8 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
         if print_only:
             continue
         copy_small_files(run_dir, dest)
+        if prune_checkpoints:
+            _prune(cell, run_dir)
         info["wall_seconds"] = durations[-1] if launched and launched[-1] == cell else None
         (dest / CELL_INFO).write_text(json.dumps(info, indent=2) + "\n")
         left = sum(1 for c in cells[k:] if not cell_state(out / c.name, steps)[0])
@@ -275,7 +295,7 @@ def main(argv: list[str]) -> None:
         cells = parse_cells(_CELLS.value, modes, seeds)
         if not _REPORT_ONLY.value:
             run_grid(_CONFIG.value, modes, seeds, out, scratch, overrides, cells,
-                     print_only=_DRY.value)
+                     print_only=_DRY.value, prune_checkpoints=_PRUNE.value)
         if not _DRY.value:
             comp = write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
             print(comp["markdown"])

@@ -283,6 +283,11 @@ def test_run_grid_skips_finished_copies_scratch_and_reruns_unfinished(tmp_path):
                     for p in (out / "grpo_seed1").rglob("*") if p.is_file())
     assert copied == ["cell.json", "config.json", "eval/step_000004/results.jsonl",
                       "metrics.jsonl"]
+    assert (scratch / "grpo_seed1" / "checkpoints" / "4" / "state").is_file()  # not pruned
+    ex.run_grid(CONFIG, ["grpo"], seeds, out, scratch, OVERRIDES, cells=[Cell("grpo", 1)],
+                runner=_never, prune_checkpoints=True)
+    assert not (scratch / "grpo_seed1" / "checkpoints").exists()
+    assert (scratch / "grpo_seed1" / "final_hf").is_dir()  # the export stays
     calls = []
 
     def runner(cmd):  # the unfinished cell is started again with the grid's command
@@ -342,7 +347,11 @@ def test_end_to_end_two_tiny_cells(tmp_path):
     for cell in ("grpo_seed0", "sdpo_seed0"):
         assert (out / cell / "eval" / "step_000001" / "results.jsonl").is_file()
         assert not (out / cell / "checkpoints").exists()
-        assert (scratch / cell / "checkpoints").is_dir()
+        # --prune_checkpoints (default): the finished cell's checkpoints are gone, its run
+        # directory's records stay
+        assert not (scratch / cell / "checkpoints").exists()
+        assert (scratch / cell / "metrics.jsonl").is_file()
+    assert "sdpo:0: finished, its checkpoints deleted" in p.stderr
     assert "| sdpo - grpo |" not in p.stdout and "| grpo - sdpo |" in p.stdout
     p = _cli(*args)
     assert p.returncode == 0 and p.stderr.count("skipped") == 2
