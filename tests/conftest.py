@@ -6,6 +6,11 @@ multi-device sampler tests run on one CPU; a test module must not set it again. 
 start subprocesses give them ``tiny_runs.child_env()`` (this machine's devices, or their own
 count). Code generation: XLA:CPU at LLVM -O0 in the test process, XLA's default in the runs
 it starts (``tiny_runs.codegen_flags``; ``PMD_TEST_XLA_OPT=default`` turns -O0 off).
+Parallel: the README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``).
+Every test is put in its file's group (``xdist_group``), so a file runs on one worker and its
+module fixtures (the vLLM server, the two-process runs) start once; test_trainer_overlap.py
+joins test_trainer.py's group, whose clean run it reuses (``tiny_runs.run_once``). Groups go
+out in the order below (``--no-loadscope-reorder``): the longest first, so none starts last.
 Shared helpers that are not fixtures live next to the tests that use them:
 ``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
 (direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).
@@ -14,8 +19,9 @@ Shared helpers that are not fixtures live next to the tests that use them:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from tests.tiny_runs import codegen_flags  # (numpy only: jax not started yet)
+from tests.tiny_runs import codegen_flags, jax_cache_dir  # (numpy only: jax not started yet)
 
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
@@ -23,6 +29,9 @@ if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flag
 if not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
     _flags += codegen_flags()  # LLVM -O0: see tests/tiny_runs.py
 os.environ["XLA_FLAGS"] = " ".join(_flags)
+# The session's compilation cache, made here in the pytest (or xdist controller) process, so
+# the workers it starts inherit its path and share the programs their runs compile.
+jax_cache_dir()
 
 import pytest  # noqa: E402
 
@@ -43,3 +52,48 @@ def mbpp():
     task = get_task("mbpp")
     yield task
     task.close()
+
+
+# Test files by wall time in the default suite, longest first (tests/conftest.py's docstring;
+# measured with --durations on the 2-core machine: the two-process loop ~270 s, the trainer's
+# e2e runs ~200 s, the vLLM server ~180 s, ...). Files not listed follow in collection order.
+_LONGEST_FIRST = (
+    "tests/test_multiprocess_loop.py",
+    "tests/test_trainer.py",
+    "tests/sampling/test_vllm_e2e.py",
+    "tests/test_checkpoint.py",
+    "tests/test_fast_slow.py",
+    "tests/distill/test_microbatch.py",
+    "tests/test_multiprocess.py",
+    "tests/test_trainer_overlap.py",
+    "tests/test_dry_run.py",
+    "tests/test_retention.py",
+    "tests/distill/test_step.py",
+    "tests/sampling/test_jax_sampler.py",
+    "tests/sampling/test_batching.py",
+)
+
+
+# Files that must share a worker with another file's group: the runs they reuse.
+_SAME_GROUP = {"tests/test_trainer_overlap.py": "tests/test_trainer.py"}
+
+
+def pytest_configure(config):
+    """An xdist worker shares the 2 cores with another: torch's OpenMP threads, spinning
+    beside the other worker's, made HF reference runs (generate, forwards) 2-3x slower. One
+    intra-op thread per worker (the runs the tests start keep torch's default)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook)
+def pytest_collection_modifyitems(session, config, items):
+    """Longest files first (a stable sort: the order within a file is kept); each test in its
+    file's xdist group."""
+    rank = {f: i for i, f in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], len(rank)))
+    for it in items:
+        f = it.nodeid.split("::", 1)[0]
+        it.add_marker(pytest.mark.xdist_group(Path(_SAME_GROUP.get(f, f)).stem))

@@ -77,7 +77,7 @@ def test_overlap_staleness_and_first_step(clean_run: Path, overlap_run: Path):
         assert b["logp_mismatch_mean"] > 100 * max(a["logp_mismatch_mean"], 1e-7), (a, b)
     # The first step has nothing stale: bitwise the same as without overlap.
     for k, v in off[0].items():
-        if not k.startswith("time"):  # timings and the wall-clock stamp
+        if not k.startswith(("time", "rss_")):  # timings, the wall-clock stamp, host memory
             assert on[0][k] == v, (k, v, on[0][k])
     # Same problems at every step (overlap draws step k + 1's problems early, in order).
     probs_off, probs_on = _problems_by_step(clean_run), _problems_by_step(overlap_run)

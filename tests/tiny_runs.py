@@ -51,11 +51,22 @@ TINY = [
 ]
 
 
+# The session's cache folder, made by the first process that asks (the pytest process, or
+# the xdist controller when tests/conftest.py calls jax_cache_dir() at start-up) and passed to
+# the xdist workers it starts through the environment, so every worker's runs share it.
+SESSION_CACHE_ENV = "PMD_JAX_TEST_XLA_CACHE"
+
+
 @functools.cache
 def jax_cache_dir() -> Path:
-    """This session's compilation cache (a temporary folder, not the user's ~/.cache)."""
+    """This session's compilation cache (a temporary folder, not the user's ~/.cache), one
+    for all xdist workers; removed when the process that made it exits."""
+    given = os.environ.get(SESSION_CACHE_ENV)
+    if given:
+        return Path(given)
     path = Path(tempfile.mkdtemp(prefix="pmd_jax_test_xla_cache_"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ[SESSION_CACHE_ENV] = str(path)
     return path
 
 
