@@ -6,11 +6,11 @@ multi-device sampler tests run on one CPU; a test module must not set it again. 
 start subprocesses give them ``tiny_runs.child_env()`` (this machine's devices, or their own
 count). Code generation: XLA:CPU at LLVM -O0 in the test process, XLA's default in the runs
 it starts (``tiny_runs.codegen_flags``; ``PMD_TEST_XLA_OPT=default`` turns -O0 off).
-Parallel: the README's test command runs two pytest-xdist workers (``-n 2 --dist loadgroup``).
-Every test is put in its file's group (``xdist_group``), so a file runs on one worker and its
-module fixtures (the vLLM server, the two-process runs) start once; test_trainer_overlap.py
-joins test_trainer.py's group, whose clean run it reuses (``tiny_runs.run_once``). Groups go
-out in the order below (``--no-loadscope-reorder``): the longest first, so none starts last.
+Parallel: the README's test command runs two pytest-xdist workers (``-n 2 --dist loadfile``):
+a file runs on one worker, so its module fixtures (the vLLM server, the two-process runs)
+start once; test_trainer_overlap.py joins test_trainer.py's scope, whose clean run it reuses
+(``tiny_runs.run_once``; ``pytest_xdist_make_scheduler`` below). Files go out in the order
+below (``--no-loadscope-reorder``): the longest first, so none starts last.
 Shared helpers that are not fixtures live next to the tests that use them:
 ``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
 (direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).
@@ -19,7 +19,6 @@ Shared helpers that are not fixtures live next to the tests that use them:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from tests.tiny_runs import codegen_flags, jax_cache_dir  # (numpy only: jax not started yet)
 
@@ -88,12 +87,23 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of ``_SAME_GROUP`` in one scope: each file (or
+    group) runs on one worker. (xdist's ``loadgroup`` renames node ids, which pytest 9.2 no
+    longer lets a plugin do, so it silently spread a file's tests over both workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            f = nodeid.split("::", 1)[0]
+            return _SAME_GROUP.get(f, f)
+
+    return FileGroups(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Longest files first (a stable sort: the order within a file is kept); each test in its
-    file's xdist group."""
+    """Longest files first (a stable sort: the order within a file is kept)."""
     rank = {f: i for i, f in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(it.nodeid.split("::", 1)[0], len(rank)))
-    for it in items:
-        f = it.nodeid.split("::", 1)[0]
-        it.add_marker(pytest.mark.xdist_group(Path(_SAME_GROUP.get(f, f)).stem))
