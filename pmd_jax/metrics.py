@@ -29,6 +29,19 @@ def _scalar(v: Any) -> float | None:
     return f
 
 
+class NoMetrics:
+    """The metrics writer of processes other than 0 (which alone writes metrics)."""
+
+    def write(self, kind: str, step: int, values: Any) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
     """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 

@@ -29,13 +29,11 @@ it). The joined batch goes into the checkpoint, so a resume trains on the very s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import pickle
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -47,60 +45,15 @@ from pmd_jax.config import MEMORY_MODES, freeze, to_dict
 from pmd_jax.distill import kl, train
 from pmd_jax.distill.update_rows import rows_for_update
 from pmd_jax.fast_slow import pool as fast_slow
-from pmd_jax.metrics import MetricsWriter, Progress, write_plots
+from pmd_jax.metrics import MetricsWriter, NoMetrics, Progress, write_plots
+from pmd_jax.phases import TrainingError, retry, timed
 from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
-from pmd_jax.sampling.base import Rollouts, SamplerError, SamplingParams, TextGenerator
+from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
 
 log = logging.getLogger("pmd_jax")
 
 __all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by older checkpoints
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (repeated non-finite losses, unreachable sampler, ...)."""
-
-
-class _NoMetrics:
-    """The metrics writer of processes other than 0 (which alone writes metrics)."""
-
-    def write(self, kind: str, step: int, values: Any) -> None:
-        pass
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _timed(times: dict[str, float], name: str) -> Iterator[None]:
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[f"time_{name}"] = times.get(f"time_{name}", 0.0) + time.perf_counter() - t0
-        # The process's peak RSS once this phase is done: the phase where it jumps is the one
-        # that sets the run's memory need.
-        times[f"rss_peak_gib_after_{name}"] = footprint.peak_rss_gib()
-        # What the phase freed (temporaries, compiler memory, replaced weights) goes back to
-        # the kernel instead of staying resident in the C heap under the next phase's peak.
-        footprint.release_free_memory()
-
-
-def _retry(fn, what: str, retries: int, base_delay: float = 2.0):
-    """Calls ``fn`` with exponential backoff on SamplerError/ConnectionError/TimeoutError."""
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except (SamplerError, ConnectionError, TimeoutError) as e:
-            if attempt == retries:
-                raise TrainingError(f"{what} failed after {retries + 1} attempts: {e}") from e
-            delay = base_delay * 2**attempt
-            log.warning("%s failed (%s); retrying in %.0fs", what, e, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 class Trainer:
@@ -117,7 +70,7 @@ class Trainer:
             paths.write_text(self.run_dir / "config.json",
                              json.dumps(to_dict(cfg), indent=2, default=str))
         self.metrics = (MetricsWriter(self.run_dir, use_tensorboard=True) if self.is_main
-                        else _NoMetrics())
+                        else NoMetrics())
         self.times: dict[str, float] = {}
 
         t0 = time.perf_counter()
@@ -237,7 +190,7 @@ class Trainer:
         times: dict[str, float] = {}
         t_step = time.perf_counter()
         # 1. rollout
-        with _timed(times, "sample"):  # 0 when the batch was prefetched during the last step
+        with timed(times, "sample"):  # 0 when the batch was prefetched during the last step
             sb = self._take_batch(step)
         self.skipped_long_prompts += sb.skipped
         if sb.skipped:
@@ -250,7 +203,7 @@ class Trainer:
                 f"the policy is at version {self.weights_version} (staleness must be 0, or "
                 "at most 1 with rollout.overlap)")
         if self.overlap and step + 1 < cfg.train.steps:
-            with _timed(times, "prefetch_launch"):
+            with timed(times, "prefetch_launch"):
                 self._prefetch(step + 1)  # sampled with the current weights while we train
         # 2-4. Verification, the memory update and the teacher prompts: process 0's work with
         # several processes (its reflections' generate calls are served by all of them), the
@@ -266,15 +219,15 @@ class Trainer:
             footprint.release_free_memory()
         train_metrics = self._train(batch, step, times)
         if self._kl_due(step):
-            with _timed(times, "kl_initial"):
+            with timed(times, "kl_initial"):
                 train_metrics["kl_policy_initial"] = kl.kl_to_initial(
                     cfg, self.model, self.state, batch)
         # 6. publish (after the background batch: it is sampled with one weights version)
         if self.overlap:
-            with _timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
+            with timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
                 self._finish_prefetch()
         if cfg.mode != "pmd_frozen_policy":
-            with _timed(times, "publish"):
+            with timed(times, "publish"):
                 self._publish(step + 1)
         times["time_step"] = time.perf_counter() - t_step
         times["time_rollout_generate"] = sb.sample_seconds
@@ -305,11 +258,11 @@ class Trainer:
         stats, the memory's stats and what every process needs of ``sb`` (rewards, verifier
         results) and of ``times`` (process 0's timings, with several processes)."""
         cfg, step = self.cfg, sb.step
-        with _timed(times, "verify"):  # 2. verify
+        with timed(times, "verify"):  # 2. verify
             self.verify(sb)
         mem_stats: dict[str, Any] = {}
         if self.memory is not None:
-            with _timed(times, "memory"):  # 3. memory update
+            with timed(times, "memory"):  # 3. memory update
                 mem_stats = teaching.update_memory(
                     cfg, self.memory, step, sb, self.task, self.textgen
                 )
@@ -319,13 +272,13 @@ class Trainer:
         if cfg.mode == "mel":  # 3'. MEL: reflections on right/wrong pairs, replay filter
             from pmd_jax.mel import lessons as mel
 
-            with _timed(times, "mel"):
+            with timed(times, "mel"):
                 mel_step = mel.run_step(cfg, self.model, self.task, self.textgen.sampler, sb)
             mem_stats = mel_step.stats
         if self.fast_slow is not None:  # 3''. fast_slow: new contexts, scored, Pareto front
-            with _timed(times, "fast_slow"):
+            with timed(times, "fast_slow"):
                 mem_stats.update(self.fast_slow.update(step, sb, self.memory, self.textgen))
-        with _timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
+        with timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
             batch, prompt_stats = teaching.build_train_batch(
                 cfg, self.model, self.task, self.memory, sb
             )
@@ -380,7 +333,7 @@ class Trainer:
         main thread)."""
         t0 = time.perf_counter()
         sp = self._sampling_params(drawn.step)
-        rollouts = _retry(lambda: self.sampler.generate(drawn.prompts, sp),
+        rollouts = retry(lambda: self.sampler.generate(drawn.prompts, sp),
                           "rollout generation", self.cfg.rollout.retries)
         return rollouts, time.perf_counter() - t0
 
@@ -446,7 +399,7 @@ class Trainer:
         cfg = self.cfg
         train_metrics: dict[str, Any] = {}
         if cfg.mode != "pmd_frozen_policy":
-            with _timed(times, "train"):
+            with timed(times, "train"):
                 update, row_stats = rows_for_update(
                     cfg, batch, self.state.step_fn.batch_divisor())
                 train_metrics = train.train_step(self.state, update)
