@@ -10,11 +10,14 @@ the same process:
 * ``sort``: the same evaluation with the vocabulary sort of ``sample_ops.top_k_filter`` +
   ``top_p_filter`` in every decode step instead of ``sample_ops.fast_filter`` (the code before
   the fast filter), with whether both gave the same answers;
+* ``whole``: the same evaluation with each batch prefilled in one call, every prompt
+  left-padded to the batch's length bucket, and batches planned by padded prefill positions
+  (the plan before prefill groups, ``batching.plan_prefill_groups``), same answers or not;
 * ``hf``: HF transformers ``generate`` (torch, float32, the same weights exported by
   ``hf_io``) on the same prompts, sorted by length in batches of 16, the same sampling
   settings, verified by the same task.
 
-    python benchmarks/bench_eval.py [--peers sort,hf] [--reps 1] [--config configs/...]
+    python benchmarks/bench_eval.py [--peers sort,whole,hf] [--reps 1] [--config configs/...]
 
 Quote the ratios, on a quiet machine (``uptime``); absolute times drift between runs here.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+_BATCH_COST = None
 
 
 def _setup(config: str):
@@ -65,19 +69,29 @@ def _rewards(path: Path) -> list[float]:
             for r in json.loads(line)["rewards"]]
 
 
-def _reset_programs(sampler, fast_k: int | None) -> None:
-    """Recompile the sampler's generate program with ``FAST_FILTER_K = fast_k``."""
+def _reset_programs(sampler, fast_k: int | None, whole: bool = False) -> None:
+    """Recompile the sampler's programs with ``FAST_FILTER_K = fast_k``; ``whole``: one
+    prefill per batch at the batch's length bucket, batches planned by padded positions."""
     import jax
 
-    from pmd_jax.sampling import decode, jax_sampler, sample_ops
+    from pmd_jax.sampling import batching, decode, jax_sampler, sample_ops
 
     sample_ops.FAST_FILTER_K = fast_k if fast_k is not None else sample_ops.FAST_FILTER_K
-    decode.compiled_generate.cache_clear()
+    jax_sampler.plan_prefill_groups = _whole_batch if whole else batching.plan_prefill_groups
+    jax_sampler._batch_cost = (lambda prompts, lengths: None) if whole else _BATCH_COST
+    decode.compiled_programs.cache_clear()
     jax.clear_caches()
     jax_sampler._SHAPES_RUN.clear()
     shard_ctx = None if sampler.mesh is None else (sampler.mesh, sampler.rules)
-    sampler._run = decode.compiled_generate(sampler.cfg, sampler.pad_id, shard_ctx,
+    sampler._fns = decode.compiled_programs(sampler.cfg, sampler.pad_id, shard_ctx,
                                             sampler.cache_dtype)
+
+
+def _whole_batch(lengths, max_rows, *, divisor=1, limit=None, compiled=(), cost=None):
+    from pmd_jax.sampling.batching import bucket_length, row_bucket
+
+    p = bucket_length(lengths[-1]) if limit is None else min(limit, bucket_length(lengths[-1]))
+    return [(0, len(lengths), row_bucket(len(lengths), divisor), p)]
 
 
 def _hf(cfg, task, problems, model, batch: int = 16) -> tuple[float, float]:
@@ -123,23 +137,27 @@ def _hf(cfg, task, problems, model, batch: int = 16) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2_sciq.py"))
-    ap.add_argument("--peers", default="sort,hf", help="comma list of: sort, hf ('' = none)")
+    ap.add_argument("--peers", default="sort,whole,hf",
+                    help="comma list of: sort, whole, hf ('' = none)")
     ap.add_argument("--reps", type=int, default=1, help="warm timed calls per engine")
     args = ap.parse_args()
     peers = [p for p in args.peers.split(",") if p]
 
-    from pmd_jax.sampling import sample_ops
+    from pmd_jax.sampling import jax_sampler, sample_ops
 
+    global _BATCH_COST
+    _BATCH_COST = jax_sampler._batch_cost
     cfg, task, problems, model, sampler, textgen = _setup(args.config)
     print(f"{len(problems)} {cfg.task.name} problems x {cfg.eval.n}, T={cfg.eval.temperature} "
           f"top_p={cfg.eval.top_p} max_tokens={cfg.eval.max_tokens}", flush=True)
     fast_k = sample_ops.FAST_FILTER_K
     times: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
-        runs = [("ours", fast_k)] + ([("sort", 10**9)] if "sort" in peers else [])
+        runs = [("ours", fast_k, False)] + ([("sort", 10**9, False)] if "sort" in peers else [])
+        runs += [("whole", fast_k, True)] if "whole" in peers else []
         answers = {}
-        for name, k in runs:
-            _reset_programs(sampler, k)
+        for name, k, whole in runs:
+            _reset_programs(sampler, k, whole)
             cold, acc, _ = _ours(cfg, task, problems, model, textgen, Path(d) / f"{name}_0")
             warm = []
             for r in range(args.reps):
@@ -150,10 +168,14 @@ def main() -> None:
             answers[name] = rw
             print(f"{name}: {min(warm):.1f} s warm (first call {cold:.1f} s), accuracy {acc:.2f}",
                   flush=True)
+            m = sampler.last_metrics
+            print(f"  {m.batches} batches, {m.prefill_groups} prefill calls, "
+                  f"{m.prefill_positions} prefilled positions", flush=True)
         _reset_programs(sampler, fast_k)
-        if "sort" in answers:
-            same = sum(a == b for a, b in zip(answers["ours"], answers["sort"], strict=True))
-            print(f"same reward as the sort path on {same}/{len(answers['ours'])} questions")
+        for name in answers:
+            if name != "ours":
+                same = sum(a == b for a, b in zip(answers["ours"], answers[name], strict=True))
+                print(f"same reward as {name} on {same}/{len(answers['ours'])} questions")
     if "hf" in peers:
         dt, acc = _hf(cfg, task, problems, model)
         times["hf"] = dt

@@ -67,7 +67,13 @@ def dense_attention(
     G = H // KV
     S = k.shape[2]
     qh = q.reshape(B, T, KV, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
-    s = jnp.einsum("bkmd,bksd->bkms", qh, k, preferred_element_type=jnp.float32)
+    if T == 1:
+        # One query per row (a decode step): the scores as a fused multiply + reduce over hd.
+        # As a dot, XLA:CPU's library fusion ran it ~40 ms per layer for 48 rows x 792 cache
+        # slots (SmolLM2-135M), 4x slower than this: the whole decode step 1,356 -> 351 ms.
+        s = jnp.sum(qh[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
+    else:
+        s = jnp.einsum("bkmd,bksd->bkms", qh, k, preferred_element_type=jnp.float32)
     s = s.reshape(B, KV, G, T, S) * (hd ** -0.5)
     s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).reshape(B, KV, G * T, S)

@@ -1,23 +1,29 @@
-"""How the JAX sampler cuts a request into compiled batches: length buckets and a batch plan.
+"""How the JAX sampler cuts a request into compiled programs: length buckets and two plans.
 
-Every batch the sampler runs is one compiled program whose shape is (padded rows, padded
-prompt length, cache length, output length). Padding costs compute: a padded row or a padded
-prompt position goes through the prefill like a real one. Too many distinct shapes cost
-compiles instead. :func:`plan_batches` picks the batches of a length-sorted request that
-minimise a simple cost model of both, by dynamic programming over the sorted rows:
+A request is decoded in *batches* (rows = prompt x sample, sorted by prompt length); each
+batch's cache is filled from *prefill groups*: its distinct prompts (a prompt's ``n`` samples
+share one prefill), sorted by length and cut into groups, each left-padded to its own
+length. Padding costs compute (a padded position goes through the prefill like a real one);
+distinct shapes cost compiles. :func:`plan_batches` minimises a cost model of both by dynamic
+programming over the sorted rows, once for the batches and once per batch for its groups
+(:func:`plan_prefill_groups`):
 
-* prefill: ``rows_padded * prompt_padded`` token-positions;
+* prefill: ``rows_padded * prompt_padded`` token-positions for a group; for a batch, the
+  caller's estimate of its groups' prefill plus a charge for its cache (``batch_cost``);
 * decode: ``out_len`` steps per batch, each costing about ``decode_step_base +
   decode_step_per_row * rows_padded`` prefill token-equivalents (a decode step reads every
   weight once, whatever the batch; on this project's 2-core CPU box a SmolLM2-135M decode step
-  at 16 rows took about as long as a prefill of 64-100 tokens);
+  at 16 rows took about as long as a prefill of 64-100 tokens); a group pays
+  ``group_overhead`` once instead (a prefill call also reads every weight);
 * compile: ``compile_tokens`` for a shape this process has not compiled yet (shapes the
   sampler already ran are free), so a plan prefers programs it has.
 
 Rows are padded to a *row bucket* (1, 2, 3, 4, 6, 8, 12, 16, 24, ... : powers of two and 1.5x
-powers of two, rounded up to a multiple of the mesh's batch divisor), prompts to a *length
-bucket* (same series, at least 16). The plan never changes what is sampled: tokens depend on
-``(seed, prompt index, sample index, step)`` only, never on batch composition or padding.
+powers of two, rounded up to a multiple of the mesh's batch divisor); a batch's prompts to a
+*length bucket* (same series, at least 16), a group's to a finer *prefill length* (eighth
+steps between powers of two: ..., 128, 144, 160, ..., 256, 288, 320, ...; every length bucket
+is one). The plans never change what is sampled: tokens depend on ``(seed, prompt index, sample
+index, step)`` only, never on batch composition or padding.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ def bucket_length(n: int, minimum: int = _MIN_BUCKET) -> int:
     return three_quarters if three_quarters >= n else p
 
 
+def prefill_length(n: int, minimum: int = _MIN_BUCKET) -> int:
+    """Smallest of {minimum} U {m * 2^k : m in 8..16} >= n (eighth steps between powers of
+    two, so at most 12.5% padding; contains every ``bucket_length``)."""
+    if n <= minimum:
+        return minimum
+    p = 1 << (n - 1).bit_length()
+    q = max(1, p // 16)
+    return -(-n // q) * q
+
+
 def row_bucket(n: int, divisor: int = 1) -> int:
     """Padded row count of a batch of ``n`` rows: a bucket of the 1, 2, 3, 4, 6, 8, 12, ...
     series, rounded up to a multiple of ``divisor`` (the mesh's batch split)."""
@@ -53,6 +69,12 @@ class CostModel:
     compile_tokens: float = 8192.0
 
 
+# Prefill groups: no decode steps; each call reads every weight once (~64 prefill tokens);
+# a prefill program compiles in ~3 s on the 2-core box (~1,400 prefill tokens), and runs keep
+# compiled programs in the persistent compilation cache, so a shape is cheaper than that.
+GROUP_COST = CostModel(decode_step_base=64.0, decode_step_per_row=0.0, compile_tokens=1024.0)
+
+
 def plan_batches(
     lengths: Sequence[int],
     max_rows: int,
@@ -62,6 +84,7 @@ def plan_batches(
     divisor: int = 1,
     compiled: Collection[tuple[int, ...]] = (),
     cost: CostModel = CostModel(),
+    batch_cost: Callable[[int, int, int, tuple[int, ...]], float] | None = None,
 ) -> list[tuple[int, int]]:
     """Cut rows sorted by prompt length into contiguous batches ``[(start, end), ...]``.
 
@@ -73,6 +96,8 @@ def plan_batches(
       out_len: decode steps one batch may run (its output buffer length).
       divisor: padded row counts are multiples of this.
       compiled: shape keys already compiled in this process (no compile cost).
+      batch_cost: ``(start, end, padded rows, shape key) -> tokens``, the prefill term of
+        rows ``[start, end)`` (default ``padded rows * key[1]``).
     """
     n = len(lengths)
     if any(b < a for a, b in zip(lengths, lengths[1:], strict=False)):
@@ -88,8 +113,8 @@ def plan_batches(
         for i in range(max(0, j - max_rows), j):
             rows = row_bucket(j - i, divisor)
             key = shape_of(rows, longest)
-            c = rows * key[1] + out_len * (cost.decode_step_base
-                                           + cost.decode_step_per_row * rows)
+            c = rows * key[1] if batch_cost is None else batch_cost(i, j, rows, key)
+            c += out_len * (cost.decode_step_base + cost.decode_step_per_row * rows)
             if key not in compiled:
                 c += cost.compile_tokens
             if best[i] + c < best[j]:
@@ -100,3 +125,19 @@ def plan_batches(
         plan.append((cut[j], j))
         j = cut[j]
     return plan[::-1]
+
+
+def plan_prefill_groups(lengths: Sequence[int], max_rows: int, *, divisor: int = 1,
+                        limit: int | None = None,
+                        compiled: Collection[tuple[int, ...]] = (),
+                        cost: CostModel = GROUP_COST) -> list[tuple[int, int, int, int]]:
+    """Cut a batch's distinct prompts (``lengths`` ascending) into prefill groups:
+    ``[(start, end, padded rows, padded length), ...]``, lengths ``prefill_length`` capped
+    at ``limit`` (the batch's prompt slots). ``compiled`` holds ``(rows, length)`` keys."""
+    def shape(rows: int, longest: int) -> tuple[int, int]:
+        p = prefill_length(longest)
+        return rows, p if limit is None else min(p, limit)
+
+    plan = plan_batches(lengths, max_rows, shape, 1, divisor=divisor, compiled=compiled,
+                        cost=cost)
+    return [(s, e, *shape(row_bucket(e - s, divisor), lengths[e - 1])) for s, e in plan]

@@ -1,10 +1,11 @@
 """The jitted programs of the in-process JAX sampler (``jax_sampler.JaxSampler``).
 
-``compiled_generate``: prefill + ``while_loop`` decode of one padded batch in one program
-(``generate_batch``). ``compiled_constrained``: the three pieces of the host-driven
-grammar-constrained loop (``prefill``, one cached ``decode_logits`` step, and
-``sample_masked``). Both are cached per (model config, mesh, cache dtype) and shared by
-every sampler of that model. See ``jax_sampler``'s module docstring for the algorithm.
+``compiled_programs`` (cached per model config, pad id, mesh and cache dtype, shared by every
+sampler of that model): ``prefill`` of one group of distinct prompts, ``empty`` +
+``place_rows`` to assemble a decode batch from prefilled groups, ``decode_batch`` (the
+unconstrained ``while_loop`` decode), and the two per-token pieces of the host-driven
+grammar-constrained loop (``decode_logits``, ``sample_masked``). See ``jax_sampler``'s
+module docstring for the algorithm.
 """
 
 from __future__ import annotations
@@ -23,34 +24,38 @@ from pmd_jax.sampling import sample_ops
 Params = Any
 
 
-@functools.lru_cache(maxsize=32)
-def compiled_generate(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any):
-    """One jitted program family per (config, pad id, mesh, cache dtype), shared by samplers."""
-    return jax.jit(
-        functools.partial(generate_batch, cfg=cfg, pad_id=pad_id, shard_ctx=shard_ctx,
-                          cache_dtype=cache_dtype),
-        static_argnames=("cache_len", "out_len"),
-    )
+class Programs(NamedTuple):
+    """The sampler's jitted programs (one family per model config, mesh and cache dtype).
 
+    ``prefill`` runs one group of distinct prompts into a cache exactly its padded length;
+    ``empty`` makes a decode batch's cache and first-step logits; ``place`` copies a group's
+    cache slots and logits into the batch rows that continue its prompts (each prompt once,
+    however many samples continue it); ``decode`` is the unconstrained ``while_loop`` decode
+    of a filled batch; ``step`` / ``sample`` are the host-driven constrained loop's pieces.
+    ``place`` and ``step`` donate the cache (updated in place).
+    """
 
-class ConstrainedFns(NamedTuple):
     prefill: Any
+    empty: Any
+    place: Any
+    decode: Any
     step: Any
     sample: Any
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_constrained(cfg: ModelConfig, shard_ctx: Any, cache_dtype: Any) -> ConstrainedFns:
-    """The three jitted pieces of the constrained loop, shared by samplers of one model.
-
-    ``step`` donates the KV cache (updated in place). None of them depends on the grammar.
-    """
-    return ConstrainedFns(
-        prefill=jax.jit(functools.partial(prefill, cfg=cfg, shard_ctx=shard_ctx,
-                                          cache_dtype=cache_dtype),
+def compiled_programs(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any) -> Programs:
+    """The jitted programs, shared by every sampler of one model; none depends on a grammar."""
+    kw = dict(cfg=cfg, shard_ctx=shard_ctx)
+    return Programs(
+        prefill=jax.jit(functools.partial(prefill, **kw, cache_dtype=cache_dtype),
                         static_argnames=("cache_len",)),
-        step=jax.jit(functools.partial(decode_logits, cfg=cfg, shard_ctx=shard_ctx),
-                     donate_argnames=("cache",)),
+        empty=jax.jit(functools.partial(empty_batch, **kw, cache_dtype=cache_dtype),
+                      static_argnames=("b", "cache_len")),
+        place=jax.jit(place_rows, donate_argnames=("cache", "logits")),
+        decode=jax.jit(functools.partial(decode_batch, **kw, pad_id=pad_id),
+                       static_argnames=("out_len",)),
+        step=jax.jit(functools.partial(decode_logits, **kw), donate_argnames=("cache",)),
         sample=jax.jit(sample_masked),
     )
 
@@ -80,6 +85,44 @@ def prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelCon
     return cache, decoder.logits_from_hidden(hidden[:, -1], params, cfg)
 
 
+def empty_batch(params: Params, *, cfg: ModelConfig, shard_ctx: Any, cache_dtype: Any, b: int,
+                cache_len: int) -> tuple[Any, jax.Array]:
+    """A decode batch before ``place_rows`` fills it: an empty cache of ``b`` rows and zero
+    float32 first-step logits [b, V]. A row no group fills (a padding row) keeps both; it
+    is never returned, and its decode attends only to its own new tokens."""
+    cache = new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
+    return cache, jnp.zeros((b, cfg.vocab_size), jnp.float32)
+
+
+def place_rows(cache: Any, logits: jax.Array, group_cache: Any, group_logits: jax.Array,
+               src: jax.Array, dst: jax.Array, offset: jax.Array) -> tuple[Any, jax.Array]:
+    """Copy a prefilled group into a decode batch: batch row ``dst[i]`` gets group row
+    ``src[i]``'s cache slots ``[0, G)`` at slots ``[offset, offset + G)`` and its logits.
+
+    ``dst[i] >= B`` (the batch size) skips entry ``i``. Left padding moves with the row, so
+    every prompt of the batch ends at the same slot (``offset + G``) and keeps its slot
+    distances (causality, sliding windows); masked slots are never attended.
+    """
+    g_len = group_cache["mask"].shape[1]
+    slots = offset + jnp.arange(g_len, dtype=jnp.int32)
+
+    def put(full, part):  # full [B, KV, S, hd], part [g, KV, G, hd] (or both [L, ...])
+        if full.ndim == 5:
+            return jax.vmap(put)(full, part)
+        vals = jnp.swapaxes(jnp.take(part, src, axis=0), 1, 2)  # [R, G, KV, hd]
+        return full.at[dst[:, None], :, slots[None, :], :].set(vals.astype(full.dtype),
+                                                               mode="drop")
+
+    new = {
+        "k": jax.tree.map(put, cache["k"], group_cache["k"]),
+        "v": jax.tree.map(put, cache["v"], group_cache["v"]),
+        "mask": cache["mask"].at[dst[:, None], slots[None, :]].set(
+            jnp.take(group_cache["mask"], src, axis=0), mode="drop"),
+        "index": cache["index"],
+    }
+    return new, logits.at[dst].set(jnp.take(group_logits, src, axis=0), mode="drop")
+
+
 def decode_logits(params: Params, cache: Any, last: jax.Array, positions: jax.Array,
                   cache_index: jax.Array, *, cfg: ModelConfig,
                   shard_ctx: Any) -> tuple[Any, jax.Array]:
@@ -102,10 +145,12 @@ def sample_masked(logits: jax.Array, bitmask: jax.Array, prompt_idx: jax.Array,
                                     temperature, top_k, top_p, needs_filter=needs_filter)
 
 
-def generate_batch(
+def decode_batch(
     params: Params,
-    tokens: jax.Array,
-    mask: jax.Array,
+    cache: Any,
+    logits: jax.Array,
+    prompt_len: jax.Array,
+    p_len: jax.Array,
     prompt_idx: jax.Array,
     sample_idx: jax.Array,
     valid: jax.Array,
@@ -120,15 +165,13 @@ def generate_batch(
     cfg: ModelConfig,
     pad_id: int,
     shard_ctx: Any,
-    cache_dtype: Any,
-    cache_len: int,
     out_len: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Prefill + decode one padded batch. Returns (tokens, logprobs, lengths, stopped)."""
-    b, p_len = tokens.shape
-    cache = new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
-    positions = decoder.positions_from_mask(mask)
-    prompt_len = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    """Decode one filled batch (every prompt ends at cache slot ``p_len - 1``; ``logits`` are
+    its last slot's, ``prompt_len`` the real prompt lengths, the positions' origin). Samples
+    the first token from ``logits``, then a ``while_loop`` of cached one-token forwards that
+    exits once every row has stopped. Returns (tokens, logprobs, lengths, stopped)."""
+    b = logits.shape[0]
 
     def sample(logits, step):
         keys = sample_ops.row_keys(seed, prompt_idx, sample_idx, step)
@@ -138,10 +181,6 @@ def generate_batch(
     def is_stop(tok):
         return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
-    # ---- prefill: the last slot is always a real token (left padding)
-    hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
-                                    cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
-    logits = decoder.logits_from_hidden(hidden[:, -1], params, cfg)
     tok, lp = sample(logits, jnp.int32(0))
     out_tok = jnp.full((b, out_len), pad_id, jnp.int32).at[:, 0].set(tok)
     out_lp = jnp.zeros((b, out_len), jnp.float32).at[:, 0].set(lp)

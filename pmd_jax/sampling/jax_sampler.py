@@ -1,32 +1,38 @@
-"""In-process JAX sampler: batched prefill + KV-cache decode, all under one ``jax.jit``.
+"""In-process JAX sampler: batched prefill + KV-cache decode, jitted, no Python per token.
 
-``JaxSampler.generate`` expands every prompt ``n`` times, sorts the rows by prompt length,
-splits them into batches of at most ``max_batch`` rows, left-pads each batch to a *bucketed*
-prompt length (so a handful of compiled programs serve all requests), and runs one jitted
-program per batch:
+``JaxSampler.generate`` expands every prompt ``n`` times, sorts the rows by prompt length and
+cuts them into *batches* of at most ``max_batch`` rows (``batching.plan_batches``). A batch
+runs as:
 
-1. prefill: one forward over the padded prompts writes the KV cache (positions are
-   ``cumsum(mask) - 1``, padding keys are masked, as in HF ``generate`` with left padding);
-2. decode: a ``jax.lax.while_loop`` feeds one token per step through the cached forward and
+1. prefill: its distinct prompts (a prompt's samples share one prefill) are cut into
+   *groups* of similar length (``batching.plan_prefill_groups``); one jitted forward per
+   group, left-padded to the group's own length, writes a KV cache exactly that long
+   (positions are ``cumsum(mask) - 1``, padding keys are masked, as in HF ``generate`` with
+   left padding);
+2. assembly: ``decode.place_rows`` copies each group's cache and last logits into the batch
+   rows that continue its prompts, shifted so every prompt ends at the batch's last prompt
+   slot (slot distances, hence causality and sliding windows, are kept);
+3. decode: a ``jax.lax.while_loop`` feeds one token per step through the cached forward and
    samples the next one; it exits early once every row has hit a stop token.
 
-No Python runs per token. Randomness is folded from ``(seed, prompt index, sample index,
+So a prefill pays for each distinct prompt once, padded to its group's length rather than to
+the batch's longest prompt. Randomness is folded from ``(seed, prompt index, sample index,
 step)`` (see ``sample_ops.row_keys``), so the tokens do not depend on batch composition,
 padding, splitting or sharding. Returned logprobs are ``log_softmax(logits / T)`` of the
 sampled token in float32 (T = 1 for greedy), the same formula the trainer applies to the same
 forward's logits.
 
 Grammar-constrained requests (``SamplingParams.json_schema``, or ``generate(..., grammar=)``)
-take a second, host-driven path, since the grammar engine (llguidance, see ``grammar.py``)
-runs in Python: one jitted prefill, then per token one jitted decode step (the cached forward,
-dispatched asynchronously) and one jitted sampling step that takes the rows' ``[B, V/32]``
-token bitmask as an argument and masks the logits before temperature / top-k / top-p and
-before the returned logprob, which is therefore that of the masked, renormalised distribution
-actually sampled from (``log_softmax(masked logits / T)``). While the device runs the forward
-of step t, the host feeds token t-1 to the matchers and computes the masks of step t (one
-batched llguidance call each, not one per row). Shapes are those of the unconstrained path
-(bucketed prompt and cache lengths, the bitmask is always ``[B, ceil(V/32)]``), so schemas
-and requests never trigger a recompile. Unconstrained requests keep the single-program path.
+take a second, host-driven decode (the same prefill and assembly), since the grammar engine
+(llguidance, see ``grammar.py``) runs in Python: per token one jitted decode step (the cached
+forward, dispatched asynchronously) and one jitted sampling step that takes the rows'
+``[B, V/32]`` token bitmask as an argument and masks the logits before temperature / top-k /
+top-p and before the returned logprob, which is therefore that of the masked, renormalised
+distribution actually sampled from (``log_softmax(masked logits / T)``). While the device runs
+the forward of step t, the host feeds token t-1 to the matchers and computes the masks of step
+t (one batched llguidance call each, not one per row). Shapes are those of the unconstrained
+path (the bitmask is always ``[B, ceil(V/32)]``), so schemas and requests never trigger a
+recompile.
 
 The jitted programs are in ``decode.py``; this module plans the batches, runs them and
 drives the constrained loop.
@@ -62,7 +68,13 @@ from pmd_jax.sampling.base import (
     SamplingParams,
     WeightSharing,
 )
-from pmd_jax.sampling.batching import bucket_length, plan_batches, row_bucket
+from pmd_jax.sampling.batching import (
+    bucket_length,
+    plan_batches,
+    plan_prefill_groups,
+    prefill_length,
+    row_bucket,
+)
 from pmd_jax.sharding import ShardingRules, shard_tree
 
 Params = Any
@@ -81,6 +93,8 @@ class SamplerMetrics:
     seconds: float = 0.0
     constrained: bool = False
     grammar_seconds: float = 0.0  # host time in the grammar engine (masks, token consumption)
+    prefill_groups: int = 0  # prefill calls (groups of distinct prompts)
+    prefill_positions: int = 0  # token positions prefilled, padding included
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,8 +168,7 @@ class JaxSampler:
         self.last_metrics = SamplerMetrics()
         self.set_params(params)
         shard_ctx = None if mesh is None else (mesh, self.rules)
-        self._run = decode.compiled_generate(cfg, self.pad_id, shard_ctx, self.cache_dtype)
-        self._constrained = decode.compiled_constrained(cfg, shard_ctx, self.cache_dtype)
+        self._fns = decode.compiled_programs(cfg, self.pad_id, shard_ctx, self.cache_dtype)
         self._tokenizer: Any = None
         self._eos_ids: tuple[int, ...] | None = None
         self._llg_tok: Any = None
@@ -351,21 +364,24 @@ class JaxSampler:
         )
         pending = []
         grammar_s = [0.0]
-        seen = _SHAPES_RUN.setdefault(id(self._run if engine is None else self._constrained), set())
+        stats = [0, 0]  # prefill groups, prefill positions
+        seen = _SHAPES_RUN.setdefault((id(self._fns), engine is None), set())
         lengths = [len(arrays[rows[r][0]]) for r in order]
         plan = plan_batches(
             lengths, self.max_batch,
             lambda b, plen: (b, *self._shapes(plen, params.max_tokens)),
-            bucket_length(params.max_tokens), divisor=self._batch_div, compiled=seen)
+            bucket_length(params.max_tokens), divisor=self._batch_div, compiled=seen,
+            batch_cost=_batch_cost([rows[r][0] for r in order], lengths))
         for start, end in plan:
             chunk = order[start:end]
             seen.add((row_bucket(end - start, self._batch_div),
                       *self._shapes(lengths[end - 1], params.max_tokens)))
             if engine is None:
-                pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars)))
+                pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars,
+                                                    stats)))
             else:
                 pending.append((chunk, self._launch_constrained(
-                    chunk, rows, arrays, params, scalars, engine, grammar_s)))
+                    chunk, rows, arrays, params, scalars, engine, grammar_s, stats)))
             # The batch is dispatched (an unconstrained one runs on): what compiling its
             # program freed goes back to the kernel instead of staying resident beside the
             # KV caches (pmd_jax.footprint).
@@ -387,28 +403,55 @@ class JaxSampler:
         self.last_metrics = SamplerMetrics(
             rows=len(rows), batches=len(pending), new_tokens=new_tokens,
             seconds=time.perf_counter() - t0, constrained=engine is not None,
-            grammar_seconds=grammar_s[0])
+            grammar_seconds=grammar_s[0], prefill_groups=stats[0], prefill_positions=stats[1])
         return Rollouts(items, self.weights_version)  # type: ignore[arg-type]
 
-    def _batch_arrays(self, chunk, rows, arrays, sp: SamplingParams):
-        """Left-padded host arrays of one batch and its shapes."""
+    def _fill_batch(self, chunk, rows, arrays, sp: SamplingParams, stats: list[int]):
+        """Prefill one batch's distinct prompts in groups and assemble its cache (the module
+        docstring's steps 1-2). Returns (cache, first-step logits, host arrays (prompt
+        lengths, prompt and sample indices, valid) and the prompt slots ``p_len`` (every
+        prompt ends at slot ``p_len - 1``), out_len)."""
         b_real = len(chunk)
         b = row_bucket(b_real, self._batch_div)
         plen = max(len(arrays[rows[r][0]]) for r in chunk)
-        p_len, cache_len, out_len = self._shapes(plen, sp.max_tokens)
-        tokens = np.full((b, p_len), self.pad_id, np.int32)
-        mask = np.zeros((b, p_len), bool)
+        p_max, cache_len, out_len = self._shapes(plen, sp.max_tokens)
+        prompt_len = np.zeros((b,), np.int32)
         pidx = np.zeros((b,), np.int32)
         sidx = np.zeros((b,), np.int32)
-        valid = np.zeros((b,), bool)
-        for j in range(b):
-            r = chunk[j] if j < b_real else chunk[0]  # padding rows repeat row 0, then dropped
-            a = arrays[rows[r][0]]
-            tokens[j, p_len - len(a):] = a
-            mask[j, p_len - len(a):] = True
+        users: dict[int, list[int]] = {}  # prompt -> the batch rows that continue it
+        for j, r in enumerate(chunk):
             pidx[j], sidx[j] = rows[r]
-            valid[j] = j < b_real
-        return (tokens, mask, pidx, sidx, valid), (b_real, p_len, cache_len, out_len)
+            prompt_len[j] = len(arrays[rows[r][0]])
+            users.setdefault(rows[r][0], []).append(j)
+        distinct = sorted(users, key=lambda q: len(arrays[q]))
+        seen = _SHAPES_RUN.setdefault((id(self._fns), "prefill"), set())
+        groups = plan_prefill_groups([len(arrays[q]) for q in distinct], self.max_batch,
+                                     divisor=self._batch_div, limit=p_max, compiled=seen)
+        p_len = max(g_len for *_, g_len in groups)
+        fns = self._fns
+        cache, logits = fns.empty(self.params, b=b, cache_len=cache_len)
+        for start, end, g, g_len in groups:
+            seen.add((g, g_len))
+            tokens = np.full((g, g_len), self.pad_id, np.int32)
+            mask = np.zeros((g, g_len), bool)
+            src = np.zeros((g * sp.n,), np.int32)
+            dst = np.full((g * sp.n,), b, np.int32)  # b: no row (dropped)
+            k = 0
+            for i in range(g):  # padding rows repeat the group's first prompt, then dropped
+                q = distinct[start + i] if start + i < end else distinct[start]
+                tokens[i, g_len - len(arrays[q]):] = arrays[q]
+                mask[i, g_len - len(arrays[q]):] = True
+                for j in users[q] if start + i < end else ():
+                    src[k], dst[k] = i, j
+                    k += 1
+            g_cache, g_logits = fns.prefill(self.params, *self._put(tokens, mask),
+                                            cache_len=g_len)
+            cache, logits = fns.place(cache, logits, g_cache, g_logits, src, dst,
+                                      np.int32(p_len - g_len))
+            stats[0] += 1
+            stats[1] += g * g_len
+        valid = np.arange(b) < b_real
+        return cache, logits, (prompt_len, pidx, sidx, valid), p_len, out_len
 
     def _put(self, *xs: np.ndarray) -> tuple[Any, ...]:
         """Host arrays whose first axis is the batch, placed on the mesh (as-is without one)."""
@@ -418,14 +461,15 @@ class JaxSampler:
         shard2 = NamedSharding(self.mesh, self.rules.spec(("batch", None)))
         return tuple(jax.device_put(x, shard2 if x.ndim == 2 else shard1) for x in xs)
 
-    def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars):
-        host, (b_real, _, cache_len, out_len) = self._batch_arrays(chunk, rows, arrays, sp)
-        out = self._run(self.params, *self._put(*host), **scalars, cache_len=cache_len,
-                        out_len=out_len)
-        return tuple(x[:b_real] for x in out)
+    def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars, stats: list[int]):
+        cache, logits, host, p_len, out_len = self._fill_batch(chunk, rows, arrays, sp, stats)
+        prompt_len, pidx, sidx, valid = self._put(*host)
+        out = self._fns.decode(self.params, cache, logits, prompt_len, np.int32(p_len), pidx,
+                               sidx, valid, **scalars, out_len=out_len)
+        return tuple(x[: len(chunk)] for x in out)
 
     def _launch_constrained(self, chunk, rows, arrays, sp: SamplingParams, scalars,
-                            engine: tuple[Any, str], grammar_s: list[float]):
+                            engine: tuple[Any, str], grammar_s: list[float], stats: list[int]):
         """One batch through the host-driven constrained loop; same outputs as ``_launch``.
 
         Per token: read the sampled tokens (a small device->host copy), dispatch the next
@@ -433,17 +477,16 @@ class JaxSampler:
         it runs, then dispatch the masked sampling step with them.
         """
         llg_tok, grammar_text = engine
-        (tokens, mask, pidx, sidx, valid), (b_real, p_len, cache_len, out_len) = (
-            self._batch_arrays(chunk, rows, arrays, sp))
-        b = tokens.shape[0]
+        cache, logits, (prompt_len, pidx, sidx, valid), p_len, out_len = self._fill_batch(
+            chunk, rows, arrays, sp, stats)
+        b, b_real = len(valid), len(chunk)
         end_ids = sp.stop_token_ids or tuple(int(i) for i in llg_tok.eos_tokens)
         tg = time.perf_counter()
         matcher = grammar_lib.BatchMatcher(llg_tok, grammar_text, b, valid, end_ids,
                                            self._text_vocab, self._executor)
         grammar_s[0] += time.perf_counter() - tg
-        fns = self._constrained
-        d_tokens, d_mask, d_pidx, d_sidx = self._put(tokens, mask, pidx, sidx)
-        cache, logits = fns.prefill(self.params, d_tokens, d_mask, cache_len=cache_len)
+        fns = self._fns
+        d_pidx, d_sidx = self._put(pidx, sidx)
         sample_kw = dict(seed=scalars["seed"], temperature=scalars["temperature"],
                          top_k=scalars["top_k"], top_p=scalars["top_p"],
                          needs_filter=scalars["needs_filter"])
@@ -460,7 +503,6 @@ class JaxSampler:
         out_lp = np.zeros((b, out_len), np.float32)
         lengths = np.zeros((b,), np.int32)
         stopped = np.zeros((b,), bool)
-        prompt_len = mask.sum(axis=-1).astype(np.int32)
         for step in range(max_tokens):
             t_host, lp_host = to_host(tok), to_host(lp)
             live = ~matcher.done
@@ -482,8 +524,29 @@ class JaxSampler:
         return out_tok[sl], out_lp[sl], lengths[sl], stopped[sl]
 
 
-# Batch shapes each compiled program family has run (plan_batches treats them as free).
-_SHAPES_RUN: dict[int, set[tuple[int, ...]]] = {}
+# Shapes each compiled program family has run (the plans treat them as free), per
+# (programs, decode path) and (programs, "prefill").
+_SHAPES_RUN: dict[tuple[int, Any], set[tuple[int, ...]]] = {}
+
+# One cache slot of one row for one decode step, in prefill token-equivalents: the step's
+# attention reads it (SmolLM2-135M on the 2-core box: ~6 us a slot, a prefill token ~2 ms),
+# and the cache's size bounds the batch's memory, so a short prompt is not kept in a long
+# batch for long generations.
+CACHE_SLOT_STEP = 0.005
+
+
+def _batch_cost(prompts: Sequence[int], lengths: Sequence[int]):
+    """``plan_batches``' prefill term for rows sorted by length (``prompts[k]`` the prompt of
+    row k): each distinct prompt of the batch once at its prefill length, plus the cache."""
+    pre = [0]
+    for k, (q, n) in enumerate(zip(prompts, lengths, strict=True)):
+        pre.append(pre[-1] + (prefill_length(n) if k == 0 or prompts[k - 1] != q else 0))
+
+    def cost(i: int, j: int, rows: int, key: tuple[int, ...]) -> float:
+        head = 0 if i == 0 or prompts[i - 1] != prompts[i] else prefill_length(lengths[i])
+        return pre[j] - pre[i] + head + CACHE_SLOT_STEP * key[3] * rows * key[2]
+
+    return cost
 
 _LLG_TOKENIZERS: dict[tuple[int, int, Any], tuple[Any, Any]] = {}
 

@@ -98,6 +98,24 @@ def test_fast_filter_is_the_sorting_filters_where_it_says_exact(k, p, scale, exa
     np.testing.assert_array_equal(np.isfinite(full), np.isfinite(ref))
 
 
+def test_wide_filter_when_the_first_fast_k_is_not_enough():
+    """Nuclei of 41-177 tokens: none within the 16 largest, five within the 8 x 16 = 128
+    largest, one beyond; every level gives the sorting filters' (and HF's) result."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 4096)).astype(np.float32)
+    for r, m in enumerate((60, 80, 100, 120, 150, 300)):
+        x[r, :m] += 9.0
+    ref = np.asarray(sample_ops.top_p_filter(jnp.asarray(x), 0.9))
+    assert not np.asarray(sample_ops.fast_filter(jnp.asarray(x), 0, 0.9, fast_k=16)[1]).any()
+    wide_ok = np.asarray(sample_ops.fast_filter(jnp.asarray(x), 0, 0.9, fast_k=128)[1])
+    assert wide_ok[:5].all() and not wide_ok[5]
+    for rows in (slice(0, 5), slice(0, 6)):  # all rows exact at 128 / one row needs the sort
+        got = np.asarray(sample_ops.filter_logits(jnp.asarray(x[rows]), 1.0, 0, 0.9, fast_k=16))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref[rows]))
+        hx = TopPLogitsWarper(top_p=0.9, filter_value=-float("inf"))(None, torch.tensor(x[rows]))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(hx.numpy()))
+
+
 @pytest.mark.parametrize("fast_k", [8, 256])
 def test_filter_logits_matches_numpy_and_hf_on_both_paths(fast_k):
     rng = np.random.default_rng(fast_k)

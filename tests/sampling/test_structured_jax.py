@@ -276,7 +276,7 @@ class _Boom:
 def test_bad_schema_fails_before_generation_naming_it(tiny_params, tok, prompts, schema,
                                                       engine_says):
     s = JaxSampler(TINY, tiny_params, max_len=512, tokenizer=tok)
-    s._run = s._constrained = _Boom()  # any generation would raise AssertionError
+    s._fns = _Boom()  # any generation would raise AssertionError
     with pytest.raises(SamplerError) as e:
         s.generate(prompts, _params(tok, max_tokens=8, json_schema=schema_string(schema)))
     msg = str(e.value)
@@ -286,7 +286,7 @@ def test_bad_schema_fails_before_generation_naming_it(tiny_params, tok, prompts,
 
 def test_constrained_request_without_tokenizer_or_bad_json_fails(tiny_params, tok, prompts):
     s = JaxSampler(TINY, tiny_params, max_len=512)
-    s._run = s._constrained = _Boom()
+    s._fns = _Boom()
     with pytest.raises(SamplerError, match="no tokenizer"):
         s.generate(prompts, _params(tok, json_schema=schema_string(REFLECTION)))
     with pytest.raises(SamplerError, match="not valid JSON"):
@@ -297,11 +297,10 @@ def test_constrained_request_without_tokenizer_or_bad_json_fails(tiny_params, to
 def test_new_schemas_and_settings_validate_without_recompiling(sampler, tok, prompts):
     """Different schemas and sampling settings (greedy, temperature, top-k, top-p) in a row:
     every output validates, and no new program is compiled after the first request."""
-    fns = sampler._constrained
+    fns = sampler._fns
 
     def sizes():
-        return (fns.prefill._cache_size(), fns.step._cache_size(), fns.sample._cache_size(),
-                sampler._run._cache_size())
+        return tuple(f._cache_size() for f in fns)
 
     def run(schema, **kw):
         sp = _params(tok, n=4, max_tokens=200, json_schema=schema_string(schema), **kw)
