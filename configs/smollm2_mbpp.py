@@ -25,6 +25,7 @@ def get_config():
     c.rollout.n = 4
     c.rollout.max_prompt_tokens = 512
     c.rollout.max_tokens = 192
+    c.rollout.max_cache_gib = 1.0  # one batch's KV cache (a 16 GB laptop runs this)
     c.teacher_prompt.include_feedback = True
     c.teacher_prompt.max_tokens = 1536
     c.train.steps = 20

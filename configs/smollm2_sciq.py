@@ -32,6 +32,7 @@ def get_config():
     c.rollout.max_prompt_tokens = 384
     c.rollout.max_tokens = 24
     c.rollout.max_batch = 64
+    c.rollout.max_cache_gib = 1.0  # one batch's KV cache (a 16 GB laptop runs this)
     c.teacher_prompt.max_tokens = 896
     c.train.steps = 12
     c.train.eval_every = 6

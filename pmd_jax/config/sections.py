@@ -151,6 +151,9 @@ class RolloutConfig(Section):
     max_prompt_tokens: int = knob(2048, "Student prompt budget.")
     max_tokens: int = knob(8192, "Response budget.")
     max_batch: int = knob(64, "Sampler micro-batch (rows).")
+    max_cache_gib: float = knob(0.0, "In-process sampler: KV cache budget of one batch in GiB "
+                                "(padded rows x cache slots; the batch plan splits larger "
+                                "batches, never a single row); 0 = no budget.")
     max_context: int = knob(0, "Prompt + generation limit (0 = the model's context length).")
     retries: int = knob(3, "Sampler request retries.")
     overlap: bool = knob(False, "Sample step k+1's rollouts in a background thread while step "
@@ -170,6 +173,8 @@ class RolloutConfig(Section):
         _need(errs, 0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _need(errs, r.max_tokens >= 1, "rollout.max_tokens must be >= 1")
         _need(errs, r.max_batch >= 1, f"rollout.max_batch must be >= 1, got {r.max_batch}")
+        _need(errs, r.max_cache_gib >= 0,
+              f"rollout.max_cache_gib must be >= 0 (0 = no budget), got {r.max_cache_gib}")
         _need(errs, r.max_prompt_tokens >= 1,
               f"rollout.max_prompt_tokens must be >= 1, got {r.max_prompt_tokens}")
         _need(errs, r.max_context >= 0,

@@ -18,6 +18,7 @@ def _jax(cfg: Any, model: Any, max_len: int) -> Any:
     # The tokenizer serves constrained requests (SamplingParams.json_schema).
     return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
                       max_len=max_len, pad_id=model.pad_id, max_batch=cfg.rollout.max_batch,
+                      max_cache_gib=cfg.rollout.max_cache_gib or None,
                       tokenizer=model.tokenizer)
 
 

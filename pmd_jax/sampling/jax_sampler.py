@@ -113,6 +113,9 @@ class JaxSampler:
       pad_id: token id used for left padding (never attended) and unused output slots.
       weight_source: a ``weight_store.WeightStore`` (or its URL) for ``set_weights``.
       max_batch: largest number of rows per compiled batch; bigger requests are split.
+      max_cache_gib: KV cache budget of one batch (padded rows x cache slots), in GiB; the
+        plan splits a batch that would hold more (one row alone is never split). None or 0:
+        no budget.
       cache_dtype: KV cache dtype (default: the compute dtype).
       unstack_layers: keep the weights as separate per-layer arrays and decode with a loop
         over layers (default; one extra copy of the layer weights). On a loaded 2-core CPU the
@@ -136,6 +139,7 @@ class JaxSampler:
         weight_source: Any = None,
         *,
         max_batch: int = 64,
+        max_cache_gib: float | None = None,
         cache_dtype: Any = None,
         unstack_layers: bool = True,
         tokenizer: Any = None,
@@ -148,6 +152,8 @@ class JaxSampler:
             raise SamplerError(f"pad_id {pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
         if max_batch < 1:
             raise SamplerError(f"max_batch must be >= 1, got {max_batch}")
+        if max_cache_gib is not None and max_cache_gib < 0:
+            raise SamplerError(f"max_cache_gib must be >= 0 (0 = no budget), got {max_cache_gib}")
         self.pad_id = int(pad_id)
         self.mesh = mesh
         if rules is not None and not isinstance(rules, ShardingRules):
@@ -161,6 +167,10 @@ class JaxSampler:
             axes = self.rules.mesh_axes("batch")
             self._batch_div = math.prod(mesh.shape[a] for a in axes)
         self.max_batch = max(int(max_batch), self._batch_div)
+        slot_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                      * self.cache_dtype.itemsize + 1)  # k and v of every layer, the key mask
+        self.max_cache_slots = (int(max_cache_gib * 2**30 / slot_bytes) if max_cache_gib
+                                else None)
         self._store = weight_source
         self.unstack_layers = bool(unstack_layers)
         self.params: Params = None
@@ -371,7 +381,7 @@ class JaxSampler:
             lengths, self.max_batch,
             lambda b, plen: (b, *self._shapes(plen, params.max_tokens)),
             bucket_length(params.max_tokens), divisor=self._batch_div, compiled=seen,
-            batch_cost=_batch_cost([rows[r][0] for r in order], lengths))
+            batch_cost=_batch_cost([rows[r][0] for r in order], lengths, self.max_cache_slots))
         for start, end in plan:
             chunk = order[start:end]
             seen.add((row_bucket(end - start, self._batch_div),
@@ -535,14 +545,17 @@ _SHAPES_RUN: dict[tuple[int, Any], set[tuple[int, ...]]] = {}
 CACHE_SLOT_STEP = 0.005
 
 
-def _batch_cost(prompts: Sequence[int], lengths: Sequence[int]):
+def _batch_cost(prompts: Sequence[int], lengths: Sequence[int], max_slots: int | None = None):
     """``plan_batches``' prefill term for rows sorted by length (``prompts[k]`` the prompt of
-    row k): each distinct prompt of the batch once at its prefill length, plus the cache."""
+    row k): each distinct prompt of the batch once at its prefill length, plus the cache;
+    infinite for a batch of several rows whose cache exceeds ``max_slots`` row-slots."""
     pre = [0]
     for k, (q, n) in enumerate(zip(prompts, lengths, strict=True)):
         pre.append(pre[-1] + (prefill_length(n) if k == 0 or prompts[k - 1] != q else 0))
 
     def cost(i: int, j: int, rows: int, key: tuple[int, ...]) -> float:
+        if max_slots is not None and j - i > 1 and rows * key[2] > max_slots:
+            return math.inf
         head = 0 if i == 0 or prompts[i - 1] != prompts[i] else prefill_length(lengths[i])
         return pre[j] - pre[i] + head + CACHE_SLOT_STEP * key[3] * rows * key[2]
 

@@ -171,6 +171,9 @@ def test_max_batch_must_be_positive():
         c = _sciq()
         c.rollout.max_batch = v
         assert _errors(c) == [f"rollout.max_batch must be >= 1, got {v}"]
+    c = _sciq()
+    c.rollout.max_cache_gib = -0.5
+    assert _errors(c) == ["rollout.max_cache_gib must be >= 0 (0 = no budget), got -0.5"]
 
 
 def test_prompt_budget_must_fit_the_model_context(tmp_path):

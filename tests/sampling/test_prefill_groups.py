@@ -147,3 +147,21 @@ def test_groups_pad_the_default_evaluation_prompts_far_less():
     # Near the context length the batch's prompt slots are exact: no group is longer.
     capped = plan_prefill_groups(lengths[:64], 64, limit=lengths[63])
     assert max(p for *_, p in capped) == lengths[63]
+
+
+def test_cache_budget_splits_batches_and_changes_no_token(params):
+    prompts = _prompts(4, 6, 5, 200)
+    sp = SamplingParams(n=2, temperature=0.9, max_tokens=8, seed=2)
+    free = JaxSampler(SLIDING, params, max_len=256)
+    ref = free.generate(prompts, sp)
+    assert free.last_metrics.batches == 1
+    slot_bytes = 2 * SLIDING.num_layers * SLIDING.num_kv_heads * SLIDING.head_dim * 4 + 1
+    tight = JaxSampler(SLIDING, params, max_len=256, max_cache_gib=4 * 64 * slot_bytes / 2**30)
+    assert tight.max_cache_slots == 4 * 64
+    out = tight.generate(prompts, sp)
+    assert tight.last_metrics.batches >= 3
+    for a, b in zip(out, ref, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="max_cache_gib"):
+        JaxSampler(SLIDING, params, max_cache_gib=-1.0)
