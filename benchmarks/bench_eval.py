@@ -78,7 +78,7 @@ def _reset_programs(sampler, fast_k: int | None, whole: bool = False) -> None:
 
     sample_ops.FAST_FILTER_K = fast_k if fast_k is not None else sample_ops.FAST_FILTER_K
     jax_sampler.plan_prefill_groups = _whole_batch if whole else batching.plan_prefill_groups
-    jax_sampler._batch_cost = (lambda prompts, lengths: None) if whole else _BATCH_COST
+    jax_sampler._batch_cost = (lambda *args: None) if whole else _BATCH_COST
     decode.compiled_programs.cache_clear()
     jax.clear_caches()
     jax_sampler._SHAPES_RUN.clear()

@@ -32,7 +32,8 @@ class Programs(NamedTuple):
     cache slots and logits into the batch rows that continue its prompts (each prompt once,
     however many samples continue it); ``decode`` is the unconstrained ``while_loop`` decode
     of a filled batch; ``step`` / ``sample`` are the host-driven constrained loop's pieces.
-    ``place`` and ``step`` donate the cache (updated in place).
+    ``place``, ``decode`` and ``step`` donate the cache (updated in place: ``decode`` returns
+    it, else the loop's state would be a copy, twice the batch's cache resident).
     """
 
     prefill: Any
@@ -54,7 +55,7 @@ def compiled_programs(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype
                       static_argnames=("b", "cache_len")),
         place=jax.jit(place_rows, donate_argnames=("cache", "logits")),
         decode=jax.jit(functools.partial(decode_batch, **kw, pad_id=pad_id),
-                       static_argnames=("out_len",)),
+                       static_argnames=("out_len",), donate_argnames=("cache",)),
         step=jax.jit(functools.partial(decode_logits, **kw), donate_argnames=("cache",)),
         sample=jax.jit(sample_masked),
     )
@@ -166,11 +167,12 @@ def decode_batch(
     pad_id: int,
     shard_ctx: Any,
     out_len: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
     """Decode one filled batch (every prompt ends at cache slot ``p_len - 1``; ``logits`` are
     its last slot's, ``prompt_len`` the real prompt lengths, the positions' origin). Samples
     the first token from ``logits``, then a ``while_loop`` of cached one-token forwards that
-    exits once every row has stopped. Returns (tokens, logprobs, lengths, stopped)."""
+    exits once every row has stopped. Returns (tokens, logprobs, lengths, stopped, cache):
+    the cache is returned so that the donated input buffer is the loop's (no copy)."""
     b = logits.shape[0]
 
     def sample(logits, step):
@@ -210,5 +212,5 @@ def decode_batch(
         return (step + 1, cache, tok, out_tok, out_lp, done | hit, stopped | hit, lengths)
 
     state = (jnp.int32(1), cache, tok, out_tok, out_lp, done, stopped, lengths)
-    _, _, _, out_tok, out_lp, _, stopped, lengths = jax.lax.while_loop(cond, body, state)
-    return out_tok, out_lp, lengths, stopped
+    _, cache, _, out_tok, out_lp, _, stopped, lengths = jax.lax.while_loop(cond, body, state)
+    return out_tok, out_lp, lengths, stopped, cache

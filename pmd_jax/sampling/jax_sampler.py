@@ -474,8 +474,8 @@ class JaxSampler:
     def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars, stats: list[int]):
         cache, logits, host, p_len, out_len = self._fill_batch(chunk, rows, arrays, sp, stats)
         prompt_len, pidx, sidx, valid = self._put(*host)
-        out = self._fns.decode(self.params, cache, logits, prompt_len, np.int32(p_len), pidx,
-                               sidx, valid, **scalars, out_len=out_len)
+        *out, _ = self._fns.decode(self.params, cache, logits, prompt_len, np.int32(p_len),
+                                   pidx, sidx, valid, **scalars, out_len=out_len)
         return tuple(x[: len(chunk)] for x in out)
 
     def _launch_constrained(self, chunk, rows, arrays, sp: SamplingParams, scalars,
