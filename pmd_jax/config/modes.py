@@ -7,12 +7,15 @@ from typing import Any
 import ml_collections
 
 # PMD with one change each, for the comparison grid: a critic control (the teacher sees the
-# memory of a random other problem: same form and size, wrong content) and level ablations.
+# memory of a random other problem: same form and size, wrong content), level ablations, and
+# PMD under SDPO's signal rule (only a shown success or feedback gives a rollout a teacher
+# signal; the memory still fills the teacher's context: METHOD.md 2.2's "ablate").
 # The mode name stays in the run's config and metrics; apply_mode sets what it implies.
 PMD_VARIANTS: dict[str, dict[str, Any]] = {
     "pmd_random_memory": {"control_mode": "random_other_problem"},
     "pmd_no_insight": {"levels.insight": False},
     "pmd_no_behaviors": {"levels.behavior": False},
+    "pmd_sdpo_signal": {"signal_rule": "sdpo"},
 }
 # Other names of a mode. memory_only (training-free, as Training-Free GRPO / ReasoningBank: the
 # memory evolves from the rollouts, the weights never change, evaluation with the memory in the

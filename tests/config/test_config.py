@@ -380,6 +380,7 @@ def test_command_line_none_reaches_the_trainer(tmp_path):
     ("pmd_random_memory", ("control_mode",), "random_other_problem"),
     ("pmd_no_insight", ("levels", "insight"), False),
     ("pmd_no_behaviors", ("levels", "behavior"), False),
+    ("pmd_sdpo_signal", ("signal_rule",), "sdpo"),
 ])
 def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value):
     from pmd_jax.config import MEMORY_MODES, config_errors
@@ -394,7 +395,7 @@ def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value
     if key == ("control_mode",):
         bad.memory.control_mode = "inverted_lessons"
         msg = "implies memory.control_mode='random_other_problem'"
-    else:  # an ablation whose level was explicitly switched on again is still on: no conflict
+    else:  # a level switched on again, or signal_rule='any' (its default): no conflict
         return
     errs = config_errors(apply_mode(bad))
     assert any(msg in e for e in errs), errs
