@@ -162,6 +162,32 @@ def test_allow_everything_grammar_gives_the_unconstrained_tokens(sampler, tok, p
         assert a.finish_reason == b.finish_reason
 
 
+def test_constrained_loop_trims_the_heap_and_changes_no_token(sampler, tok, prompts,
+                                                              monkeypatch):
+    """The host loop hands free heap pages back every TRIM_EVERY tokens (jax_sampler); the
+    tokens and logprobs are those of the same request without the in-loop trims."""
+    from pmd_jax.sampling import jax_sampler
+
+    calls = []
+    real = jax_sampler.footprint.release_free_memory
+    monkeypatch.setattr(jax_sampler.footprint, "release_free_memory",
+                        lambda: calls.append(1) or real())
+    sp = _params(tok, n=2, temperature=1.0, max_tokens=70, seed=3)
+    anyg = grammar_lib.Grammar.any_token(TOK_VOCAB)
+    monkeypatch.setattr(jax_sampler, "TRIM_EVERY", 10**9)
+    plain = sampler.generate(prompts, sp, grammar=anyg)
+    outside = len(calls)  # the trim after each batch's dispatch
+    calls.clear()
+    monkeypatch.setattr(jax_sampler, "TRIM_EVERY", 32)
+    trimmed = sampler.generate(prompts, sp, grammar=anyg)
+    steps = max(len(r.tokens) for r in trimmed)
+    assert steps > 64  # the random model does not stop early on this seed
+    assert len(calls) - outside == sampler.last_metrics.batches * ((steps - 1) // 32)
+    for a, b in zip(plain, trimmed, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
 # ----------------------------------------------------------------------------- (c) masking
 def _replay_allowed(llt, grammar_text: str, tokens, end_ids) -> np.ndarray:
     """[len, V] allowed-token masks of each step, from a fresh llguidance matcher fed the
