@@ -536,9 +536,11 @@ class JaxSampler:
         return out_tok[sl], out_lp[sl], lengths[sl], stopped[sl]
 
 
-# The constrained loop hands the C heap's free pages back every this many tokens: its
-# per-token dispatches, bitmasks and grammar state free small blocks that glibc keeps
-# resident (pmd_jax.footprint). A trim walks the heap (tens of ms when it is fragmented),
+# The constrained loop hands the C heap's free pages back every this many tokens: what the
+# batch's prefill groups (their caches, temporaries, compiles) freed stays resident under the
+# whole token loop otherwise (pmd_jax.footprint). Measured on a behavior-round-shaped call
+# (8 prompts of 831-1,437 tokens, max_tokens 1536): RSS during the decode 3.17 -> 2.57 GiB,
+# the peak (at the prefill) unchanged. A trim walks the heap (tens of ms when fragmented),
 # about 1% of 32 decode steps.
 TRIM_EVERY = 32
 
