@@ -250,11 +250,16 @@ def drift_and_retention(results: Sequence[CellResult], modes: Sequence[str]) -> 
             v = [k for _, k in kls]
             row.update(kl_step=sorted({s for s, _ in kls}), kl_mean=float(np.mean(v)),
                        kl_min=float(np.min(v)), kl_max=float(np.max(v)), kl_n_seeds=len(v))
+        # each kind over the seeds that logged it; the total over the seeds that logged every
+        # kind of this mode (cells run before a counter existed lack it: counting them as 0
+        # would put a total below one of its parts)
         groups = sorted({g for r in rs for g in r.tokens})
-        row["tokens"] = {g: float(np.mean([r.tokens.get(g, 0.0) for r in rs
-                                           if g in r.tokens]))
+        row["tokens"] = {g: float(np.mean([r.tokens[g] for r in rs if g in r.tokens]))
                          for g in groups}
-        row["tokens_total"] = float(np.mean([sum(r.tokens.values()) for r in rs]))
+        row["tokens_seeds"] = {g: sum(g in r.tokens for r in rs) for g in groups}
+        complete = [r for r in rs if all(g in r.tokens for g in groups)]
+        row["tokens_total"] = float(np.mean([sum(r.tokens.values()) for r in complete]))
+        row["tokens_total_seeds"] = len(complete)
         prompted = [r.in_prompt for r in rs if r.in_prompt is not None]
         if prompted:
             row["in_prompt"] = {"metric": prompted[0][0], "n_seeds": len(prompted),
@@ -305,19 +310,26 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         lines += [f"| {r['mode']} | {r['in_prompt']['metric']} | {r['in_prompt']['n_seeds']} | "
                   f"{_f(r['in_prompt']['accuracy'])} |" for r in prompted]
     lines += [
-        "", "Generated tokens per run outside evaluation (mean over seeds): rollouts (mean "
-        "response length x rollouts, per step), and what each mode generates besides "
-        "(the memory's reflection calls, MEL's reflections and replays, Fast-Slow's); "
-        "'-' = the runs did not log that kind (runs before the counters existed).", "",
+        "", "Generated tokens per run outside evaluation, summed over the run's training "
+        "steps, mean over seeds: rollouts (each step's mean response length x its "
+        "rollouts), and what each mode generates besides (the memory's reflection calls, "
+        "MEL's reflections and replays, Fast-Slow's); '-' = the runs did not log that kind. "
+        "A kind that only some seeds logged (cells run before its counter existed) is the "
+        "mean over those, marked '(k of n seeds)'; the total is the mean over the seeds that "
+        "logged every kind of the row.", "",
         "| mode | rollouts | memory | mel | fast_slow | total |",
         "|---|---|---|---|---|---|",
     ]
+
+    def cell(v: float, k: int, n: int) -> str:
+        return f"{v:,.0f}" + (f" ({k} of {n} seeds)" if k < n else "")
+
     for r in rows:
-        t = r.get("tokens", {})
-        cells = [f"{t[g]:,.0f}" if g in t else "-" for g in
-                 ("rollouts", "memory", "mel", "fast_slow")]
-        lines.append(f"| {r['mode']} | " + " | ".join(cells)
-                     + f" | {r.get('tokens_total', 0.0):,.0f} |")
+        t, k, n = r.get("tokens", {}), r.get("tokens_seeds", {}), r["n_seeds"]
+        cells = [cell(t[g], k.get(g, n), n) if g in t else "-"
+                 for g in ("rollouts", "memory", "mel", "fast_slow")]
+        total = cell(r.get("tokens_total", 0.0), r.get("tokens_total_seeds", n), n)
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + f" | {total} |")
     return lines
 
 
