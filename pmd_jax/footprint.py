@@ -16,7 +16,11 @@ arrays a publish replaces, a compile's working memory and an orbax checkpoint's 
 (each freed when done) stayed resident that way: on the embedded default 1.0-1.9 GiB of the
 heap was free but resident during the evaluation after step 1. :func:`release_free_memory`
 (``malloc_trim``) hands such pages back to the kernel; the trainer calls it after every
-phase. It moves no array and changes no number.
+phase. It moves no array and changes no number. Inside a phase (an evaluation's batches, a
+behavior round's caches) freed blocks still pile up until the next trim;
+:func:`set_mmap_threshold` (``train.malloc_mmap_threshold_mib``, set by ``pmd_jax.main``
+before the model loads) gives every block above a fixed size its own mapping, unmapped on
+free, which bounds that pile to the blocks under it.
 """
 
 from __future__ import annotations
@@ -71,19 +75,24 @@ def peak_rss_gib() -> float:
     return max(peak / (GiB if sys.platform == "darwin" else 1024**2), rss_gib())
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim`` (None where the C library has none: macOS, musl)."""
+def _glibc(name: str, argtypes: list[Any]) -> Any:
+    """The C library's function ``name`` returning an int (None where there is none: not
+    Linux, or a C library without it, e.g. musl's ``malloc_trim``)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``."""
+    return _glibc("malloc_trim", [ctypes.c_size_t])
 
 
 def release_free_memory() -> bool:
@@ -93,6 +102,29 @@ def release_free_memory() -> bool:
     whether anything was released (False where there is no ``malloc_trim``)."""
     fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_MAX_MIB = 32  # glibc's upper bound on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+
+
+@functools.cache
+def _mallopt() -> Any:
+    """glibc's ``mallopt``."""
+    return _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+
+
+def set_mmap_threshold(mib: float) -> bool:
+    """Serve every C-heap block of at least ``mib`` MiB by its own ``mmap``, so that freeing
+    it hands its pages straight back to the kernel (glibc ``mallopt(M_MMAP_THRESHOLD)``; a
+    fixed threshold also turns off glibc's dynamic one, which climbs to 32 MiB after the first
+    such block is freed and from then on keeps every freed block under that size resident in
+    the heap until :func:`release_free_memory`). ``mib <= 0`` leaves glibc's default alone.
+    Returns whether the threshold was set (False: no glibc, or glibc refused the value)."""
+    if mib <= 0:
+        return False
+    fn = _mallopt()
+    return bool(fn(M_MMAP_THRESHOLD, int(mib * 1024**2))) if fn is not None else False
 
 
 def breakdown(parts: Mapping[str, Any]) -> dict[str, float]:

@@ -104,6 +104,10 @@ def main(argv: list[str]) -> int:
     if errs:
         return _report(errs)
     run_cfg = freeze(cfg)
+    # Before the big allocations: freed blocks of this size leave the heap (footprint).
+    from pmd_jax import footprint
+
+    footprint.set_mmap_threshold(run_cfg.train.malloc_mmap_threshold_mib)
     # Before anything compiles: a restarted run loads its programs from this cache.
     cache_dir = setup_compilation_cache(run_cfg.train)
     logging.getLogger("pmd_jax").info(

@@ -42,3 +42,56 @@ def test_release_free_memory_returns_freed_heap_pages():
 def test_release_free_memory_without_malloc_trim(monkeypatch):
     monkeypatch.setattr(footprint, "_malloc_trim", lambda: None)
     assert footprint.release_free_memory() is False
+
+
+_MMAP_PROBE = r"""
+import ctypes, json, sys
+from pmd_jax import footprint
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+class MI2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc.mallinfo2.restype = MI2
+mib = float(sys.argv[1])
+ok = footprint.set_mmap_threshold(mib)
+size = 4 << 20
+first = libc.malloc(size)  # above the default's initial 128 KiB: mmapped either way
+libc.free(first)  # glibc's dynamic threshold now rises above 4 MiB (without a fixed one)
+before = libc.mallinfo2().hblkhd
+p = libc.malloc(size)
+during = libc.mallinfo2().hblkhd
+libc.free(p)
+after = libc.mallinfo2().hblkhd
+print(json.dumps({"ok": ok, "mapped": during - before, "unmapped": during - after}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.parametrize("mib,mapped", [(1.0, True), (0.0, False)])
+def test_set_mmap_threshold_serves_large_blocks_by_mmap(mib, mapped):
+    """glibc's own accounting (mallinfo2's mmapped bytes), in a fresh process: with a fixed
+    1 MiB threshold a 4 MiB block is mmapped each time and unmapped on free; with glibc's
+    dynamic default (0: left alone) freeing the first such block raises the threshold, so the
+    second comes from the heap, where it stays resident once freed."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _MMAP_PROBE, str(mib)], check=True,
+                         capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["ok"] is mapped
+    if mapped:
+        assert r["mapped"] >= 4 << 20 and r["unmapped"] >= 4 << 20, r
+    else:
+        assert r["mapped"] == 0 and r["unmapped"] == 0, r
+
+
+def test_set_mmap_threshold_without_mallopt(monkeypatch):
+    monkeypatch.setattr(footprint, "_mallopt", lambda: None)
+    assert footprint.set_mmap_threshold(8.0) is False

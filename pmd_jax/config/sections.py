@@ -18,12 +18,15 @@ from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import DistillConfig
 from pmd_jax.fast_slow.config import FastSlowConfig
+from pmd_jax.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.sampling.backends import BACKENDS
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
 SAMPLERS: tuple[str, ...] = tuple(BACKENDS)  # sampling/backends.py registers them
+# train.malloc_mmap_threshold_mib (measured on the embedded default: README, "Host memory")
+MMAP_THRESHOLD_DEFAULT_MIB = 4.0
 
 
 def _need(errs: list[str], cond: bool, msg: str) -> None:
@@ -230,6 +233,11 @@ class TrainConfig(Section):
                                 "microbatches of this many rows inside one jitted step (grads "
                                 "summed with full-batch normalisation, one optimizer update); "
                                 "activation memory is that of one microbatch. 0 = off.")
+    malloc_mmap_threshold_mib: float = knob(
+        MMAP_THRESHOLD_DEFAULT_MIB, "Host memory (glibc): C-heap blocks of at least this many "
+        "MiB get their own mmap and go back to the kernel when freed, instead of staying "
+        "resident in the heap (footprint.set_mmap_threshold). Lower: a smaller peak RSS, "
+        "more page faults. 0 = glibc's dynamic default (up to 32 MiB).")
     compilation_cache_dir: str = knob(
         DEFAULT_COMPILATION_CACHE_DIR, "Persistent XLA compilation cache (jax's): a restarted "
         "run loads its compiled programs instead of compiling them again. '~' is expanded; "
@@ -248,6 +256,10 @@ class TrainConfig(Section):
         _need(errs, t.steps >= 0, "train.steps must be >= 0")
         _need(errs, t.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
         _need(errs, t.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
+        _need(errs, isinstance(t.malloc_mmap_threshold_mib, int | float)
+              and 0 <= t.malloc_mmap_threshold_mib <= MMAP_THRESHOLD_MAX_MIB,
+              f"train.malloc_mmap_threshold_mib must be in [0, {MMAP_THRESHOLD_MAX_MIB}] "
+              f"(glibc's bound; 0 = its dynamic default), got {t.malloc_mmap_threshold_mib!r}")
         return errs + compilation_cache_errors(t)
 
 

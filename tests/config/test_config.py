@@ -176,6 +176,19 @@ def test_max_batch_must_be_positive():
     assert _errors(c) == ["rollout.max_cache_gib must be >= 0 (0 = no budget), got -0.5"]
 
 
+def test_malloc_mmap_threshold_within_glibc_bounds():
+    for v in (-1.0, 33.0):
+        c = _sciq()
+        c.train.malloc_mmap_threshold_mib = v
+        assert _errors(c) == [
+            "train.malloc_mmap_threshold_mib must be in [0, 32] (glibc's bound; 0 = its "
+            f"dynamic default), got {v!r}"]
+    for v in (0, 0.5, 32):
+        c = _sciq()
+        c.train.malloc_mmap_threshold_mib = v
+        assert _errors(c) == []
+
+
 def test_prompt_budget_must_fit_the_model_context(tmp_path):
     c = _sciq()  # SmolLM2: 8192 positions, read from the GGUF header
     c.rollout.max_prompt_tokens = 8000
