@@ -107,7 +107,11 @@ def main(argv: list[str]) -> int:
     # Before the big allocations: freed blocks of this size leave the heap (footprint).
     from pmd_jax import footprint
 
-    footprint.set_mmap_threshold(run_cfg.train.malloc_mmap_threshold_mib)
+    mib = run_cfg.train.malloc_mmap_threshold_mib
+    if mib > 0 and not footprint.set_mmap_threshold(mib):
+        logging.getLogger("pmd_jax").warning(
+            "train.malloc_mmap_threshold_mib=%s not applied (no glibc mallopt here): freed "
+            "heap blocks stay resident until the trainer's trims", mib)
     # Before anything compiles: a restarted run loads its programs from this cache.
     cache_dir = setup_compilation_cache(run_cfg.train)
     logging.getLogger("pmd_jax").info(
