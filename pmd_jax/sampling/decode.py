@@ -4,7 +4,8 @@
 sampler of that model): ``prefill`` of one group of distinct prompts, ``empty`` +
 ``place_rows`` to assemble a decode batch from prefilled groups, ``decode_batch`` (the
 unconstrained ``while_loop`` decode), and the two per-token pieces of the host-driven
-grammar-constrained loop (``decode_logits``, ``sample_masked``). See ``jax_sampler``'s
+grammar-constrained loop (``decode_logits``, ``sample_masked``; ``grow_cache`` lengthens its
+cache as its rows go on). See ``jax_sampler``'s
 module docstring for the algorithm.
 """
 
@@ -122,6 +123,38 @@ def place_rows(cache: Any, logits: jax.Array, group_cache: Any, group_logits: ja
         "index": cache["index"],
     }
     return new, logits.at[dst].set(jnp.take(group_logits, src, axis=0), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("new_len",))
+def _pad_slots(x: jax.Array, new_len: int) -> jax.Array:
+    """``x`` with its slot axis (the last but one of K/V ``[..., S, hd]``; the last of a
+    ``[B, S]`` key mask) padded at the end to ``new_len``: empty, masked slots."""
+    axis = x.ndim - (1 if x.dtype == jnp.bool_ else 2)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, new_len - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def grow_cache(cache: Any, new_len: int) -> Any:
+    """The decode cache with ``new_len`` slots (more than it has): its slots unchanged, the
+    new ones empty and masked, so a decode over it attends to the same keys.
+
+    Array by array (one per layer with per-layer caches), each old array deleted once its
+    copy is made: the growth holds the new cache plus one old array, not two caches.
+    """
+    def grow(x: jax.Array) -> jax.Array:
+        y = _pad_slots(x, new_len)
+        y.block_until_ready()
+        x.delete()
+        return y
+
+    def grow_kv(kv: Any) -> Any:
+        if isinstance(kv, (list, tuple)):
+            return tuple(grow(x) for x in kv)
+        return grow(kv)
+
+    return {"k": grow_kv(cache["k"]), "v": grow_kv(cache["v"]), "mask": grow(cache["mask"]),
+            "index": cache["index"]}
 
 
 def decode_logits(params: Params, cache: Any, last: jax.Array, positions: jax.Array,

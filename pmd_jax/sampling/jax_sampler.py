@@ -416,15 +416,18 @@ class JaxSampler:
             grammar_seconds=grammar_s[0], prefill_groups=stats[0], prefill_positions=stats[1])
         return Rollouts(items, self.weights_version)  # type: ignore[arg-type]
 
-    def _fill_batch(self, chunk, rows, arrays, sp: SamplingParams, stats: list[int]):
-        """Prefill one batch's distinct prompts in groups and assemble its cache (the module
-        docstring's steps 1-2). Returns (cache, first-step logits, host arrays (prompt
-        lengths, prompt and sample indices, valid) and the prompt slots ``p_len`` (every
-        prompt ends at slot ``p_len - 1``), out_len)."""
+    def _fill_batch(self, chunk, rows, arrays, sp: SamplingParams, stats: list[int],
+                    reply_slots: int | None = None):
+        """Prefill one batch's distinct prompts in groups and assemble its cache (steps 1-2;
+        ``reply_slots`` after the prompts, default ``out_len``). Returns (cache, first-step
+        logits, host arrays (prompt lengths, prompt and sample indices, valid), the prompt
+        slots ``p_len`` (every prompt ends at slot ``p_len - 1``), out_len)."""
         b_real = len(chunk)
         b = row_bucket(b_real, self._batch_div)
         plen = max(len(arrays[rows[r][0]]) for r in chunk)
         p_max, cache_len, out_len = self._shapes(plen, sp.max_tokens)
+        if reply_slots is not None:
+            cache_len = min(cache_len, p_max + reply_slots)
         prompt_len = np.zeros((b,), np.int32)
         pidx = np.zeros((b,), np.int32)
         sidx = np.zeros((b,), np.int32)
@@ -487,8 +490,10 @@ class JaxSampler:
         it runs, then dispatch the masked sampling step with them.
         """
         llg_tok, grammar_text = engine
+        p_max, full_len, _ = self._shapes(max(len(arrays[rows[r][0]]) for r in chunk),
+                                          sp.max_tokens)
         cache, logits, (prompt_len, pidx, sidx, valid), p_len, out_len = self._fill_batch(
-            chunk, rows, arrays, sp, stats)
+            chunk, rows, arrays, sp, stats, reply_slots=CONSTRAINED_FIRST_REPLY)
         b, b_real = len(valid), len(chunk)
         end_ids = sp.stop_token_ids or tuple(int(i) for i in llg_tok.eos_tokens)
         tg = time.perf_counter()
@@ -521,6 +526,9 @@ class JaxSampler:
             lengths[live] = step + 1
             last = step + 1 >= max_tokens or bool(np.all(matcher.done | matcher.is_end(t_host)))
             if not last:  # the next forward runs while the host works on the grammar
+                slots = cache["mask"].shape[1]
+                if p_len + step >= slots:  # rows go on past the cache: twice its reply part
+                    cache = decode.grow_cache(cache, min(full_len, 2 * slots - p_max))
                 (pos,) = self._put((prompt_len + step)[:, None])
                 cache, logits = fns.step(self.params, cache, tok, pos,
                                          np.int32(p_len + step))
@@ -537,12 +545,15 @@ class JaxSampler:
 
 
 # The constrained loop hands the C heap's free pages back every this many tokens: what the
-# batch's prefill groups (their caches, temporaries, compiles) freed stays resident under the
-# whole token loop otherwise (pmd_jax.footprint). Measured on a behavior-round-shaped call
-# (8 prompts of 831-1,437 tokens, max_tokens 1536): RSS during the decode 3.17 -> 2.57 GiB,
-# the peak (at the prefill) unchanged. A trim walks the heap (tens of ms when fragmented),
-# about 1% of 32 decode steps.
+# batch's prefill groups (caches, temporaries, compiles) freed stays resident under the token
+# loop otherwise (pmd_jax.footprint). On a behavior-round-shaped call (8 prompts of 831-1,437
+# tokens, max_tokens 1536): RSS during the decode 3.17 -> 2.57 GiB, the peak (at the
+# prefill) unchanged. A trim walks the heap (tens of ms), about 1% of 32 decode steps.
 TRIM_EVERY = 32
+
+# Reply slots the constrained loop's cache starts with, doubled while rows go on
+# (decode.grow_cache): behavior rounds ask for 1,536 tokens; their replies took 79-513.
+CONSTRAINED_FIRST_REPLY = 512
 
 # Shapes each compiled program family has run (the plans treat them as free), per
 # (programs, decode path) and (programs, "prefill").

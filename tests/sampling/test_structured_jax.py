@@ -189,6 +189,42 @@ def test_constrained_loop_trims_the_heap_and_changes_no_token(sampler, tok, prom
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_growing_constrained_cache_changes_no_token(sampler, tok, prompts, monkeypatch,
+                                                    temperature):
+    """The constrained loop's cache starts with CONSTRAINED_FIRST_REPLY reply slots and grows
+    (decode.grow_cache) while rows go on; the tokens are those of the unconstrained decode,
+    whose cache holds every reply slot from the start, and the logprobs agree to float32
+    rounding (attention sums over more, masked, slots there: ~1 ulp, not bitwise)."""
+    from pmd_jax.sampling import decode, jax_sampler
+
+    grown = []
+    real = decode.grow_cache
+
+    def spy(cache, new_len):
+        grown.append((cache["mask"].shape[1], new_len))
+        out = real(cache, new_len)
+        assert all(x.is_deleted() for x in (*cache["k"], *cache["v"], cache["mask"]))
+        return out
+
+    monkeypatch.setattr(decode, "grow_cache", spy)
+    monkeypatch.setattr(jax_sampler, "CONSTRAINED_FIRST_REPLY", 8)
+    sp = _params(tok, n=2, temperature=temperature, max_tokens=70, seed=5)
+    free = sampler.generate(prompts, sp)
+    assert not grown
+    anyg = sampler.generate(prompts, sp, grammar=grammar_lib.Grammar.any_token(TOK_VOCAB))
+    steps = max(len(r.tokens) for r in anyg)
+    assert steps > 64 and sampler.last_metrics.batches == 1
+    # reply slots 8 -> 16 -> 32 -> 64 -> the full cache (out_len 96 after the prompt bucket)
+    p_max = grown[0][0] - 8
+    assert [new - p_max for _, new in grown] == [16, 32, 64, 96]
+    assert [old for old, _ in grown[1:]] == [new for _, new in grown[:-1]]
+    for a, b in zip(free, anyg, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert a.finish_reason == b.finish_reason
+
+
 # ----------------------------------------------------------------------------- (c) masking
 def _replay_allowed(llt, grammar_text: str, tokens, end_ids) -> np.ndarray:
     """[len, V] allowed-token masks of each step, from a fresh llguidance matcher fed the
