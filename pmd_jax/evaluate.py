@@ -136,4 +136,5 @@ def _retention(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
     return {"retention_accuracy": float(s["mean"]),
             "retention_accuracy_ci_low": float(s["ci_low"]),
             "retention_accuracy_ci_high": float(s["ci_high"]),
-            "retention_num_problems": len(rprobs), "retention_task": str(rtask.name)}
+            "retention_num_problems": len(rprobs), "retention_task": str(rtask.name),
+            "retention_prompt_style": str(getattr(rtask, "prompt_style", ""))}

@@ -11,7 +11,11 @@ sampling settings (``eval.*``); ``pmd_jax.evaluate`` reports ``retention_accurac
 initial policy.
 
 The set: ``eval.retention_task`` ('' picks an off-task default: SciQ for code runs, MMLU's
-science subjects for the others, SciQ for an MMLU run); every split the task has, pooled,
+science subjects for the others, SciQ for an MMLU run), asked in ``eval.retention_prompt_style``
+('' = the run's own ``task.prompt_style`` where the retention task has it: the embedded
+default trains SmolLM2-135M to write an option's text after an opened answer tag, and MMLU in
+its loader's default style, letters after reasoning, scored it 0 of 200 at every step, a floor
+that measures nothing); every split the task has, pooled,
 without repeated questions and without any question of the run's training or evaluation
 problems (compared on normalised question text, so a retention set drawn from the run's own
 task stays disjoint); then a draw of ``eval.retention_size`` seeded by
@@ -48,11 +52,42 @@ def retention_task_name(cfg: Any) -> str:
     return "mmlu_science"
 
 
+def _loader_styles(name: str) -> tuple[str, ...]:
+    """The prompt styles task ``name``'s loader takes (none if it takes no ``prompt_style``)."""
+    import inspect
+
+    from pmd_jax.tasks.registry import get_spec
+
+    spec = get_spec(name)
+    takes = "prompt_style" in inspect.signature(spec.load).parameters
+    return tuple(spec.prompt_styles) if takes else ()
+
+
+def retention_prompt_style(cfg: Any) -> str:
+    """The retention set's prompt style: ``eval.retention_prompt_style``, else the run's
+    ``task.prompt_style`` if the retention task has it, else '' (its loader's default)."""
+    style = str(getattr(cfg.eval, "retention_prompt_style", "") or "")
+    if style:
+        return style
+    run_style = str(getattr(cfg.task, "prompt_style", "") or "")
+    return run_style if run_style in _loader_styles(retention_task_name(cfg)) else ""
+
+
 def retention_config_errors(e: Any) -> list[str]:
     """Problems of the ``eval.retention*`` knobs (the eval section of a run config)."""
-    from pmd_jax.tasks.registry import get_spec, task_names
+    from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names
 
     errs: list[str] = []
+    style = getattr(e, "retention_prompt_style", "")
+    if not isinstance(style, str) or (style and style not in PROMPT_STYLES):
+        errs.append(f"eval.retention_prompt_style={style!r} must be '' (the run's "
+                    f"task.prompt_style where the retention task has it) or one of "
+                    f"{PROMPT_STYLES}")
+    elif style and e.retention_task in task_names() and style not in _loader_styles(
+            e.retention_task):
+        errs.append(f"eval.retention_prompt_style={style!r} is not a style of "
+                    f"eval.retention_task={e.retention_task!r} (it has "
+                    f"{_loader_styles(e.retention_task) or 'none'})")
     size, seed = e.retention_size, e.retention_seed
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         errs.append(f"eval.retention_size must be an int >= 1, got {size!r}")
@@ -116,16 +151,18 @@ def draw_retention_problems(task: Any, exclude: Iterable[Any], size: int,
 
 
 @functools.cache
-def _load(name: str) -> Any:
+def _load(name: str, prompt_style: str) -> Any:
     from pmd_jax.tasks.registry import get_task
 
-    return get_task(name)
+    return get_task(name, **({"prompt_style": prompt_style} if prompt_style else {}))
 
 
 def retention_set(cfg: Any, run_problems: Sequence[Any]) -> tuple[Any, list[Any]]:
     """(the retention task, its problems) for a run whose training and evaluation problems are
-    ``run_problems``. The task is loaded once per process, with its loader's defaults."""
-    task = _load(retention_task_name(cfg))
+    ``run_problems``. The task is loaded once per process, with its loader's defaults (the
+    same options and option order in every cell) but the prompt style
+    (:func:`retention_prompt_style`)."""
+    task = _load(retention_task_name(cfg), retention_prompt_style(cfg))
     e = cfg.eval
     return task, draw_retention_problems(task, run_problems, int(e.retention_size),
                                          int(e.retention_seed))

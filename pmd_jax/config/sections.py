@@ -282,6 +282,11 @@ class EvalConfig(Section):
     retention_task: str = knob("", "The retention set's task; '' = the default for the run's "
                                "task: SciQ for code runs, MMLU (mmlu_science) for the others "
                                "(FST / MEL measure forgetting on an unrelated benchmark).")
+    retention_prompt_style: str = knob(
+        "", "How the retention set is asked: '' = the run's task.prompt_style when the "
+        "retention task has that style (so a model trained to answer in one format is not "
+        "scored at the floor for another), else that task's default; or a style of it "
+        "(reasoning | direct | direct_text).")
     retention_size: int = knob(200, "Questions in the retention set (a seeded draw from the "
                                "retention task's evaluation split, the same in every run).")
     retention_seed: int = knob(0, "Seed of the retention draw (not the run seed: every cell of "
