@@ -21,8 +21,8 @@ Here, step by step (``lessons.run_step``, called by the trainer after verificati
    JSON schema ``memory/schemas.mel_reflection_schema`` in ``SamplingParams.json_schema``):
    ``split_point`` (a quoted span of the wrong rollout), ``critique``, ``lesson``; a
    malformed reply is counted (``mel_malformed``) and skipped; a split point that is not a
-   span of the wrong rollout is counted (``mel_quote_missing``) and dropped (or kept,
-   ``mel.keep_unquoted``);
+   span of the wrong rollout is counted (``mel_quote_missing``) and still replayed (the
+   paper's filter is the replay), or dropped with ``mel.keep_unquoted=False`` (ours);
 3. replay: ``mel.replays`` samples of the problem with the lesson in its prompt, verified by
    the task's verifier; the lesson is kept if one is right;
 4. loss: the lesson rows (``distill.batch.make_lesson_rows``: the problem's chat prompt, the
@@ -36,7 +36,8 @@ pairs per problem and per step are capped (``mel.max_pairs_per_problem=0`` and
 validation (an ablation). Ours, not the paper's, as far as its public text says: the lesson is
 the NLL target given the problem's prompt alone, the critique and split point are not trained
 on (issue 18 asks for the lesson's NLL; the paper's exact conditioning context and target were
-not in the public text we read), the reflection prompt wording, the quote check of the split
-point, and the context-length guards (``mel_reflect_too_long`` / ``mel_replay_too_long``).
+not in the public text we read), the reflection prompt wording, the optional quote check of
+the split point (``mel.keep_unquoted=False``), and the context-length guards
+(``mel_reflect_too_long`` / ``mel_replay_too_long``).
 The paper's NLL weight is taken as 1 (``mel.nll_weight``).
 """
