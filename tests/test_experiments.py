@@ -167,6 +167,7 @@ def test_drift_and_retention_table(tmp_path):
                                   "memory_behavior/generated_tokens": 3.0})
                 elif r["step"] == STEPS and mode == "pmd":  # as memory_only logs it
                     r["accuracy_with_memory"] = 0.25 + 0.5 * seed
+                    r.update(retention_task="mmlu_science", retention_prompt_style="direct_text")
                 elif r["step"] == STEPS:  # grpo: the final weights' own KL (eval.kl_final)
                     r["kl_policy_initial"] = kl[STEPS] = float(rng.random())
             (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -193,7 +194,9 @@ def test_drift_and_retention_table(tmp_path):
     units = np.concatenate([ret[Cell("pmd", 0)], ret[Cell("pmd", 1)]])
     assert rows["pmd"]["retention"]["accuracy"] == pytest.approx(units.mean())
     assert rows["pmd"]["retention"]["n_pairs"] == 12
+    assert rows["pmd"]["retention"]["task"] == ["mmlu_science (direct_text)"]
     md = (out / "comparison.md").read_text()
+    assert "| mmlu_science (direct_text) |" in md
     assert f"| grpo | 2 | {STEPS} |" in md and "not measured" in md
     assert f"{rows['pmd']['retention']['accuracy']:.3f}" in md
     assert (out / KL_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -95,8 +95,11 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
     rscores, rtask = None, ""
     if rpath.is_file():
         rscores = evaluation.load_results(rpath, name=cell.name).problem_scores()
-        rtask = next((str(r["retention_task"]) for r in reversed(recs)
-                      if r.get("kind") == "eval" and r.get("retention_task")), "")
+        rec = next((r for r in reversed(recs)
+                    if r.get("kind") == "eval" and r.get("retention_task")), {})
+        rtask = str(rec.get("retention_task", ""))
+        if rec.get("retention_prompt_style"):  # how it was asked (eval.retention_prompt_style)
+            rtask += f" ({rec['retention_prompt_style']})"
     last_eval = next((r for r in reversed(recs)
                       if r.get("kind") == "eval" and int(r.get("step", -1)) == step), {})
     in_prompt = next(((k, float(last_eval[k])) for k in IN_PROMPT_METRICS
