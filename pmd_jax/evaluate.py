@@ -31,7 +31,9 @@ def make_generate_fn(
     from pmd_jax.metrics import Progress
 
     e = cfg.eval
-    prefixes = prefix_by_text or {}
+    # by user text; a rewritten prompt (the memory's context replaces the user turn) is added
+    # under its new text, so it keeps its problem's response prefix
+    prefixes = dict(prefix_by_text or {})
     gen = TextGenerator(
         textgen.sampler,
         lambda conv: model.encode_prompt(conv, prefixes.get(user_text(conv), "")),
@@ -39,6 +41,7 @@ def make_generate_fn(
     )
 
     def generate(convs: list[Messages], n: int, seed: int) -> list[list[str]]:
+        pre = [prefixes.get(user_text(c), "") for c in convs]
         if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
             pids = pid_by_text or {}
             convs = [teacher_messages(c, memory.teacher_context(
@@ -48,6 +51,7 @@ def make_generate_fn(
             from pmd_jax.fast_slow.contexts import with_context
 
             convs = [with_context(c, context) for c in convs]
+        prefixes.update((user_text(c), p) for c, p in zip(convs, pre, strict=True))
         sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
                             max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
                             seed=int(seed))
@@ -64,8 +68,7 @@ def make_generate_fn(
 
         texts = gen.generate_texts(convs, sp, progress=progress)
         prog.close()
-        return [[prefixes.get(user_text(c), "") + t for t in ts]
-                for c, ts in zip(convs, texts, strict=True)]
+        return [[p + t for t in ts] for p, ts in zip(pre, texts, strict=True)]
 
     return generate
 
