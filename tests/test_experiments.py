@@ -160,8 +160,9 @@ def test_drift_and_retention_table(tmp_path):
             for r in recs:
                 if r["kind"] == "train":
                     r["kl_policy_initial"] = kl[r["step"]]
-                    # 3 problems of 4 (one skipped) x n=2 rollouts of 10 tokens: 60 per step
-                    r.update(response_tokens_mean=10.0, skipped_long_prompts=1.0)
+                    # 4 problems x n=2 rollouts of 10 tokens: 80 per step (a skipped
+                    # over-long prompt is replaced; the counter is the run's running total)
+                    r.update(response_tokens_mean=10.0, skipped_long_prompts=float(r["step"]))
                     if mode == "pmd" and seed == 0:  # seed 1 ran before the counter
                         r.update({"memory_generated_tokens": 7.0,
                                   "memory_behavior/generated_tokens": 3.0})
@@ -205,15 +206,15 @@ def test_drift_and_retention_table(tmp_path):
                                         "accuracy": 0.5}
     assert "| pmd | accuracy_with_memory | 2 | 0.500 |" in md
     # generated tokens: rollouts for both, the memory's reflections for pmd only
-    assert rows["grpo"]["tokens"] == {"rollouts": 60.0 * STEPS}
+    assert rows["grpo"]["tokens"] == {"rollouts": 80.0 * STEPS}
     # pmd: the memory counter only on seed 0, so the total is seed 0's, never a mean with a
     # missing kind counted as 0 (which would put the total below its memory part)
-    assert rows["pmd"]["tokens"] == {"rollouts": 60.0 * STEPS, "memory": 10.0 * STEPS}
+    assert rows["pmd"]["tokens"] == {"rollouts": 80.0 * STEPS, "memory": 10.0 * STEPS}
     assert rows["pmd"]["tokens_seeds"] == {"rollouts": 2, "memory": 1}
-    assert (rows["pmd"]["tokens_total"], rows["pmd"]["tokens_total_seeds"]) == (70.0 * STEPS, 1)
-    assert f"| grpo | {60 * STEPS:,} | - | - | - | {60 * STEPS:,} |" in md
-    assert (f"| pmd | {60 * STEPS:,} | {10 * STEPS:,} (1 of 2 seeds) | - | - | "
-            f"{70 * STEPS:,} (1 of 2 seeds) |") in md
+    assert (rows["pmd"]["tokens_total"], rows["pmd"]["tokens_total_seeds"]) == (90.0 * STEPS, 1)
+    assert f"| grpo | {80 * STEPS:,} | - | - | - | {80 * STEPS:,} |" in md
+    assert (f"| pmd | {80 * STEPS:,} | {10 * STEPS:,} (1 of 2 seeds) | - | - | "
+            f"{90 * STEPS:,} (1 of 2 seeds) |") in md
 
 
 def test_report_lists_a_missing_cell(grid):

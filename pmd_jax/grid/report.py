@@ -59,7 +59,9 @@ TOKEN_METRICS: dict[str, tuple[str, ...]] = {
 
 def generated_tokens(recs: Sequence[dict], config: dict) -> dict[str, float]:
     """Tokens a cell generated outside evaluation, by purpose: ``rollouts`` (each step's mean
-    response length x its rollouts: (problems - skipped) x rollout.n) and each
+    response length x its rollouts: problems_per_step x rollout.n; a problem skipped for its
+    prompt's length is replaced by the next, and ``skipped_long_prompts`` is the run's running
+    count, not the step's) and each
     :data:`TOKEN_METRICS` group the run logged (a group it never logged is absent: older
     runs did not count reflection tokens)."""
     ro = config.get("rollout", {})
@@ -68,8 +70,7 @@ def generated_tokens(recs: Sequence[dict], config: dict) -> dict[str, float]:
     for r in recs:
         if r.get("kind") != "train":
             continue
-        rows = (per_step - float(r.get("skipped_long_prompts", 0.0))) * n
-        out["rollouts"] += float(r.get("response_tokens_mean", 0.0)) * rows
+        out["rollouts"] += float(r.get("response_tokens_mean", 0.0)) * per_step * n
         for group, keys in TOKEN_METRICS.items():
             vals = [r[k] for k in keys if isinstance(r.get(k), int | float)]
             if vals:
