@@ -448,3 +448,49 @@ def test_warm_pool_sandboxes_are_single_use():
         assert r3.status == "timeout"
     finally:
         pool.close()
+
+
+
+def _charged_slots() -> dict[int, str]:
+    """Slot cgroups of this process whose pids counter is not zero."""
+    from pmd_jax.tasks.sandbox.cgroups import Cgroup
+
+    out = {}
+    for uid, cg in Cgroup._by_uid.items():
+        if "pids" in cg.dirs:
+            n = (cg.dirs["pids"] / "pids.current").read_text().strip()
+            if n != "0":
+                out[uid] = n
+    return out
+
+
+def test_runs_in_a_row_leave_nothing_charged():
+    """Every run must be reaped by the time it returns, however it ended. bwrap's own namespace
+    init used to be left a zombie of the host's pid 1 at every run (and, after that fix, at
+    every killed run: timeout, output limit, warm-pool job done), charged to the slot cgroup's
+    pids.max until pid 1 reaped it; where pid 1 reaps late, the 21st run in a row failed with
+    "bwrap: Can't fork for pid 1" (seen in CI). More runs than the pids limit, then kills."""
+    if not nproc_contained() or BACKEND == "rlimits":
+        pytest.skip("no pid namespace or no cgroup pids counter here")
+    base = _charged_slots()
+    for i in range(LIM.nproc + 8 + 6):
+        r = run(f"print({i})")
+        assert (r.status, r.stdout) == ("ok", f"{i}\n".encode()), (i, r.status, r.stderr)
+        assert _charged_slots() == base, i
+    quick = dataclasses.replace(LIM, wall_s=0.5)
+    for i in range(3):
+        r = run("while True:\n    pass", limits=quick)
+        assert r.status == "timeout", (r.status, r.stderr)
+        r = run("import sys\nwhile True:\n    sys.stdout.write('y'*65536)")
+        assert r.status == "output_limit", (r.status, r.stderr)
+        assert _charged_slots() == base, i
+    pool = sandbox.WarmPool("import sys\nexec(sys.stdin.read())", None, LIM, size=2)
+    try:
+        for i in range(LIM.nproc + 8 + 6):
+            marker = f"done-{uuid.uuid4().hex}"
+            job = f"print({i})\nprint({marker!r}, flush=True)\nimport time\ntime.sleep(30)"
+            r = pool.run(job.encode(), done_marker=marker.encode())
+            assert r.status == "ok" and r.stdout.startswith(f"{i}\n".encode()), (i, r)
+    finally:
+        pool.close()
+    assert _charged_slots() == base

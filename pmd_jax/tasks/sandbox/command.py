@@ -166,6 +166,13 @@ def _setpriv_args(uid: int) -> list[str]:
     ]
 
 
+def _init_shell(argv: list[str]) -> list[str]:
+    """A shell as the pid namespace's init, running ``argv`` as pid 2 and exiting with its
+    status: the kernel does not deliver SIGXCPU / SIGKILL-on-hard-limit to a namespace's
+    init, and the program cannot signal its init from inside the namespace."""
+    return ["/bin/sh", "-c", '"$@"; exit $?', "sh", *argv]
+
+
 def build_command(
     backend: str,
     argv: list[str],
@@ -198,15 +205,20 @@ def build_command(
         for k, v in {**_SANDBOX_ENV, "HOME": "/sandbox", "TMPDIR": "/tmp"}.items():
             env_args += ["--setenv", k, v]
         cmd += env_args
+        # --as-pid-1 with a shell as the namespace's init: bwrap's own init would be left a
+        # zombie of the host's pid 1 at every run (the outer bwrap exits on the status the
+        # init reports, without reaping it), and each such zombie stays charged to the slot
+        # cgroup's pids.max until pid 1 reaps it; where pid 1 reaps late (containers, VMs),
+        # about 20 runs in a row failed with "bwrap: Can't fork for pid 1". Now the outer
+        # bwrap waits for its one child, the shell, which the kernel reaps its namespace for.
+        cmd.append("--as-pid-1")
         if root:
-            cmd += ["--", *_setpriv_args(uid), *argv]  # type: ignore[arg-type]
+            cmd += ["--", *_setpriv_args(uid), *_init_shell(argv)]  # type: ignore[arg-type]
         else:
-            cmd += ["--unshare-user", "--disable-userns", "--", *argv]
+            cmd += ["--unshare-user", "--disable-userns", "--", *_init_shell(argv)]
         return cmd, None, {}
     env = {**_SANDBOX_ENV, "HOME": work_dir, "TMPDIR": work_dir}
     if backend == "unshare":
-        # a shell is the namespace's pid 1 and runs the program as pid 2: the kernel does not
-        # deliver SIGXCPU / SIGKILL-on-hard-limit to a pid-namespace init
         cmd = [
             UNSHARE or "unshare",
             "--net",
@@ -219,11 +231,7 @@ def build_command(
             "--mount-proc",
             "--",
             *_setpriv_args(uid),  # type: ignore[arg-type]
-            "/bin/sh",
-            "-c",
-            '"$@"; exit $?',
-            "sh",
-            *argv,
+            *_init_shell(argv),
         ]
         return cmd, work_dir, env
     if backend == "rlimits":

@@ -89,7 +89,7 @@ def start(
 
 def cleanup(st: Started) -> None:
     """Kill whatever is left of a run and release its uid and files."""
-    kill_tree(st.proc)
+    kill_tree(st.proc, st.backend)
     with contextlib.suppress(ChildProcessError, OSError):
         if st.proc.returncode is None:
             os.waitpid(st.proc.pid, 0)
@@ -209,18 +209,18 @@ def _communicate(
             if over or completed:
                 break
         if over or timed_out or completed:
-            kill_tree(proc)
+            kill_tree(proc, backend)
         rc, cpu = wait(proc, max(0.5, deadline - time.monotonic() + 1.0))
         if rc is None:
             timed_out = True
-            kill_tree(proc)
+            kill_tree(proc, backend)
             rc, cpu = wait(proc, None)
     finally:
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             with contextlib.suppress(OSError):
                 f.close()
-        kill_tree(proc)
+        kill_tree(proc, backend)
     wall = time.monotonic() - t0
     if completed:
         return ExecResult(
@@ -279,7 +279,34 @@ def wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int | None, flo
         delay = min(delay * 2, 0.02)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+_INIT_EXIT_GRACE_S = 2.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def kill_tree(proc: subprocess.Popen, backend: str = "") -> None:
+    """SIGKILL a run. With a pid namespace (bwrap, unshare) the started process's one child is
+    the namespace's init: it is killed first (which kills the namespace) and the started process,
+    which waits for it, is given up to ``_INIT_EXIT_GRACE_S`` to reap it and exit by itself.
+    Killing the started process first orphans that init to the host's pid 1, and its zombie
+    stays charged to the slot cgroup's pids limit until pid 1 reaps it, which in containers and
+    VMs can be never: about 20 such kills in a row and the slot could not start a run."""
+    if backend in ("bwrap", "unshare") and proc.returncode is None and not _has_exited(proc.pid):
+        kids = _children(proc.pid)
+        for k in kids:
+            with contextlib.suppress(OSError):
+                os.kill(k, signal.SIGKILL)
+        end = time.monotonic() + _INIT_EXIT_GRACE_S
+        delay = 0.0005
+        while kids and not _has_exited(proc.pid) and time.monotonic() < end:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
     with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
