@@ -52,15 +52,11 @@ def retention_task_name(cfg: Any) -> str:
     return "mmlu_science"
 
 
-def _loader_styles(name: str) -> tuple[str, ...]:
-    """The prompt styles task ``name``'s loader takes (none if it takes no ``prompt_style``)."""
-    import inspect
-
+def _task_styles(name: str) -> tuple[str, ...]:
+    """The prompt styles task ``name`` has (none for the code tasks)."""
     from pmd_jax.tasks.registry import get_spec
 
-    spec = get_spec(name)
-    takes = "prompt_style" in inspect.signature(spec.load).parameters
-    return tuple(spec.prompt_styles) if takes else ()
+    return tuple(get_spec(name).prompt_styles)
 
 
 def retention_prompt_style(cfg: Any) -> str:
@@ -70,7 +66,7 @@ def retention_prompt_style(cfg: Any) -> str:
     if style:
         return style
     run_style = str(getattr(cfg.task, "prompt_style", "") or "")
-    return run_style if run_style in _loader_styles(retention_task_name(cfg)) else ""
+    return run_style if run_style in _task_styles(retention_task_name(cfg)) else ""
 
 
 def retention_config_errors(e: Any) -> list[str]:
@@ -83,11 +79,11 @@ def retention_config_errors(e: Any) -> list[str]:
         errs.append(f"eval.retention_prompt_style={style!r} must be '' (the run's "
                     f"task.prompt_style where the retention task has it) or one of "
                     f"{PROMPT_STYLES}")
-    elif style and e.retention_task in task_names() and style not in _loader_styles(
+    elif style and e.retention_task in task_names() and style not in _task_styles(
             e.retention_task):
         errs.append(f"eval.retention_prompt_style={style!r} is not a style of "
                     f"eval.retention_task={e.retention_task!r} (it has "
-                    f"{_loader_styles(e.retention_task) or 'none'})")
+                    f"{_task_styles(e.retention_task) or 'none'})")
     size, seed = e.retention_size, e.retention_seed
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         errs.append(f"eval.retention_size must be an int >= 1, got {size!r}")

@@ -272,8 +272,6 @@ def _path_task_errors(c: Any) -> list[str]:
     if name == "sciknoweval":
         errs += mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
                                         t.sciknoweval_type)[1]
-    if name == "jsonl_math" and t.prompt_style not in ("reasoning", "direct"):
-        errs.append(f"task.prompt_style={t.prompt_style!r}: jsonl_math has 'reasoning' or 'direct'")
     if name in jsonl_schema.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
         errs.append(f"task.valid_size={t.valid_size!r} must be an integer >= 0 (0 = use "
                     "task.valid_fraction)")

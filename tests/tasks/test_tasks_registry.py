@@ -22,6 +22,21 @@ def test_spec_kwargs_bind_to_the_loader(name):
         kw["path"] = "x.jsonl"
     inspect.signature(spec.load).bind(**kw)
     assert set(spec.prompt_styles) <= set(registry.PROMPT_STYLES)
+    assert bool(spec.prompt_styles) == ("prompt_style" in kw), (name, spec.prompt_styles)
+
+
+def test_register_refuses_styles_its_loader_does_not_take():
+    def load(seed: int = 0):  # noqa: ARG001 - a loader without prompt_style
+        raise AssertionError("not called")
+
+    with pytest.raises(TaskError, match="takes no prompt_style"):
+        registry.register_task(registry.TaskSpec("styled_but_not", load))
+    assert "styled_but_not" not in registry.task_names()
+    registry.register_task(registry.TaskSpec("plain_code_like", load, prompt_styles=()))
+    try:
+        assert "plain_code_like" in registry.task_names()
+    finally:
+        registry._REGISTRY.pop("plain_code_like")
 
 
 def test_names_and_path_tasks():
