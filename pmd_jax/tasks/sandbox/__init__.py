@@ -31,7 +31,11 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
     every process of that uid. No network isolation. Used only when nothing else works.
 
 Processes are confined to a pid namespace in the first two backends, so daemons (double
-fork, setsid) die with the namespace when the run ends. After every run, whatever is left in
+fork, setsid) die with the namespace when the run ends. There a shell is the namespace's init
+and the program is its pid 2 (bwrap with ``--as-pid-1``, not bwrap's own init), and a kill
+stops that init first, so the started process reaps it: a zombie left to the host's pid 1
+would stay charged to the slot cgroup's pids limit until pid 1 reaped it, which in containers
+and VMs is late or never. After every run, whatever is left in
 the run's cgroup (or, without cgroups, every process of the run's uid) is killed. The temp
 directories and cgroups name their owner, so those of a host process that was SIGKILLed are
 swept at the next process's first sandbox start (``sweep``).
