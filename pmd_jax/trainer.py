@@ -56,6 +56,9 @@ log = logging.getLogger("pmd_jax")
 __all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by older checkpoints
 
 
+# the training progress line: (name shown, step metric)
+_PROGRESS_FIELDS = (("reward", "reward_mean"), ("loss", "loss"), ("s_per_step", "time_step"))
+
 class Trainer:
     # ------------------------------------------------------------------ start-up
     def __init__(self, cfg: Any) -> None:
@@ -173,12 +176,8 @@ class Trainer:
         while self.step < cfg.train.steps:
             metrics = self.train_one_step()
             self.step += 1
-            prog.update(
-                1,
-                reward=metrics.get("reward_mean", float("nan")),
-                loss=metrics.get("loss", float("nan")),
-                s_per_step=metrics.get("time_step", float("nan")),
-            )
+            # what the step logged (no loss in pmd_frozen_policy / memory_only: no update)
+            prog.update(1, **{k: metrics[m] for k, m in _PROGRESS_FIELDS if m in metrics})
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
             if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:

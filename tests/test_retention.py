@@ -205,6 +205,9 @@ def test_memory_only_keeps_the_weights_and_reports_retention(tmp_path: Path):
     train = [r for r in recs if r["kind"] == "train"]
     assert [r["step"] for r in train] == [0, 1]
     assert train[-1]["memory_experiences"] == 8  # the memory evolved: 2 steps x 2 x 2
+    # no update, so no loss: the progress line shows none (it showed loss=nan)
+    steps = [ln for ln in p.stderr.splitlines() if "train 2/2" in ln]
+    assert steps and "reward=" in steps[-1] and "loss" not in steps[-1], steps
     (ev,) = [r for r in recs if r["kind"] == "eval"]
     assert ev["step"] == 2 and "accuracy_with_memory" in ev
     assert ev["retention_task"] == "mmlu_science" and ev["retention_num_problems"] == 2
