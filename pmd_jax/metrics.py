@@ -35,8 +35,8 @@ class NoMetrics:
     def write(self, kind: str, step: int, values: Any) -> None:
         pass
 
-    def truncate_after(self, step: int) -> None:
-        pass
+    def truncate_after(self, step: int) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -76,10 +76,14 @@ class MetricsWriter:
                 if s is not None and not isinstance(v, str | bool) and math.isfinite(s):
                     self._tb.add_scalar(f"{kind}/{k}", s, int(step))
 
-    def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (used on resume, so a replayed step is not logged twice)."""
-        keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        self._fh.rewrite(keep)
+    def truncate_after(self, step: int) -> int:
+        """Drop records past ``step`` (used on resume, so a replayed step is not logged twice);
+        returns how many were dropped."""
+        old = read_metrics(self.path)
+        keep = [r for r in old if r.get("step", 0) <= step]
+        if len(keep) < len(old):
+            self._fh.rewrite(keep)
+        return len(old) - len(keep)
 
     def close(self) -> None:
         self._fh.close()

@@ -491,10 +491,15 @@ class Trainer:
             f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
 
     def _restore(self) -> None:
-        if not self.cfg.resume:
-            return
-        restored = self.ckpt.restore_latest(self.state)
+        restored = self.ckpt.restore_latest(self.state) if self.cfg.resume else None
         if restored is None:
+            # the run starts at step 0: records of an earlier attempt in this run directory
+            # that left no checkpoint would otherwise stay beside the new ones (the grid's
+            # restarted cells logged their step-0 evaluation twice)
+            dropped = self.metrics.truncate_after(-1)
+            if dropped:
+                log.warning("starting at step 0: dropped %d metrics records of an earlier "
+                            "attempt in %s that left no checkpoint", dropped, self.run_dir)
             return
         self.state, extras = restored
         self.step = int(extras["step"])

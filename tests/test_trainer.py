@@ -218,3 +218,21 @@ def test_compilation_cache_option(tmp_path: Path):
     assert run("~/xla", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="3") == [
         str(tmp_path / "env"), 3.0, 2 * 2**30]
+
+
+def test_a_run_from_step_0_drops_an_earlier_attempts_records(tmp_path: Path):
+    """A run directory whose earlier attempt died before its first checkpoint: the new run
+    starts at step 0 and its metrics.jsonl holds the new run's records only (the grid's
+    restarted cells had logged their step-0 evaluation twice)."""
+    run = tmp_path / "restarted"
+    run.mkdir()
+    stale = [{"kind": "eval", "step": 0, "accuracy": 0.99, "stale": True},
+             {"kind": "train", "step": 0, "loss": 9.0, "stale": True}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    p = subprocess.run(_cmd(run, "--config.train.steps=1"), cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    assert not any(r.get("stale") for r in recs), recs
+    assert [(r["kind"], r["step"]) for r in recs] == [("train", 0)]
+    assert "dropped 2 metrics records of an earlier attempt" in p.stderr
