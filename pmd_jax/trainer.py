@@ -59,6 +59,7 @@ __all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by old
 # the training progress line: (name shown, step metric)
 _PROGRESS_FIELDS = (("reward", "reward_mean"), ("loss", "loss"), ("s_per_step", "time_step"))
 
+
 class Trainer:
     # ------------------------------------------------------------------ start-up
     def __init__(self, cfg: Any) -> None:

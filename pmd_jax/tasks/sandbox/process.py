@@ -10,13 +10,17 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pmd_jax.tasks.sandbox import sweep
 from pmd_jax.tasks.sandbox.base import ExecResult, Limits, SandboxError
 from pmd_jax.tasks.sandbox.cgroups import Cgroup, cgroup_bases
 from pmd_jax.tasks.sandbox.command import build_command, interpreter_for, prlimit_args
 from pmd_jax.tasks.sandbox.uids import acquire_uid, release_uid
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -262,19 +266,30 @@ def wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int | None, flo
     The rusage of a reaped child includes its descendants that were reaped in turn (bwrap and
     unshare reap theirs), so CPU-limit kills are recognised in every backend.
     """
+    def reaped() -> tuple[int, float] | None:
+        try:
+            pid, status, ru = os.wait4(proc.pid, 0 if timeout is None else os.WNOHANG)
+        except ChildProcessError:
+            return (proc.returncode if proc.returncode is not None else -9), 0.0
+        if not pid:
+            return None
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, ru.ru_utime + ru.ru_stime
+
+    return _poll(reaped, timeout) or (None, 0.0)
+
+
+def _poll(check: Callable[[], T | None], timeout: float | None) -> T | None:
+    """``check()`` until it returns something other than None, sleeping 0.5 ms doubling to
+    20 ms between calls; None once ``timeout`` seconds have passed (None: no timeout)."""
     end = None if timeout is None else time.monotonic() + timeout
     delay = 0.0005
     while True:
-        try:
-            pid, status, ru = os.wait4(proc.pid, 0 if end is None else os.WNOHANG)
-        except ChildProcessError:
-            return (proc.returncode if proc.returncode is not None else -9), 0.0
-        if pid:
-            rc = os.waitstatus_to_exitcode(status)
-            proc.returncode = rc
-            return rc, ru.ru_utime + ru.ru_stime
+        r = check()
+        if r is not None:
+            return r
         if end is not None and time.monotonic() >= end:
-            return None, 0.0
+            return None
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
 
@@ -302,11 +317,8 @@ def kill_tree(proc: subprocess.Popen, backend: str = "") -> None:
         for k in kids:
             with contextlib.suppress(OSError):
                 os.kill(k, signal.SIGKILL)
-        end = time.monotonic() + _INIT_EXIT_GRACE_S
-        delay = 0.0005
-        while kids and not _has_exited(proc.pid) and time.monotonic() < end:
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        if kids:
+            _poll(lambda: _has_exited(proc.pid) or None, _INIT_EXIT_GRACE_S)
     with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
