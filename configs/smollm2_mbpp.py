@@ -26,6 +26,10 @@ def get_config():
     c.rollout.max_prompt_tokens = 512
     c.rollout.max_tokens = 192
     c.rollout.max_cache_gib = 1.0  # one batch's KV cache (a 16 GB laptop runs this)
+    # One prefill call of several prompts holds at most 2,048 padded positions (ours): on the
+    # 2-core CPU a (64, 512) group held 1.5 GiB of temporaries beside its 1.4 GiB cache,
+    # and smaller groups ran faster per token (3.1 ms at 4 x 512, 3.6 at 16 x 512).
+    c.rollout.max_prefill_tokens = 2048
     c.teacher_prompt.include_feedback = True
     c.teacher_prompt.max_tokens = 1536
     c.train.steps = 20

@@ -157,6 +157,10 @@ class RolloutConfig(Section):
     max_cache_gib: float = knob(0.0, "In-process sampler: KV cache budget of one batch in GiB "
                                 "(padded rows x cache slots; the batch plan splits larger "
                                 "batches, never a single row); 0 = no budget.")
+    max_prefill_tokens: int = knob(8192, "In-process sampler: most padded token positions "
+                                   "(rows x length) in one prefill call of several prompts (a "
+                                   "prompt alone is never split); bounds the call's memory "
+                                   "(its cache, activations, attention scores). 0 = no cap.")
     max_context: int = knob(0, "Prompt + generation limit (0 = the model's context length).")
     retries: int = knob(3, "Sampler request retries.")
     overlap: bool = knob(False, "Sample step k+1's rollouts in a background thread while step "
@@ -178,6 +182,8 @@ class RolloutConfig(Section):
         _need(errs, r.max_batch >= 1, f"rollout.max_batch must be >= 1, got {r.max_batch}")
         _need(errs, r.max_cache_gib >= 0,
               f"rollout.max_cache_gib must be >= 0 (0 = no budget), got {r.max_cache_gib}")
+        _need(errs, r.max_prefill_tokens >= 0, "rollout.max_prefill_tokens must be >= 0 "
+              f"(0 = no cap), got {r.max_prefill_tokens}")
         _need(errs, r.max_prompt_tokens >= 1,
               f"rollout.max_prompt_tokens must be >= 1, got {r.max_prompt_tokens}")
         _need(errs, r.max_context >= 0,

@@ -19,6 +19,7 @@ def _jax(cfg: Any, model: Any, max_len: int) -> Any:
     return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
                       max_len=max_len, pad_id=model.pad_id, max_batch=cfg.rollout.max_batch,
                       max_cache_gib=cfg.rollout.max_cache_gib or None,
+                      max_prefill_tokens=cfg.rollout.max_prefill_tokens or None,
                       tokenizer=model.tokenizer)
 
 

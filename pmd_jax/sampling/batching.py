@@ -128,16 +128,26 @@ def plan_batches(
 
 
 def plan_prefill_groups(lengths: Sequence[int], max_rows: int, *, divisor: int = 1,
-                        limit: int | None = None,
+                        limit: int | None = None, max_tokens: int | None = None,
                         compiled: Collection[tuple[int, ...]] = (),
                         cost: CostModel = GROUP_COST) -> list[tuple[int, int, int, int]]:
     """Cut a batch's distinct prompts (``lengths`` ascending) into prefill groups:
     ``[(start, end, padded rows, padded length), ...]``, lengths ``prefill_length`` capped
-    at ``limit`` (the batch's prompt slots). ``compiled`` holds ``(rows, length)`` keys."""
+    at ``limit`` (the batch's prompt slots). ``compiled`` holds ``(rows, length)`` keys.
+
+    ``max_tokens``: no group of several prompts holds more than this many padded token
+    positions (rows x length; a prompt alone is never split). A group's memory grows with
+    its positions: its cache, its activations and, below the chunked-attention threshold,
+    its float32 scores (x its length); see ``rollout.max_prefill_tokens``."""
     def shape(rows: int, longest: int) -> tuple[int, int]:
         p = prefill_length(longest)
         return rows, p if limit is None else min(p, limit)
 
+    def group_cost(i: int, j: int, rows: int, key: tuple[int, ...]) -> float:
+        if max_tokens and j - i > 1 and rows * key[1] > max_tokens:
+            return float("inf")
+        return rows * key[1]
+
     plan = plan_batches(lengths, max_rows, shape, 1, divisor=divisor, compiled=compiled,
-                        cost=cost)
+                        cost=cost, batch_cost=group_cost)
     return [(s, e, *shape(row_bucket(e - s, divisor), lengths[e - 1])) for s, e in plan]

@@ -148,6 +148,22 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int] | None
         raise SamplerError(f"llguidance cannot use this tokenizer: {e}") from e
 
 
+_LLG_TOKENIZERS: dict[tuple[int, int, Any], tuple[Any, Any]] = {}
+
+
+def llg_tokenizer_cached(tokenizer: Any, vocab_size: int, eos_ids: Any) -> Any:
+    """``llg_tokenizer``, built once per (tokenizer object, vocab, EOS ids)."""
+    key = (id(tokenizer), int(vocab_size), eos_ids)
+    hit = _LLG_TOKENIZERS.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    llt = llg_tokenizer(tokenizer, vocab_size, eos_ids)
+    if len(_LLG_TOKENIZERS) >= 8:
+        _LLG_TOKENIZERS.pop(next(iter(_LLG_TOKENIZERS)))
+    _LLG_TOKENIZERS[key] = (tokenizer, llt)
+    return llt
+
+
 def compile_grammar(grammar: Grammar, tok: Any) -> str:
     """The checked llguidance grammar text of ``grammar`` for tokenizer ``tok``.
 

@@ -116,6 +116,8 @@ class JaxSampler:
       max_cache_gib: KV cache budget of one batch (padded rows x cache slots), in GiB; the
         plan splits a batch that would hold more (one row alone is never split). None or 0:
         no budget.
+      max_prefill_tokens: most padded token positions (rows x length) in one prefill call
+        of several prompts; a prompt alone is never split. None or 0: no cap.
       cache_dtype: KV cache dtype (default: the compute dtype).
       unstack_layers: keep the weights as separate per-layer arrays and decode with a loop
         over layers (default; one extra copy of the layer weights). On a loaded 2-core CPU the
@@ -140,6 +142,7 @@ class JaxSampler:
         *,
         max_batch: int = 64,
         max_cache_gib: float | None = None,
+        max_prefill_tokens: int | None = None,
         cache_dtype: Any = None,
         unstack_layers: bool = True,
         tokenizer: Any = None,
@@ -154,6 +157,10 @@ class JaxSampler:
             raise SamplerError(f"max_batch must be >= 1, got {max_batch}")
         if max_cache_gib is not None and max_cache_gib < 0:
             raise SamplerError(f"max_cache_gib must be >= 0 (0 = no budget), got {max_cache_gib}")
+        if max_prefill_tokens is not None and max_prefill_tokens < 0:
+            raise SamplerError(f"max_prefill_tokens must be >= 0 (0 = no cap), got "
+                               f"{max_prefill_tokens}")
+        self.max_prefill_tokens = int(max_prefill_tokens or 0) or None
         self.pad_id = int(pad_id)
         self.mesh = mesh
         if rules is not None and not isinstance(rules, ShardingRules):
@@ -210,7 +217,7 @@ class JaxSampler:
                 f"cannot constrain to {grammar.describe()}: this JaxSampler has no tokenizer "
                 "(pass tokenizer= or call set_tokenizer)")
         if self._llg_tok is None:
-            self._llg_tok = _llg_tokenizer_cached(self._tokenizer, self.cfg.vocab_size,
+            self._llg_tok = grammar_lib.llg_tokenizer_cached(self._tokenizer, self.cfg.vocab_size,
                                                   self._eos_ids)
         text = self._grammars.get(grammar)
         if text is None:
@@ -387,6 +394,8 @@ class JaxSampler:
             seen.add((row_bucket(end - start, self._batch_div),
                       *self._shapes(lengths[end - 1], params.max_tokens)))
             if engine is None:
+                if pending:  # one batch in flight: its KV cache is freed before the next's
+                    jax.block_until_ready(pending[-1][1])
                 pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars,
                                                     stats)))
             else:
@@ -439,7 +448,8 @@ class JaxSampler:
         distinct = sorted(users, key=lambda q: len(arrays[q]))
         seen = _SHAPES_RUN.setdefault((id(self._fns), "prefill"), set())
         groups = plan_prefill_groups([len(arrays[q]) for q in distinct], self.max_batch,
-                                     divisor=self._batch_div, limit=p_max, compiled=seen)
+                                     divisor=self._batch_div, limit=p_max,
+                                     max_tokens=self.max_prefill_tokens, compiled=seen)
         p_len = max(g_len for *_, g_len in groups)
         fns = self._fns
         cache, logits = fns.empty(self.params, b=b, cache_len=cache_len)
@@ -581,20 +591,3 @@ def _batch_cost(prompts: Sequence[int], lengths: Sequence[int], max_slots: int |
         return pre[j] - pre[i] + head + CACHE_SLOT_STEP * key[3] * rows * key[2]
 
     return cost
-
-_LLG_TOKENIZERS: dict[tuple[int, int, Any], tuple[Any, Any]] = {}
-
-
-def _llg_tokenizer_cached(tokenizer: Any, vocab_size: int, eos_ids: Any) -> Any:
-    """``grammar.llg_tokenizer``, built once per (tokenizer object, vocab, EOS ids)."""
-    key = (id(tokenizer), int(vocab_size), eos_ids)
-    hit = _LLG_TOKENIZERS.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
-    llt = grammar_lib.llg_tokenizer(tokenizer, vocab_size, eos_ids)
-    if len(_LLG_TOKENIZERS) >= 8:
-        _LLG_TOKENIZERS.pop(next(iter(_LLG_TOKENIZERS)))
-    _LLG_TOKENIZERS[key] = (tokenizer, llt)
-    return llt
-
-

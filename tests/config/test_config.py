@@ -174,6 +174,9 @@ def test_max_batch_must_be_positive():
     c = _sciq()
     c.rollout.max_cache_gib = -0.5
     assert _errors(c) == ["rollout.max_cache_gib must be >= 0 (0 = no budget), got -0.5"]
+    c = _sciq()
+    c.rollout.max_prefill_tokens = -1
+    assert _errors(c) == ["rollout.max_prefill_tokens must be >= 0 (0 = no cap), got -1"]
 
 
 def test_malloc_mmap_threshold_within_glibc_bounds():

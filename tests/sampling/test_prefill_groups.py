@@ -149,6 +149,42 @@ def test_groups_pad_the_default_evaluation_prompts_far_less():
     assert max(p for *_, p in capped) == lengths[63]
 
 
+def test_prefill_token_cap_bounds_every_group_of_several_prompts():
+    """``max_tokens``: no group of several prompts holds more padded positions than the cap;
+    a prompt longer than the cap is prefilled alone; no cap plans bigger groups."""
+    rng = np.random.default_rng(1)
+    lengths = sorted(int(x) for x in rng.integers(100, 1500, 40))
+    free = plan_prefill_groups(lengths, 64)
+    assert max(g * p for *_, g, p in free) > 2048
+    for cap in (1024, 2048, 4096):
+        groups = plan_prefill_groups(lengths, 64, max_tokens=cap)
+        assert [s for s, *_ in groups] == [0] + [e for _, e, *_ in groups[:-1]]
+        assert groups[-1][1] == len(lengths)
+        for s, e, g, p in groups:
+            assert e - s == 1 or g * p <= cap, (cap, s, e, g, p)
+        assert any(e - s > 1 for s, e, *_ in groups)
+        alone = [grp for grp in groups if grp[2] * grp[3] > cap]
+        assert all(e - s == 1 and g == 1 for s, e, g, _ in alone)
+
+
+def test_prefill_token_cap_changes_no_token(params):
+    """A sampler whose prefill groups are capped samples the same tokens and log-probs as one
+    that prefills each batch's prompts in one or two groups; the metrics show the extra
+    calls, and a negative cap is refused."""
+    prompts = _prompts(5, 9, 20, 300)
+    sp = SamplingParams(n=2, temperature=0.9, max_tokens=8, seed=3)
+    free = JaxSampler(SLIDING, params, max_len=512)
+    ref = free.generate(prompts, sp)
+    capped = JaxSampler(SLIDING, params, max_len=512, max_prefill_tokens=300)
+    out = capped.generate(prompts, sp)
+    assert capped.last_metrics.prefill_groups > free.last_metrics.prefill_groups
+    for a, b in zip(out, ref, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="max_prefill_tokens"):
+        JaxSampler(SLIDING, params, max_prefill_tokens=-1)
+
+
 def test_cache_budget_splits_batches_and_changes_no_token(params):
     prompts = _prompts(4, 6, 5, 200)
     sp = SamplingParams(n=2, temperature=0.9, max_tokens=8, seed=2)
