@@ -42,7 +42,7 @@ import numpy as np
 from pmd_jax import build, footprint, multihost, paths, teaching
 from pmd_jax.checkpoint import build_checkpointer
 from pmd_jax.config import MEMORY_MODES, freeze, to_dict
-from pmd_jax.distill import kl, train
+from pmd_jax.distill import kl, offload, train
 from pmd_jax.distill.update_rows import rows_for_update
 from pmd_jax.fast_slow import pool as fast_slow
 from pmd_jax.metrics import MetricsWriter, NoMetrics, Progress, write_plots
@@ -126,6 +126,25 @@ class Trainer:
             "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
+        self._place_initial_policy()
+
+    def _place_initial_policy(self) -> None:
+        """The initial policy is read by the KL to it only (distill/kl.py): dropped when that is
+        never measured, written to a file with train.offload_initial_policy (distill/offload);
+        either way ``model.params``, its only other holder, lets go of it."""
+        tr = self.cfg.train
+        if tr.kl_initial_every > 0 and not tr.offload_initial_policy:
+            return
+        init = self.state.initial_params
+        self.state.initial_params = (offload.DiskParams.write_temp(init, str(self.run_dir))
+                                     if tr.kl_initial_every > 0 else None)
+        self.model.params = init = None
+        footprint.release_free_memory()
+        log.info("initial policy %s; process RSS %.2f GiB",
+                 "dropped (train.kl_initial_every=0)" if self.state.initial_params is None else
+                 f"offloaded to {self.state.initial_params.path} "
+                 f"({self.state.initial_params.nbytes_on_disk / footprint.GiB:.2f} GiB)",
+                 footprint.rss_gib())
 
     def _build_overlap(self):
         """Checks that overlap can run here; returns the sampler for reflections/evaluation.
@@ -584,6 +603,8 @@ class Trainer:
     def finish(self) -> None:
         from pmd_jax.export import export_hf
 
+        if isinstance(self.state.initial_params, offload.DiskParams):
+            self.state.initial_params.remove()
         if self.cfg.train.export_hf:
             # Every process takes part in gathering the params; process 0 writes them.
             export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")

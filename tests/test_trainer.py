@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -64,9 +65,10 @@ def start_until_checkpoint(run_dir: Path, *extra: str, step: int = 1,
     return proc
 
 
-def kill9_and_resume(reference: Path, run_dir: Path, *extra: str) -> None:
+def kill9_and_resume(reference: Path, run_dir: Path, *extra: str) -> str:
     """SIGKILL a run right after its first checkpoint, rerun the same command, and check that
-    it ends bitwise equal to ``reference`` (a clean run with the same flags)."""
+    it ends bitwise equal to ``reference`` (a clean run with the same flags). Returns the
+    resumed run's log."""
     proc = start_until_checkpoint(run_dir, *extra)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -87,6 +89,7 @@ def kill9_and_resume(reference: Path, run_dir: Path, *extra: str) -> None:
     assert pa.keys() == pb.keys()
     for k in pa:
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    return p.stderr
 
 
 def test_run_writes_the_run_directory(clean_run: Path):
@@ -126,7 +129,15 @@ def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path_fact
 
 
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
-    kill9_and_resume(clean_run, tmp_path / "killed")
+    """... with the initial policy offloaded to a file (train.offload_initial_policy), against
+    the clean run that holds it in memory: every step's KL to it is the same to the bit, and
+    the file is gone when the run ends (the killed attempt's file is overwritten, not left
+    beside it: it is named by the run directory)."""
+    log = kill9_and_resume(clean_run, tmp_path / "killed",
+                           "--config.train.offload_initial_policy=True")
+    (path,) = re.findall(r"initial policy offloaded to (\S+) ", log)
+    assert Path(path).name.startswith("pmd_jax_initial_policy_")
+    assert not Path(path).exists()
 
 
 def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(

@@ -231,7 +231,12 @@ class TrainConfig(Section):
     export_hf: bool = knob(True, "Export a HF checkpoint at the end.")
     kl_initial_every: int = knob(1, "Measure KL(policy || initial) on the step's rollouts "
                                  "every N steps (one extra forward of the initial model; "
-                                 "0 = never).")
+                                 "0 = never, and the initial policy is not kept).")
+    offload_initial_policy: bool = knob(False, "Keep the initial policy (read only by the KL "
+                                        "to it) in a file in the system temp directory, loaded "
+                                        "for each measurement, instead of in memory: one copy "
+                                        "of the weights less resident (0.50 GiB on the embedded "
+                                        "default). Single-process only.")
     drop_unsignaled_rows: bool = knob(True, "SDPO/PMD: leave the rollouts whose teacher got no "
                                       "signal (sd_mask 0) out of the update batch; the loss "
                                       "and gradient are unchanged, the step is cheaper (ours).")

@@ -22,6 +22,7 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
 
     from pmd_jax.distill import align
     from pmd_jax.distill.chunked import chunked_token_logprobs
+    from pmd_jax.distill.offload import DiskParams
     from pmd_jax.models import decoder
 
     mc = model.cfg
@@ -38,8 +39,11 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
         _KL_FNS[key] = jax.jit(fn)
     from pmd_jax.multihost import to_host
 
+    params = bundle.initial_params
+    if isinstance(params, DiskParams):  # train.offload_initial_policy: read for this forward
+        params = params.load()
     lp0 = to_host(_KL_FNS[key](  # (gathered when sharded over several processes)
-        bundle.initial_params, batch["student_tokens"], batch["student_positions"],
+        params, batch["student_tokens"], batch["student_positions"],
         batch["student_attn_mask"], batch["student_index"], batch["responses"]))
     m = batch["response_mask"].astype(np.float64)
     diff = (batch["sampler_logp"] - lp0) * m

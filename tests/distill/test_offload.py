@@ -1,0 +1,108 @@
+"""train.offload_initial_policy: the initial policy written to a file and read back for the
+KL to it (pmd_jax/distill/offload.py). Round trip bit for bit with each leaf's sharding, the
+KL equal to the one computed from the arrays in memory, a missing file named in the error."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import types  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pmd_jax import sharding as sh  # noqa: E402
+from pmd_jax.distill import kl  # noqa: E402
+from pmd_jax.distill.offload import DiskParams  # noqa: E402
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import tiny_llama  # noqa: E402
+
+
+def test_round_trip_is_bitwise_with_dtypes_and_shardings(tmp_path):
+    rng = np.random.default_rng(0)
+    tree = {
+        "w": jnp.asarray(rng.normal(size=(8, 6)).astype(np.float32)),
+        "b16": jnp.asarray(rng.normal(size=(5,)).astype(ml_dtypes.bfloat16)),
+        "ids": [jnp.arange(7, dtype=jnp.int32), jnp.float32(3.5)],
+    }
+    if jax.device_count() >= 8:
+        mesh = sh.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:8])
+        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
+        tree["w"] = jax.device_put(tree["w"], spec)
+    disk = DiskParams.write(tree, tmp_path / "p.bin")
+    back = disk.load()
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                      np.asarray(b).reshape(-1).view(np.uint8))
+    # every leaf starts 64-byte aligned; the file holds the bytes and the padding only
+    assert all(leaf.offset % 64 == 0 for leaf in disk.leaves)
+    assert (tmp_path / "p.bin").stat().st_size == disk.nbytes_on_disk
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_missing_or_truncated_file_is_named(tmp_path):
+    disk = DiskParams.write({"w": jnp.ones((4, 4))}, tmp_path / "p.bin")
+    with open(tmp_path / "p.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(FileNotFoundError, match="p.bin"):
+        disk.load()
+    disk.remove()
+    assert not (tmp_path / "p.bin").exists()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        disk.load()
+
+
+def test_write_temp_names_the_file_by_run_and_remove_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    disk = DiskParams.write_temp({"w": jnp.ones((3,))}, "/runs/a")
+    assert disk.path.parent == tmp_path and disk.path.name.startswith("pmd_jax_initial_policy_")
+    # a restarted run (same run directory) overwrites its file; another run gets its own
+    assert DiskParams.write_temp({"w": jnp.zeros((3,))}, "/runs/a").path == disk.path
+    other = DiskParams.write_temp({"w": jnp.ones((3,))}, "/runs/b")
+    assert other.path != disk.path and len(list(tmp_path.iterdir())) == 2
+    np.testing.assert_array_equal(disk.load()["w"], np.zeros(3))
+    disk.remove()
+    other.remove()
+    assert not list(tmp_path.iterdir())
+
+
+def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
+    """The KL to the initial policy from its file equals the KL from the arrays in memory
+    (the same forward on the same bits), and differs once the policy moved."""
+    cfg = tiny_llama().replace(vocab_size=256)
+    init = decoder.init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(1)
+    b, s, r = 3, 12, 5
+    tokens = rng.integers(0, 256, (b, s)).astype(np.int32)
+    batch = {
+        "student_tokens": tokens,
+        "student_positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
+        "student_attn_mask": np.ones((b, s), np.int32),
+        "student_index": np.broadcast_to(np.arange(s - r - 1, s - 1, dtype=np.int32),
+                                         (b, r)).copy(),
+        "responses": tokens[:, s - r:],
+        "response_mask": np.ones((b, r), np.int32),
+        "sampler_logp": rng.normal(-2.0, 0.5, (b, r)).astype(np.float32),
+    }
+    run_cfg = types.SimpleNamespace(distill=types.SimpleNamespace(
+        loss=types.SimpleNamespace(temperature=1.0)))
+    model = types.SimpleNamespace(cfg=cfg)
+    in_memory = kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=init),
+                                 batch)
+    disk = DiskParams.write(init, tmp_path / "init.bin")
+    from_disk = kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=disk),
+                                 batch)
+    assert from_disk == in_memory
+    moved = jax.tree.map(lambda x: x * 1.01, init)
+    other = DiskParams.write(moved, tmp_path / "moved.bin")
+    assert kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=other),
+                            batch) != in_memory
