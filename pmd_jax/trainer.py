@@ -196,12 +196,18 @@ class Trainer:
         while self.step < cfg.train.steps:
             metrics = self.train_one_step()
             self.step += 1
+            every = cfg.train.clear_compiled_every
+            drop = every > 0 and self.step % every == 0  # (no rollout thread runs here)
+            if drop:  # the step's programs, before the evaluation's
+                footprint.drop_compiled()
             # what the step logged (no loss in pmd_frozen_policy / memory_only: no update)
             prog.update(1, **{k: metrics[m] for k, m in _PROGRESS_FIELDS if m in metrics})
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
             if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:
                 results[f"step_{self.step}"] = self.evaluate(self.step)
+                if drop:  # and the evaluation's, before the next step's
+                    footprint.drop_compiled()
 
     def train_one_step(self) -> dict[str, Any]:
         """One step of the loop (phases 1-6); returns and writes the step's metrics."""

@@ -106,3 +106,19 @@ def test_set_mmap_threshold_serves_large_blocks_by_mmap(mib, mapped):
 def test_set_mmap_threshold_without_mallopt(monkeypatch):
     monkeypatch.setattr(footprint, "_mallopt", lambda: None)
     assert footprint.set_mmap_threshold(8.0) is False
+
+
+def test_drop_compiled_empties_the_program_caches_and_changes_no_result():
+    """drop_compiled: a jitted function's programs for three shapes are gone from memory, and
+    the next call (compiled again) gives the same bits."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0))
+    xs = [np.random.default_rng(n).normal(size=(n, 8)).astype(np.float32) for n in (3, 5, 7)]
+    before = [np.asarray(f(x)) for x in xs]
+    assert f._cache_size() == 3
+    footprint.drop_compiled()
+    assert f._cache_size() == 0
+    for x, b in zip(xs, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(f(x)), b)

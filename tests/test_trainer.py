@@ -129,12 +129,15 @@ def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path_fact
 
 
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
-    """... with the initial policy offloaded to a file (train.offload_initial_policy), against
-    the clean run that holds it in memory: every step's KL to it is the same to the bit, and
+    """... with the initial policy offloaded to a file (train.offload_initial_policy) and the
+    compiled programs dropped after every step (train.clear_compiled_every: programs loaded
+    again or recompiled), against the clean run that holds both in memory: every metric and
+    parameter is the same to the bit (the KL to the initial policy included), and
     the file is gone when the run ends (the killed attempt's file is overwritten, not left
     beside it: it is named by the run directory)."""
     log = kill9_and_resume(clean_run, tmp_path / "killed",
-                           "--config.train.offload_initial_policy=True")
+                           "--config.train.offload_initial_policy=True",
+                           "--config.train.clear_compiled_every=1")
     (path,) = re.findall(r"initial policy offloaded to (\S+) ", log)
     assert Path(path).name.startswith("pmd_jax_initial_policy_")
     assert not Path(path).exists()

@@ -240,6 +240,10 @@ class TrainConfig(Section):
     drop_unsignaled_rows: bool = knob(True, "SDPO/PMD: leave the rollouts whose teacher got no "
                                       "signal (sd_mask 0) out of the update batch; the loss "
                                       "and gradient are unchanged, the step is cheaper (ours).")
+    clear_compiled_every: int = knob(0, "Host memory: drop jax's in-memory compiled programs "
+                                     "every N steps (footprint.drop_compiled), so that the "
+                                     "programs of past batch shapes do not pile up; those needed "
+                                     "again come from train.compilation_cache_dir. 0 = never.")
     microbatch_rows: int = knob(0, "Gradient accumulation: split the update batch into "
                                 "microbatches of this many rows inside one jitted step (grads "
                                 "summed with full-batch normalisation, one optimizer update); "
@@ -267,6 +271,8 @@ class TrainConfig(Section):
         _need(errs, t.steps >= 0, "train.steps must be >= 0")
         _need(errs, t.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
         _need(errs, t.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
+        _need(errs, t.clear_compiled_every >= 0,
+              f"train.clear_compiled_every must be >= 0 (0 = never), got {t.clear_compiled_every}")
         _need(errs, isinstance(t.malloc_mmap_threshold_mib, int | float)
               and 0 <= t.malloc_mmap_threshold_mib <= MMAP_THRESHOLD_MAX_MIB,
               f"train.malloc_mmap_threshold_mib must be in [0, {MMAP_THRESHOLD_MAX_MIB}] "
