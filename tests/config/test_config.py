@@ -179,6 +179,14 @@ def test_max_batch_must_be_positive():
     assert _errors(c) == ["rollout.max_prefill_tokens must be >= 0 (0 = no cap), got -1"]
 
 
+def test_clear_compiled_every_must_be_non_negative():
+    c = _sciq()
+    c.train.clear_compiled_every = -1
+    assert _errors(c) == ["train.clear_compiled_every must be >= 0 (0 = never), got -1"]
+    c.train.clear_compiled_every = 0
+    assert _errors(c) == []
+
+
 def test_malloc_mmap_threshold_within_glibc_bounds():
     for v in (-1.0, 33.0):
         c = _sciq()
