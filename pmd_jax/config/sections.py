@@ -236,7 +236,7 @@ class TrainConfig(Section):
                                         "to it) in a file in the system temp directory, loaded "
                                         "for each measurement, instead of in memory: one copy "
                                         "of the weights less resident (0.50 GiB on the embedded "
-                                        "default). Single-process only.")
+                                        "default). Each process keeps its own shards.")
     drop_unsignaled_rows: bool = knob(True, "SDPO/PMD: leave the rollouts whose teacher got no "
                                       "signal (sd_mask 0) out of the update batch; the loss "
                                       "and gradient are unchanged, the step is cheaper (ours).")

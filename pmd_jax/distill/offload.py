@@ -7,7 +7,8 @@ embedded default's 2.90 GiB of arrays; on CPU the "device" is host RAM). With
 directory (``TMPDIR``; every leaf's raw bytes, 64-byte aligned; named by the run directory;
 removed when the run ends or the process exits) and :meth:`DiskParams.load` maps the file and
 places each leaf with the sharding it had: the same values bit for bit, and the mapping's
-pages leave the process with the arrays. Single-process only (each leaf is written whole).
+pages leave the process with the arrays. Each process writes, and reads back, the shards it
+holds (its own file: ``_p<process index>``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,18 @@ _ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class _Leaf:
+class _Shard:
     offset: int
     shape: tuple[int, ...]
+    device: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    shape: tuple[int, ...]
     dtype: Any
-    sharding: Any
+    sharding: Any  # None: a host value (numpy), loaded as one
+    shards: tuple[_Shard, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +52,38 @@ class DiskParams:
 
     @classmethod
     def write(cls, tree: Any, path: str | os.PathLike) -> DiskParams:
-        """Writes ``tree``'s leaves to ``path`` (atomically: a temporary file, then a rename)
-        and returns the handle that loads them back."""
+        """Writes the shards of ``tree``'s leaves that this process holds to ``path`` (a
+        shard replicated on several devices once; atomically: a temporary file, then a
+        rename) and returns the handle that loads them back."""
         import jax
 
-        if jax.process_count() > 1:
-            raise ValueError("train.offload_initial_policy is single-process only: each "
-                             "process would need the whole tree in its own file")
         path = Path(path)
         flat, treedef = jax.tree.flatten(tree)
         leaves, offset = [], 0
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            for x in flat:
-                a = np.asarray(jax.device_get(x))
+            def put(a: np.ndarray) -> int:
+                nonlocal offset
                 pad = -offset % _ALIGN
                 f.write(b"\0" * pad)
-                offset += pad
-                leaves.append(_Leaf(offset, tuple(a.shape), a.dtype,
-                                    getattr(x, "sharding", None)))
+                start = offset + pad
                 f.write(np.ascontiguousarray(a).tobytes())
-                offset += a.nbytes
+                offset = start + a.nbytes
+                return start
+
+            for x in flat:
+                if not isinstance(x, jax.Array):
+                    a = np.asarray(x)
+                    leaves.append(_Leaf(a.shape, a.dtype, None, (_Shard(put(a), a.shape, None),)))
+                    continue
+                written: dict[str, int] = {}  # the shard's index -> its offset
+                shards = []
+                for sh in x.addressable_shards:
+                    key = repr(sh.index)
+                    if key not in written:
+                        written[key] = put(np.asarray(sh.data))
+                    shards.append(_Shard(written[key], tuple(sh.data.shape), sh.device))
+                leaves.append(_Leaf(tuple(x.shape), x.dtype, x.sharding, tuple(shards)))
         os.replace(tmp, path)
         return cls(path, treedef, tuple(leaves), offset)
 
@@ -73,8 +92,11 @@ class DiskParams:
         """:meth:`write` to the system temp directory, removed at exit. The file is named by
         ``key`` (the run directory), so a run restarted after a kill overwrites the file its
         killed attempt left instead of adding one."""
+        import jax
+
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        out = cls.write(tree, Path(tempfile.gettempdir()) / f"pmd_jax_initial_policy_{digest}.bin")
+        name = f"pmd_jax_initial_policy_{digest}_p{jax.process_index()}.bin"
+        out = cls.write(tree, Path(tempfile.gettempdir()) / name)
         atexit.register(out.remove)
         return out
 
@@ -86,13 +108,20 @@ class DiskParams:
             raise FileNotFoundError(f"{self.path}: the offloaded initial policy is missing or "
                                     f"not {self.nbytes_on_disk} bytes (was it deleted?)")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+        def read(leaf: _Leaf, shard: _Shard) -> np.ndarray:
+            size = int(np.prod(shard.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            view = mm[shard.offset: shard.offset + size].view(leaf.dtype).reshape(shard.shape)
+            return np.array(view)  # a copy: nothing keeps the mapping once loaded
+
         out = []
         for leaf in self.leaves:
-            size = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-            a = mm[leaf.offset: leaf.offset + size].view(leaf.dtype).reshape(leaf.shape)
-            out.append(jax.device_put(np.array(a), leaf.sharding)
-                       if leaf.sharding is not None else jax.numpy.asarray(np.array(a)))
-        del mm
+            if leaf.sharding is None:  # a host value stays one
+                out.append(read(leaf, leaf.shards[0]))
+                continue
+            out.append(jax.make_array_from_single_device_arrays(
+                leaf.shape, leaf.sharding,
+                [jax.device_put(read(leaf, s), s.device) for s in leaf.shards]))
         return jax.tree.unflatten(self.treedef, out)
 
     def remove(self) -> None:
