@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -126,25 +125,9 @@ class Trainer:
             "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
-        self._place_initial_policy()
-
-    def _place_initial_policy(self) -> None:
-        """The initial policy is read by the KL to it only (distill/kl.py): dropped when that is
-        never measured, written to a file with train.offload_initial_policy (distill/offload);
-        either way ``model.params``, its only other holder, lets go of it."""
-        tr = self.cfg.train
-        if tr.kl_initial_every > 0 and not tr.offload_initial_policy:
-            return
-        init = self.state.initial_params
-        self.state.initial_params = (offload.DiskParams.write_temp(init, str(self.run_dir))
-                                     if tr.kl_initial_every > 0 else None)
-        self.model.params = init = None
-        footprint.release_free_memory()
-        log.info("initial policy %s; process RSS %.2f GiB",
-                 "dropped (train.kl_initial_every=0)" if self.state.initial_params is None else
-                 f"offloaded to {self.state.initial_params.path} "
-                 f"({self.state.initial_params.nbytes_on_disk / footprint.GiB:.2f} GiB)",
-                 footprint.rss_gib())
+        placed = train.place_initial_policy(cfg, self.state, self.model, str(self.run_dir))
+        if placed:
+            log.info("initial policy %s; process RSS %.2f GiB", placed, footprint.rss_gib())
 
     def _build_overlap(self):
         """Checks that overlap can run here; returns the sampler for reflections/evaluation.
@@ -432,22 +415,8 @@ class Trainer:
                     train_metrics["masked_sample_fraction"] = float(
                         1.0 - batch["sd_mask"].mean())
                 train_metrics.update(row_stats)
-            finite = bool(train_metrics.get("finite", True)) and math.isfinite(
-                float(train_metrics.get("loss", 0.0))
-            )
-            if not finite:
-                self.nonfinite_in_a_row += 1
-                log.warning(
-                    "step %d: non-finite loss or gradient; update skipped (%d in a row)",
-                    step, self.nonfinite_in_a_row,
-                )
-                if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
-                    raise TrainingError(
-                        f"{self.nonfinite_in_a_row} non-finite updates in a row at step {step}: "
-                        "stopping (lower distill.optim.lr or check the data)"
-                    )
-            else:
-                self.nonfinite_in_a_row = 0
+            self.nonfinite_in_a_row = train.count_nonfinite(
+                train_metrics, self.nonfinite_in_a_row, cfg.train.max_nonfinite_in_a_row, step)
         return train_metrics
 
     def _sampler_weights_dead(self) -> bool:

@@ -5,11 +5,15 @@ state and the initial params, and the host-side call of one update.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from typing import Any
 
 import numpy as np
 
 from pmd_jax import footprint
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -30,6 +34,27 @@ def init_train_state(cfg: Any, model: Any) -> TrainBundle:
     return TrainBundle(ts, state, model.params)
 
 
+def place_initial_policy(cfg: Any, bundle: TrainBundle, model: Any, run_key: str) -> str:
+    """The initial policy is read by the KL to it only (``distill/kl.py``): dropped when that
+    is never measured (``train.kl_initial_every=0``), written to a file with
+    ``train.offload_initial_policy`` (``distill/offload.py``, the file named by ``run_key``);
+    either way ``model.params``, its only other holder, lets go of it. Returns what was done
+    ('' when it stays in memory)."""
+    from pmd_jax.distill.offload import DiskParams
+
+    tr = cfg.train
+    if tr.kl_initial_every > 0 and not tr.offload_initial_policy:
+        return ""
+    disk = (DiskParams.write_temp(bundle.initial_params, run_key)
+            if tr.kl_initial_every > 0 else None)
+    bundle.initial_params = model.params = None
+    footprint.release_free_memory()
+    bundle.initial_params = disk
+    if disk is None:
+        return "dropped (train.kl_initial_every=0)"
+    return f"offloaded to {disk.path} ({disk.nbytes_on_disk / footprint.GiB:.2f} GiB)"
+
+
 def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """One update on the host batch ``batch``; returns the step's scalar metrics."""
     import jax
@@ -45,6 +70,22 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
     # temporaries (footprint module docstring).
     footprint.release_free_memory()
     return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+
+
+def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: int) -> int:
+    """Non-finite updates in a row after this step's ``metrics`` (0 after a finite one); the
+    step function skipped a non-finite update. Raises TrainingError at ``limit`` in a row."""
+    from pmd_jax.phases import TrainingError
+
+    if bool(metrics.get("finite", True)) and math.isfinite(float(metrics.get("loss", 0.0))):
+        return 0
+    in_a_row += 1
+    log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)",
+                step, in_a_row)
+    if in_a_row >= limit:
+        raise TrainingError(f"{in_a_row} non-finite updates in a row at step {step}: "
+                            "stopping (lower distill.optim.lr or check the data)")
+    return in_a_row
 
 
 def current_params(cfg: Any, bundle: TrainBundle) -> Any:
