@@ -13,11 +13,15 @@ the same process:
 * ``whole``: the same evaluation with each batch prefilled in one call, every prompt
   left-padded to the batch's length bucket, and batches planned by padded prefill positions
   (the plan before prefill groups, ``batching.plan_prefill_groups``), same answers or not;
+* ``bf16prefill``: the same evaluation with ``rollout.prefill_matmul_dtype=bfloat16`` (the
+  prefill's weight matmuls with bf16 operands, float32 accumulation; decode unchanged), with
+  how many answers kept their reward;
 * ``hf``: HF transformers ``generate`` (torch, float32, the same weights exported by
   ``hf_io``) on the same prompts, sorted by length in batches of 16, the same sampling
   settings, verified by the same task.
 
-    python benchmarks/bench_eval.py [--peers sort,whole,hf] [--reps 1] [--config configs/...]
+    python benchmarks/bench_eval.py [--peers sort,whole,bf16prefill,hf] [--reps 1]
+        [--config configs/...]
 
 Quote the ratios, on a quiet machine (``uptime``); absolute times drift between runs here.
 """
@@ -69,9 +73,11 @@ def _rewards(path: Path) -> list[float]:
             for r in json.loads(line)["rewards"]]
 
 
-def _reset_programs(sampler, fast_k: int | None, whole: bool = False) -> None:
+def _reset_programs(sampler, fast_k: int | None, whole: bool = False,
+                    prefill_dtype: str | None = None) -> None:
     """Recompile the sampler's programs with ``FAST_FILTER_K = fast_k``; ``whole``: one
-    prefill per batch at the batch's length bucket, batches planned by padded positions."""
+    prefill per batch at the batch's length bucket, batches planned by padded positions;
+    ``prefill_dtype``: the prefill's matmul operand dtype (None: the model's)."""
     import jax
 
     from pmd_jax.sampling import batching, decode, jax_sampler, sample_ops
@@ -83,8 +89,9 @@ def _reset_programs(sampler, fast_k: int | None, whole: bool = False) -> None:
     jax.clear_caches()
     jax_sampler._SHAPES_RUN.clear()
     shard_ctx = None if sampler.mesh is None else (sampler.mesh, sampler.rules)
+    sampler.prefill_matmul_dtype = prefill_dtype
     sampler._fns = decode.compiled_programs(sampler.cfg, sampler.pad_id, shard_ctx,
-                                            sampler.cache_dtype)
+                                            sampler.cache_dtype, prefill_dtype)
 
 
 def _whole_batch(lengths, max_rows, *, divisor=1, limit=None, compiled=(), cost=None):
@@ -138,7 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "smollm2_sciq.py"))
     ap.add_argument("--peers", default="sort,whole,hf",
-                    help="comma list of: sort, whole, hf ('' = none)")
+                    help="comma list of: sort, whole, bf16prefill, hf ('' = none)")
     ap.add_argument("--reps", type=int, default=1, help="warm timed calls per engine")
     args = ap.parse_args()
     peers = [p for p in args.peers.split(",") if p]
@@ -153,11 +160,13 @@ def main() -> None:
     fast_k = sample_ops.FAST_FILTER_K
     times: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
-        runs = [("ours", fast_k, False)] + ([("sort", 10**9, False)] if "sort" in peers else [])
-        runs += [("whole", fast_k, True)] if "whole" in peers else []
+        runs = [("ours", fast_k, False, None)]
+        runs += [("sort", 10**9, False, None)] if "sort" in peers else []
+        runs += [("whole", fast_k, True, None)] if "whole" in peers else []
+        runs += [("bf16prefill", fast_k, False, "bfloat16")] if "bf16prefill" in peers else []
         answers = {}
-        for name, k, whole in runs:
-            _reset_programs(sampler, k, whole)
+        for name, k, whole, pdt in runs:
+            _reset_programs(sampler, k, whole, pdt)
             cold, acc, _ = _ours(cfg, task, problems, model, textgen, Path(d) / f"{name}_0")
             warm = []
             for r in range(args.reps):

@@ -427,8 +427,7 @@ class Trainer:
                 and self.sampler.share_weights() == "in_process")
 
     def _kl_due(self, step: int) -> bool:
-        every = self.cfg.train.kl_initial_every
-        return every > 0 and ((step + 1) % every == 0 or step == 0)
+        return kl.kl_due(step, self.cfg.train.kl_initial_every)
 
     # ------------------------------------------------------------------ 6. publish
     def _publish(self, version: int) -> None:

@@ -36,6 +36,7 @@ TINY = [
     "--config.train.checkpoint_every=1",
     "--config.train.eval_every=-1",
     "--config.train.eval_at_start=False",
+    "--config.train.kl_initial_every=1",  # every step's KL: the resume tests compare it
     "--config.memory.behavior.every_n_steps=2",
     "--config.memory.behavior.min_problems=2",
     "--config.memory.insight.sampling.max_tokens=16",

@@ -161,6 +161,13 @@ class RolloutConfig(Section):
                                    "(rows x length) in one prefill call of several prompts (a "
                                    "prompt alone is never split); bounds the call's memory "
                                    "(its cache, activations, attention scores). 0 = no cap.")
+    prefill_matmul_dtype: str = knob("", "In-process sampler: '' = the model's dtype; "
+                                     "'bfloat16' / 'float16' = the prefill's weight matmuls "
+                                     "take operands of that dtype with float32 accumulation "
+                                     "(ours; prefill is compute-bound, the decode steps keep "
+                                     "the model's dtype). Rollouts, reflections and "
+                                     "evaluations then differ from float32's in the last bits "
+                                     "of their prompts' K/V.")
     max_context: int = knob(0, "Prompt + generation limit (0 = the model's context length).")
     retries: int = knob(3, "Sampler request retries.")
     overlap: bool = knob(False, "Sample step k+1's rollouts in a background thread while step "
@@ -184,6 +191,9 @@ class RolloutConfig(Section):
               f"rollout.max_cache_gib must be >= 0 (0 = no budget), got {r.max_cache_gib}")
         _need(errs, r.max_prefill_tokens >= 0, "rollout.max_prefill_tokens must be >= 0 "
               f"(0 = no cap), got {r.max_prefill_tokens}")
+        _need(errs, r.prefill_matmul_dtype in ("", "bfloat16", "float16"),
+              f"rollout.prefill_matmul_dtype must be '', 'bfloat16' or 'float16', got "
+              f"{r.prefill_matmul_dtype!r}")
         _need(errs, r.max_prompt_tokens >= 1,
               f"rollout.max_prompt_tokens must be >= 1, got {r.max_prompt_tokens}")
         _need(errs, r.max_context >= 0,
@@ -230,8 +240,10 @@ class TrainConfig(Section):
     max_nonfinite_in_a_row: int = knob(3, "Stop after this many non-finite steps in a row.")
     export_hf: bool = knob(True, "Export a HF checkpoint at the end.")
     kl_initial_every: int = knob(1, "Measure KL(policy || initial) on the step's rollouts "
-                                 "every N steps (one extra forward of the initial model; "
-                                 "0 = never, and the initial policy is not kept).")
+                                 "at steps 0, N, 2N, ... (one extra forward of the initial "
+                                 "model; with N = train.eval_every, the steps whose policy the "
+                                 "evaluations see); 0 = never, and the initial policy is not "
+                                 "kept.")
     offload_initial_policy: bool = knob(False, "Keep the initial policy (read only by the KL "
                                         "to it) in a file in the system temp directory, loaded "
                                         "for each measurement, instead of in memory: one copy "

@@ -10,6 +10,13 @@ import numpy as np
 _KL_FNS: dict[Any, Any] = {}
 
 
+def kl_due(step: int, every: int) -> bool:
+    """Whether train step ``step`` measures KL(policy || initial) (``train.kl_initial_every``):
+    steps 0, N, 2N, ..., the steps whose sampling policy an evaluation with
+    ``train.eval_every=N`` sees (its accuracy-vs-KL point); 0 = never."""
+    return every > 0 and step % every == 0
+
+
 def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray]) -> float:
     """KL(policy || initial model) on this step's rollouts, sampled-token estimator.
 

@@ -20,6 +20,7 @@ def _jax(cfg: Any, model: Any, max_len: int) -> Any:
                       max_len=max_len, pad_id=model.pad_id, max_batch=cfg.rollout.max_batch,
                       max_cache_gib=cfg.rollout.max_cache_gib or None,
                       max_prefill_tokens=cfg.rollout.max_prefill_tokens or None,
+                      prefill_matmul_dtype=cfg.rollout.prefill_matmul_dtype or None,
                       tokenizer=model.tokenizer)
 
 

@@ -46,11 +46,16 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_programs(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any) -> Programs:
-    """The jitted programs, shared by every sampler of one model; none depends on a grammar."""
+def compiled_programs(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype: Any,
+                      prefill_matmul_dtype: str | None = None) -> Programs:
+    """The jitted programs, shared by every sampler of one model; none depends on a grammar.
+    ``prefill_matmul_dtype`` ('bfloat16' / 'float16'): the prefill's weight matmuls take
+    operands of that dtype with float32 accumulation (``models.matmul``); the decode steps
+    and the prefill's last-slot logits keep the model's own."""
     kw = dict(cfg=cfg, shard_ctx=shard_ctx)
     return Programs(
-        prefill=jax.jit(functools.partial(prefill, **kw, cache_dtype=cache_dtype),
+        prefill=jax.jit(functools.partial(prefill, **kw, cache_dtype=cache_dtype,
+                                          matmul_dtype=prefill_matmul_dtype),
                         static_argnames=("cache_len",)),
         empty=jax.jit(functools.partial(empty_batch, **kw, cache_dtype=cache_dtype),
                       static_argnames=("b", "cache_len")),
@@ -77,13 +82,18 @@ def new_cache(params: Params, cfg: ModelConfig, b: int, cache_len: int, cache_dt
 
 
 def prefill(params: Params, tokens: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
-            shard_ctx: Any, cache_dtype: Any, cache_len: int) -> tuple[Any, jax.Array]:
-    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot)."""
+            shard_ctx: Any, cache_dtype: Any, cache_len: int,
+            matmul_dtype: str | None = None) -> tuple[Any, jax.Array]:
+    """Prefill one left-padded batch: (KV cache, float32 logits [B, V] of the last slot).
+    ``matmul_dtype``: low-precision operands for the layers' weight matmuls (the last-slot
+    logits keep ``cfg``'s)."""
     b = tokens.shape[0]
     cache = new_cache(params, cfg, b, cache_len, cache_dtype, shard_ctx)
     positions = decoder.positions_from_mask(mask)
-    hidden, cache = decoder.forward(params, tokens, positions, cfg, attn_mask=mask, cache=cache,
-                                    cache_index=0, return_hidden=True, shard_ctx=shard_ctx)
+    fcfg = cfg if matmul_dtype is None else cfg.replace(matmul_dtype=matmul_dtype)
+    hidden, cache = decoder.forward(params, tokens, positions, fcfg, attn_mask=mask,
+                                    cache=cache, cache_index=0, return_hidden=True,
+                                    shard_ctx=shard_ctx)
     return cache, decoder.logits_from_hidden(hidden[:, -1], params, cfg)
 
 

@@ -177,6 +177,10 @@ def test_max_batch_must_be_positive():
     c = _sciq()
     c.rollout.max_prefill_tokens = -1
     assert _errors(c) == ["rollout.max_prefill_tokens must be >= 0 (0 = no cap), got -1"]
+    c = _sciq()
+    c.rollout.prefill_matmul_dtype = "bf16"
+    assert _errors(c) == ["rollout.prefill_matmul_dtype must be '', 'bfloat16' or 'float16', "
+                          "got 'bf16'"]
 
 
 def test_clear_compiled_every_must_be_non_negative():

@@ -201,3 +201,43 @@ def test_cache_budget_splits_batches_and_changes_no_token(params):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="max_cache_gib"):
         JaxSampler(SLIDING, params, max_cache_gib=-1.0)
+
+
+def test_prefill_matmul_dtype_rounds_the_prefill_only(params):
+    """rollout.prefill_matmul_dtype: the prefill's weight matmuls take bf16 operands with
+    float32 accumulation (the lowered program holds bf16 dots; the float32 one none), its
+    cache and logits are the float32 prefill's to bf16 rounding but not bitwise, and the
+    decode step's program is the float32 one."""
+    from pmd_jax.sampling.base import SamplerError
+
+    prompts = _prompts(5, 4, 20, 60)
+    p_len = max(len(p) for p in prompts)
+    tokens = np.zeros((4, p_len), np.int32)
+    mask = np.zeros((4, p_len), bool)
+    for j, a in enumerate(prompts):
+        tokens[j, p_len - len(a):], mask[j, p_len - len(a):] = a, True
+    kw = dict(cfg=SLIDING, shard_ctx=None, cache_dtype=jnp.float32, cache_len=p_len + 8)
+    c32, l32 = decode.prefill(params, tokens, mask, **kw)
+    c16, l16 = decode.prefill(params, tokens, mask, **kw, matmul_dtype="bfloat16")
+    l32, l16 = np.asarray(l32), np.asarray(l16)
+    assert l16.dtype == np.float32 and not np.array_equal(l16, l32)
+    np.testing.assert_allclose(l16, l32, atol=0.05 * np.abs(l32).max())
+    k32, k16 = (np.asarray(jax.tree.leaves(c)[0]) for c in (c32, c16))
+    np.testing.assert_allclose(k16, k32, atol=0.05 * np.abs(k32).max())
+
+    s32 = JaxSampler(SLIDING, params, max_len=512)
+    s16 = JaxSampler(SLIDING, params, max_len=512, prefill_matmul_dtype="bfloat16")
+
+    def dots(fn, *args, **kwargs) -> list[str]:
+        text = fn.lower(*args, **kwargs).as_text()
+        return [ln for ln in text.splitlines() if "dot_general" in ln]
+
+    pre16 = dots(s16._fns.prefill, s16.params, tokens, mask, cache_len=p_len + 8)
+    pre32 = dots(s32._fns.prefill, s32.params, tokens, mask, cache_len=p_len + 8)
+    assert any("bf16" in d for d in pre16) and not any("bf16" in d for d in pre32)
+    cache = decode.new_cache(s16.params, SLIDING, 4, p_len + 8, jnp.float32, None)
+    step16 = dots(s16._fns.step, s16.params, cache, jnp.zeros((4,), jnp.int32),
+                  jnp.full((4, 1), p_len, jnp.int32), jnp.int32(p_len))
+    assert step16 and not any("bf16" in d for d in step16)
+    with pytest.raises(SamplerError, match="prefill_matmul_dtype='int8'"):
+        JaxSampler(SLIDING, params, max_len=512, prefill_matmul_dtype="int8")
