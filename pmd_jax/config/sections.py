@@ -16,7 +16,7 @@ import ml_collections
 
 from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
-from pmd_jax.distill.config import DistillConfig
+from pmd_jax.distill.config import MATMUL_DTYPES, DistillConfig
 from pmd_jax.fast_slow.config import FastSlowConfig
 from pmd_jax.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.mel.config import MelConfig
@@ -191,9 +191,9 @@ class RolloutConfig(Section):
               f"rollout.max_cache_gib must be >= 0 (0 = no budget), got {r.max_cache_gib}")
         _need(errs, r.max_prefill_tokens >= 0, "rollout.max_prefill_tokens must be >= 0 "
               f"(0 = no cap), got {r.max_prefill_tokens}")
-        _need(errs, r.prefill_matmul_dtype in ("", "bfloat16", "float16"),
-              f"rollout.prefill_matmul_dtype must be '', 'bfloat16' or 'float16', got "
-              f"{r.prefill_matmul_dtype!r}")
+        _need(errs, r.prefill_matmul_dtype in MATMUL_DTYPES,
+              f"rollout.prefill_matmul_dtype={r.prefill_matmul_dtype!r} is not one of "
+              f"{MATMUL_DTYPES}")
         _need(errs, r.max_prompt_tokens >= 1,
               f"rollout.max_prompt_tokens must be >= 1, got {r.max_prompt_tokens}")
         _need(errs, r.max_context >= 0,

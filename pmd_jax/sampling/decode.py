@@ -52,6 +52,8 @@ def compiled_programs(cfg: ModelConfig, pad_id: int, shard_ctx: Any, cache_dtype
     ``prefill_matmul_dtype`` ('bfloat16' / 'float16'): the prefill's weight matmuls take
     operands of that dtype with float32 accumulation (``models.matmul``); the decode steps
     and the prefill's last-slot logits keep the model's own."""
+    if prefill_matmul_dtype is not None:  # ModelConfig refuses an unknown dtype, here
+        cfg.replace(matmul_dtype=prefill_matmul_dtype)
     kw = dict(cfg=cfg, shard_ctx=shard_ctx)
     return Programs(
         prefill=jax.jit(functools.partial(prefill, **kw, cache_dtype=cache_dtype,

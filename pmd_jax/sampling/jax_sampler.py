@@ -58,7 +58,6 @@ from jax.sharding import Mesh, NamedSharding
 from pmd_jax import footprint
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
-from pmd_jax.models.matmul import LOWP_DTYPES
 from pmd_jax.multihost import to_host
 from pmd_jax.sampling import decode
 from pmd_jax.sampling import grammar as grammar_lib
@@ -166,9 +165,6 @@ class JaxSampler:
             raise SamplerError(f"max_prefill_tokens must be >= 0 (0 = no cap), got "
                                f"{max_prefill_tokens}")
         self.max_prefill_tokens = int(max_prefill_tokens or 0) or None
-        if prefill_matmul_dtype not in (None, *LOWP_DTYPES):
-            raise SamplerError(f"prefill_matmul_dtype={prefill_matmul_dtype!r} is not one of "
-                               f"{LOWP_DTYPES} (or None)")
         self.prefill_matmul_dtype = prefill_matmul_dtype
         self.pad_id = int(pad_id)
         self.mesh = mesh

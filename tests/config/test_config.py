@@ -179,8 +179,8 @@ def test_max_batch_must_be_positive():
     assert _errors(c) == ["rollout.max_prefill_tokens must be >= 0 (0 = no cap), got -1"]
     c = _sciq()
     c.rollout.prefill_matmul_dtype = "bf16"
-    assert _errors(c) == ["rollout.prefill_matmul_dtype must be '', 'bfloat16' or 'float16', "
-                          "got 'bf16'"]
+    assert _errors(c) == ["rollout.prefill_matmul_dtype='bf16' is not one of "
+                          "('', 'bfloat16', 'float16')"]
 
 
 def test_clear_compiled_every_must_be_non_negative():

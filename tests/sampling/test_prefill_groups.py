@@ -208,7 +208,7 @@ def test_prefill_matmul_dtype_rounds_the_prefill_only(params):
     float32 accumulation (the lowered program holds bf16 dots; the float32 one none), its
     cache and logits are the float32 prefill's to bf16 rounding but not bitwise, and the
     decode step's program is the float32 one."""
-    from pmd_jax.sampling.base import SamplerError
+    from pmd_jax.models.config import ConfigError
 
     prompts = _prompts(5, 4, 20, 60)
     p_len = max(len(p) for p in prompts)
@@ -239,5 +239,5 @@ def test_prefill_matmul_dtype_rounds_the_prefill_only(params):
     step16 = dots(s16._fns.step, s16.params, cache, jnp.zeros((4,), jnp.int32),
                   jnp.full((4, 1), p_len, jnp.int32), jnp.int32(p_len))
     assert step16 and not any("bf16" in d for d in step16)
-    with pytest.raises(SamplerError, match="prefill_matmul_dtype='int8'"):
+    with pytest.raises(ConfigError, match="matmul_dtype='int8'"):
         JaxSampler(SLIDING, params, max_len=512, prefill_matmul_dtype="int8")
