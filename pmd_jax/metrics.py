@@ -35,8 +35,11 @@ class NoMetrics:
     def write(self, kind: str, step: int, values: Any) -> None:
         pass
 
-    def truncate_after(self, step: int) -> int:
+    def truncate_after(self, step: int, keep: tuple[str, int] | None = None) -> int:
         return 0
+
+    def last(self, kind: str, step: int) -> dict[str, Any] | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -76,14 +79,21 @@ class MetricsWriter:
                 if s is not None and not isinstance(v, str | bool) and math.isfinite(s):
                     self._tb.add_scalar(f"{kind}/{k}", s, int(step))
 
-    def truncate_after(self, step: int) -> int:
-        """Drop records past ``step`` (used on resume, so a replayed step is not logged twice);
-        returns how many were dropped."""
+    def truncate_after(self, step: int, keep: tuple[str, int] | None = None) -> int:
+        """Drop records past ``step`` (used on resume, so a replayed step is not logged twice),
+        except those of ``keep``'s (kind, step); returns how many were dropped."""
         old = read_metrics(self.path)
-        keep = [r for r in old if r.get("step", 0) <= step]
-        if len(keep) < len(old):
-            self._fh.rewrite(keep)
-        return len(old) - len(keep)
+        kept = [r for r in old if r.get("step", 0) <= step
+                or (keep is not None and (r.get("kind"), r.get("step")) == keep)]
+        if len(kept) < len(old):
+            self._fh.rewrite(kept)
+        return len(old) - len(kept)
+
+    def last(self, kind: str, step: int) -> dict[str, Any] | None:
+        """The last record of ``kind`` at ``step`` in metrics.jsonl, or None."""
+        found = [r for r in read_metrics(self.path)
+                 if r.get("kind") == kind and r.get("step") == step]
+        return found[-1] if found else None
 
     def close(self) -> None:
         self._fh.close()

@@ -10,7 +10,8 @@
                  ``distill/kl.py`` for the KL to the initial model)
 6. publish       hand the new weights to the sampler (``sampling/publish.py``)
 7. checkpoint    train state, memory, data cursor (``checkpoint.RunCheckpointer``)
-8. evaluate      memory-free, on held-out problems (``evaluate.py``)
+8. evaluate      memory-free, on held-out problems (``evaluate.py``); a restart at an
+                 evaluation's step keeps its finished record or runs it first
 9. export        the final weights as a HF checkpoint (``export.py``)
 
 The parts are built once at start-up (``build.py``). This file reads in that order.
@@ -108,9 +109,8 @@ class Trainer:
         self.stream = ProblemStream(fast_slow.train_items(self.fast_slow, self.train_problems),
                                     seed=cfg.seed)
         self.ckpt = build_checkpointer(cfg, self.run_dir)
-        self.nonfinite_in_a_row = 0
-        self.skipped_long_prompts = 0
-        self.step = 0
+        self.nonfinite_in_a_row = self.skipped_long_prompts = 0
+        self.step, self._restored_eval = 0, None  # (_restore: process 0's record, for all)
         # The policy version the sampler holds (0 = the initial weights; publish after step k
         # makes it k + 1). A rollout batch's staleness is this minus its weights_version.
         self.weights_version = 0
@@ -162,6 +162,8 @@ class Trainer:
         results: dict[str, Any] = {}
         if self.step == 0 and cfg.train.eval_at_start and cfg.train.eval_every >= 0:
             results["before"] = self.evaluate(0)
+        elif self.step > 0 and self._eval_due(self.step):  # resumed at an evaluation's step
+            results[f"step_{self.step}"] = self._restored_eval or self.evaluate(self.step)
         prog = Progress(cfg.train.steps, "train", start=self.step)
         try:
             self._loop(prog, results)
@@ -187,7 +189,7 @@ class Trainer:
             prog.update(1, **{k: metrics[m] for k, m in _PROGRESS_FIELDS if m in metrics})
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
-            if cfg.train.eval_every > 0 and self.step % cfg.train.eval_every == 0:
+            if self._eval_due(self.step):
                 results[f"step_{self.step}"] = self.evaluate(self.step)
                 if drop:  # and the evaluation's, before the next step's
                     footprint.drop_compiled()
@@ -514,11 +516,13 @@ class Trainer:
                 raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
                                     f"rollouts of step {sb.step}")
             self._next = sb
-        self.metrics.truncate_after(self.step - 1)
+        self.metrics.truncate_after(self.step - 1, keep=("eval", self.step))
+        self._restored_eval = multihost.broadcast_object(self.metrics.last("eval", self.step))
         if self.cfg.mode != "pmd_frozen_policy":  # (that mode never changes the weights)
             self._publish(self.step)
-        log.info("resumed from checkpoint at step %d%s", self.step,
-                 " (with its prefetched rollouts)" if nxt is not None else "")
+        log.info("resumed from checkpoint at step %d%s%s", self.step,
+                 " (with its prefetched rollouts)" if nxt is not None else "",
+                 " (its evaluation finished before: kept)" if self._restored_eval else "")
 
     # ------------------------------------------------------------------ 8. evaluate
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -552,6 +556,10 @@ class Trainer:
             res.get("num_problems", 0), self.cfg.eval.n, res["time_eval"],
         )
         return res
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return (every > 0 and step % every == 0) or (every >= 0 and step >= self.cfg.train.steps)
 
     def _final_kl_due(self, step: int) -> bool:
         cfg = self.cfg

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,41 @@ def test_a_run_from_step_0_drops_an_earlier_attempts_records(tmp_path: Path):
     assert not any(r.get("stale") for r in recs), recs
     assert [(r["kind"], r["step"]) for r in recs] == [("train", 0)]
     assert "dropped 2 metrics records of an earlier attempt" in p.stderr
+
+
+def test_a_restart_at_an_evaluations_step_keeps_or_runs_it(tmp_path: Path):
+    """A run restarted from the checkpoint of a step that is evaluated: an evaluation that
+    finished before the restart is kept, not run again; one that did not (the run died in it,
+    as the MBPP grid's pmd cell did) runs before the next step. Either way every evaluated
+    step has one record."""
+    def run(run_dir: Path, steps: int) -> str:
+        p = subprocess.run(_cmd(run_dir, "--config.train.eval_every=1",
+                                f"--config.train.steps={steps}"),
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return p.stderr
+
+    def evals(run_dir: Path) -> list[dict]:
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in recs if r["kind"] == "eval"]
+
+    done, died = tmp_path / "done", tmp_path / "died"
+    run(done, 1)  # step 0 trained, checkpoint 1, step 1 evaluated
+    (first,) = evals(done)
+    assert first["step"] == 1
+    shutil.copytree(done, died)
+    # the other run died in that evaluation: checkpoint 1 is there, its record is not
+    lines = (died / "metrics.jsonl").read_text().splitlines()
+    (died / "metrics.jsonl").write_text("".join(
+        x + "\n" for x in lines if json.loads(x)["kind"] != "eval"))
+    log_done, log_died = run(done, 2), run(died, 2)
+    for log_ in (log_done, log_died):
+        assert "resumed from checkpoint at step 1" in log_, log_[-4000:]
+    assert "(its evaluation finished before: kept)" in log_done
+    assert "(its evaluation finished before: kept)" not in log_died
+    a, b = evals(done), evals(died)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert a[0] == first  # kept as written, not run again
+    assert b[0]["time"] > first["time"]  # run again after the restart
+    for ra, rb in zip(a, b, strict=True):
+        assert (ra["accuracy"], ra["num_problems"]) == (rb["accuracy"], rb["num_problems"])
