@@ -11,6 +11,14 @@ weights-sized float32 array. It prints the step time, the bytes it must read, th
 The step time is (time of a ``--tokens`` call - time of a 1-token call) / (tokens - 1), after
 one warm-up call each, so the prefill and compiling are not counted. The defaults are the
 shape of the embedded default's memory reflections: 4 rows, prompts of 1,000-1,500 tokens.
+
+What it times is the unconstrained decode (``decode.decode_batch``, the evaluations' path).
+The memory's constrained loop runs the same cached forward one token at a time from the host
+(``decode.decode_logits``) plus the grammar's host work, so this is its device part. The K/V
+bytes count prompt + generated slots only; the sampler's cache is padded to its length
+buckets (1,552 slots for 1,400 + 129 here), so the bound is slightly optimistic and the
+printed ratio slightly high. The reference is a hardware bound, not a peer implementation:
+``bench_sampler.py`` compares the sampler with HF transformers.
 """
 
 from __future__ import annotations
