@@ -54,6 +54,12 @@ def build_task(cfg: Any, check_heldout: bool = True):
     eval_name = str(cfg.task.eval_task or "")
     if eval_name and eval_name != cfg.task.name:
         task = TransferTask(task, get_task(eval_name, **task_kwargs(cfg, eval_name)))
+    if is_main_process() and runs_code(task):
+        # process 0 grades: a machine where no sandbox works fails here, before any compute,
+        # not with every program graded as failed (detect_backend raises and says why)
+        from pmd_jax.tasks import sandbox
+
+        log.info("sandbox for model-written code: %s", sandbox.detect_backend())
     if check_heldout:
         from pmd_jax.tasks.base import TaskError
         from pmd_jax.tasks.heldout import eval_overlap, in_sample_message
@@ -66,6 +72,14 @@ def build_task(cfg: Any, check_heldout: bool = True):
             log.warning("evaluation is IN-SAMPLE: %d of %d evaluation problems are training "
                         "problems (eval.allow_in_sample=True)", len(overlap), n_eval)
     return task
+
+
+def runs_code(task: Any) -> bool:
+    """Whether grading ``task`` (or either side of a TransferTask) runs programs."""
+    from pmd_jax.tasks.code import CodeTask
+
+    parts = [task, *(getattr(task, a, None) for a in ("train_task", "eval_task"))]
+    return any(isinstance(t, CodeTask) for t in parts)
 
 
 # ----------------------------------------------------------------------------- model

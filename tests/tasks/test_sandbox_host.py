@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -318,3 +319,92 @@ def test_owner_liveness_and_markers(tmp_path):
     assert sandbox_sweep.read_temp_marker(str(link)) is None
     assert sandbox_sweep.stale_temp_dirs(str(tmp_path)) == []
     assert sandbox_sweep.parse_cgroup_name(f"pmd-sbx-{me.pid}-5") is None
+
+
+def test_removing_a_tree_never_changes_its_parents_mode(tmp_path, monkeypatch):
+    """The system temp dir is shared: removing a sandbox dir must leave its mode (1777) alone,
+    also when several processes sweep the same stale dir at once (the loser's ``rmdir`` of the
+    top finds it gone) or when the top cannot be removed. It once became 0700, after which no
+    backend that drops to the sandbox uid could open its own program under /tmp."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o1777)
+
+    def tree(name: str) -> str:
+        top = parent / name
+        for i in range(30):
+            (top / f"d{i}").mkdir(parents=True)
+            (top / f"d{i}" / "f").write_text("x")
+        (top / "d0").chmod(0o555)  # a read-only directory inside: made writable to empty it
+        return str(top)
+
+    for trial in range(20):  # real races: three removers of one tree
+        top = tree(f"race{trial}")
+        threads = [threading.Thread(target=sandbox_sweep.remove_tree, args=(top,)) for _ in "abc"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not os.path.lexists(top)
+        assert parent.stat().st_mode & 0o7777 == 0o1777, f"race {trial} changed the parent"
+
+    top = tree("stuck")  # the top's own rmdir fails (not empty: a writer inside still runs)
+    real_rmdir = os.rmdir
+
+    def rmdir(p, *a, **k):  # noqa: ANN001, ANN202
+        if os.path.abspath(p) == top:
+            raise OSError(39, "Directory not empty", p)
+        return real_rmdir(p, *a, **k)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    sandbox_sweep.remove_tree(top)
+    monkeypatch.undo()
+    assert parent.stat().st_mode & 0o7777 == 0o1777
+    assert os.listdir(top) == []  # everything inside went; the top is left for the next sweep
+
+
+def test_no_working_backend_fails_before_any_compute(tmp_path, monkeypatch):
+    """A machine where no backend passes its probe (here: no bwrap, and a system temp dir
+    that the sandbox's uid cannot enter) makes a code task's run fail at start-up with the
+    reason for each backend, instead of grading every program as failed."""
+    from pmd_jax.build import build_task
+    from pmd_jax.config import base_config
+    from pmd_jax.tasks.sandbox import backend as sandbox_backend
+
+    private = tmp_path / "private-tmp"
+    private.mkdir()
+    private.chmod(0o700)
+    monkeypatch.setattr(sandbox_backend, "BWRAP", None)
+    if os.geteuid() == 0:
+        monkeypatch.setattr(tempfile, "tempdir", str(private))
+    else:  # without root nothing drops to another uid: take away what every backend needs
+        monkeypatch.setattr(sandbox_backend, "PRLIMIT", None)
+
+    def cfg(name: str, eval_task: str = ""):  # noqa: ANN202
+        c = base_config()
+        c.task.name = name
+        c.task.eval_task = eval_task
+        return c
+
+    sandbox.detect_backend.cache_clear()
+    sandbox.available_backends.cache_clear()
+    try:
+        with pytest.raises(sandbox.SandboxError) as err:
+            sandbox.detect_backend()
+        msg = str(err.value)
+        assert "no sandbox backend works" in msg
+        assert "bwrap: bwrap is not installed" in msg
+        assert "unshare:" in msg and "rlimits:" in msg
+        if os.geteuid() == 0:
+            # the outermost closed directory on the way (pytest's own base dir is 0700 too)
+            closed = msg.split("\n")[-1].split(" has no search permission")[0]
+            assert str(private).startswith(closed) and "for other users (mode 700)" in msg
+            assert "Permission denied" in msg  # the probe's own stderr, for each backend
+        with pytest.raises(sandbox.SandboxError, match="no sandbox backend works"):
+            build_task(cfg("mbpp", "humaneval"))
+        assert build_task(cfg("sciq")).name == "sciq"  # runs no code: needs no sandbox
+    finally:
+        monkeypatch.undo()
+        sandbox.detect_backend.cache_clear()
+        sandbox.available_backends.cache_clear()
+    assert sandbox.detect_backend() in sandbox.available_backends()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
+import tempfile
 
 from pmd_jax.tasks.sandbox.base import (
     BACKENDS,
@@ -31,21 +33,26 @@ def detect_backend() -> str:
         return forced
     for b in available_backends():
         return b
-    return "rlimits"
+    raise SandboxError(no_backend_message())
 
 
 @functools.cache
 def available_backends() -> tuple[str, ...]:
     """Backends whose probe (a tiny program that checks its own isolation) succeeds."""
     out = []
+    _FAILED.clear()
     for b in BACKENDS:
         if b == "bwrap" and not BWRAP:
+            _FAILED[b] = "bwrap is not installed"
             continue
         if b in ("bwrap", "unshare") and os.geteuid() == 0 and not SETPRIV:
+            _FAILED[b] = "setpriv (util-linux) is not installed: no way to drop root"
             continue
         if b == "unshare" and (not UNSHARE or os.geteuid() != 0):
+            _FAILED[b] = "needs root and unshare (util-linux)"
             continue
         if not PRLIMIT:
+            _FAILED[b] = "prlimit (util-linux) is not installed"
             continue
         probe = (
             "import os,socket\n"
@@ -57,18 +64,57 @@ def available_backends() -> tuple[str, ...]:
         try:
             res = run_once(probe, None, b"", None, Limits(wall_s=10.0), b, ("-I", "-S"))
         except Exception as e:  # noqa: BLE001 - a failing probe only disables a backend
+            _FAILED[b] = f"probe failed: {e}"
             log.info("sandbox backend %s unavailable: %s", b, e)
             continue
         if not res.ok:
+            _FAILED[b] = f"probe failed: {res.reason} {res.stderr[-300:]!r}"
             log.info("sandbox backend %s unavailable: %s %s", b, res.reason, res.stderr[-300:])
             continue
         uid_s, net = res.stdout.decode().split()
         if os.geteuid() == 0 and int(uid_s) == 0:
+            _FAILED[b] = "its program still ran as root"
             continue
         if b != "rlimits" and net not in ("nonet", "refused"):
+            _FAILED[b] = "its program could reach the network"
             continue
         out.append(b)
     return tuple(out)
+
+
+_FAILED: dict[str, str] = {}  # why each backend is unavailable (filled by available_backends)
+
+
+def untraversable_temp_dirs() -> list[str]:
+    """The system temp dir and its parents that the sandbox's uid cannot enter (no search
+    permission for others). Backends that drop root run the program from a directory there,
+    so without a filesystem namespace (bwrap) it cannot open its own files."""
+    out = []
+    d = os.path.abspath(tempfile.gettempdir())
+    while True:
+        try:
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                out.append(d)
+        except OSError:
+            pass
+        parent = os.path.dirname(d)
+        if parent == d:
+            return out[::-1]
+        d = parent
+
+
+def no_backend_message() -> str:
+    """Why no sandbox backend works here, and what would fix it."""
+    lines = [f"  {b}: {_FAILED.get(b, 'not probed')}" for b in BACKENDS]
+    msg = ("no sandbox backend works on this machine, so model-written code cannot be run "
+           "(and code tasks cannot be graded):\n" + "\n".join(lines))
+    closed = untraversable_temp_dirs() if os.geteuid() == 0 else []
+    if closed:
+        msg += (f"\n{closed[0]} has no search permission for other users "
+                f"(mode {stat.S_IMODE(os.stat(closed[0]).st_mode):o}): the sandbox's uid cannot "
+                "reach its program there. Give it its usual mode (chmod 1777 for a system "
+                "temp dir), set TMPDIR to a world-searchable directory, or install bwrap.")
+    return msg
 
 
 def backend_info() -> dict:

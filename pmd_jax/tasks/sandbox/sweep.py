@@ -203,11 +203,21 @@ def parse_cgroup_name(name: str) -> Owner | None:
 
 
 def remove_tree(path: str) -> None:
-    """Remove a directory tree, also when some of its directories are read-only (0555)."""
+    """Remove a directory tree, also when some of its directories are read-only (0555).
+
+    Only directories inside the tree are ever made writable: the tree's own parent (the
+    system temp dir, shared with every user of the machine) is never touched, also when
+    removing the top fails (another process's sweep removed it first, or it is not empty).
+    """
+    top = os.path.abspath(path)
 
     def onerror(func, p, exc_info) -> None:  # noqa: ANN001 - shutil's callback signature
+        if isinstance(exc_info[1], FileNotFoundError):
+            return  # already gone (a concurrent sweep of the same stale directory)
         if func in (os.unlink, os.rmdir, os.remove):
-            parent = os.path.dirname(p)
+            parent = os.path.dirname(os.path.abspath(p))
+            if os.path.commonpath([top, parent]) != top:
+                return  # the top itself: its parent is not ours to change
             with contextlib.suppress(OSError):
                 os.chmod(parent, 0o700)
             with contextlib.suppress(OSError):
