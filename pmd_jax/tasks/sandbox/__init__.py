@@ -30,6 +30,10 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
     No namespaces: rlimits, a new session, the uid drop when root, and a cleanup that kills
     every process of that uid. No network isolation. Used only when nothing else works.
 
+When no backend passes its probe, ``detect_backend()`` raises ``SandboxError`` naming each
+backend's reason (a code task's run checks this at start-up, in ``build.build_task``): there
+is no silent fallback under which every program would fail.
+
 Processes are confined to a pid namespace in the first two backends, so daemons (double
 fork, setsid) die with the namespace when the run ends. There a shell is the namespace's init
 and the program is its pid 2 (bwrap with ``--as-pid-1``, not bwrap's own init), and a kill
