@@ -92,6 +92,52 @@ def test_assembled_batch_equals_one_prefill_of_the_padded_batch(params, unstack)
                 np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_place_rows_copies_exactly_what_numpy_indexing_says(stacked):
+    """``place_rows`` (array by array) against a direct numpy copy: batch row dst[i] gets
+    group row src[i]'s slots [0, G) at [offset, offset + G) and its logits; dst >= B drops
+    the entry; every other row and slot keeps its values; per-layer and stacked caches."""
+    rng = np.random.default_rng(7)
+    n_layers, b, kv, s, hd, g, g_len, vocab = 3, 5, 2, 12, 4, 3, 6, 11
+
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def cache(rows, slots):
+        ks = [arr(rows, kv, slots, hd) for _ in range(n_layers)]
+        vs = [arr(rows, kv, slots, hd) for _ in range(n_layers)]
+        return {"k": np.stack(ks) if stacked else ks, "v": np.stack(vs) if stacked else vs,
+                "mask": rng.random((rows, slots)) > 0.5, "index": np.int32(0)}
+
+    full, part = cache(b, s), cache(g, g_len)
+    logits, g_logits = arr(b, vocab), arr(g, vocab)
+    src = np.array([2, 0, 1, 2], np.int32)
+    dst = np.array([4, 1, b, 0], np.int32)  # the third entry is dropped
+    offset = 4
+    want_k = [np.array(x) for x in (full["k"] if not stacked else list(full["k"]))]
+    want_v = [np.array(x) for x in (full["v"] if not stacked else list(full["v"]))]
+    want_mask, want_logits = full["mask"].copy(), logits.copy()
+    for i, j in zip(src, dst, strict=True):
+        if j >= b:
+            continue
+        for layer in range(n_layers):
+            want_k[layer][j, :, offset:offset + g_len] = part["k"][layer][i]
+            want_v[layer][j, :, offset:offset + g_len] = part["v"][layer][i]
+        want_mask[j, offset:offset + g_len] = part["mask"][i]
+        want_logits[j] = g_logits[i]
+    on_device = jax.tree.map(jnp.asarray, full)
+    got, got_logits = decode.place_rows(on_device, jnp.asarray(logits),
+                                        jax.tree.map(jnp.asarray, part), jnp.asarray(g_logits),
+                                        src, dst, np.int32(offset))
+    got_k = list(got["k"]) if not stacked else list(np.asarray(got["k"]))
+    got_v = list(got["v"]) if not stacked else list(np.asarray(got["v"]))
+    for layer in range(n_layers):
+        np.testing.assert_array_equal(np.asarray(got_k[layer]), want_k[layer])
+        np.testing.assert_array_equal(np.asarray(got_v[layer]), want_v[layer])
+    np.testing.assert_array_equal(np.asarray(got["mask"]), want_mask)
+    np.testing.assert_array_equal(np.asarray(got_logits), want_logits)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_equal_the_unpadded_forward_with_sliding_windows(params, temperature):
     """Rows of many lengths (so prompts sit at different offsets of the batch cache, past the
