@@ -37,13 +37,18 @@ def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
     return spec_kwargs(cfg.task, name, int(cfg.seed))
 
 
-def build_task(cfg: Any, check_heldout: bool = True):
+def build_task(cfg: Any, check_heldout: bool = True, check_sandbox: bool = False):
     """The run's task. With task.eval_task set (another task) a TransferTask: "train" from
     task.name, the evaluation split from task.eval_task (e.g. MBPP -> HumanEval).
 
     ``check_heldout``: evaluation problems that are also training problems (pmd_jax.tasks.heldout)
     raise TaskError unless eval.allow_in_sample=True; then ``task.eval_in_sample`` is True and
-    the evaluation labels its numbers "in-sample"."""
+    the evaluation labels its numbers "in-sample".
+
+    ``check_sandbox`` (the trainer's process 0, which grades): a task that runs programs needs
+    a working sandbox backend; without one this raises SandboxError naming each backend's
+    reason, before any compute. Config validation calls this without it (it runs before
+    ``jax.distributed`` is initialised, so nothing here may touch a jax backend)."""
     from pmd_jax.tasks.registry import get_task
     from pmd_jax.tasks.splits import TransferTask
 
@@ -54,9 +59,9 @@ def build_task(cfg: Any, check_heldout: bool = True):
     eval_name = str(cfg.task.eval_task or "")
     if eval_name and eval_name != cfg.task.name:
         task = TransferTask(task, get_task(eval_name, **task_kwargs(cfg, eval_name)))
-    if is_main_process() and runs_code(task):
-        # process 0 grades: a machine where no sandbox works fails here, before any compute,
-        # not with every program graded as failed (detect_backend raises and says why)
+    if check_sandbox and runs_code(task):
+        # a machine where no sandbox works fails here, not with every program graded as
+        # failed (detect_backend raises and says why)
         from pmd_jax.tasks import sandbox
 
         log.info("sandbox for model-written code: %s", sandbox.detect_backend())

@@ -78,7 +78,7 @@ class Trainer:
         self.times: dict[str, float] = {}
 
         t0 = time.perf_counter()
-        self.task = build.build_task(cfg)
+        self.task = build.build_task(cfg, check_sandbox=self.is_main)  # process 0 grades
         self.train_problems = self.task.problems("train")
         if cfg.task.max_train_problems:
             self.train_problems = self.train_problems[: cfg.task.max_train_problems]

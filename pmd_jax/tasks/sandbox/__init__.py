@@ -31,8 +31,9 @@ environment variable ``PMD_SANDBOX_BACKEND`` forces one):
     every process of that uid. No network isolation. Used only when nothing else works.
 
 When no backend passes its probe, ``detect_backend()`` raises ``SandboxError`` naming each
-backend's reason (a code task's run checks this at start-up, in ``build.build_task``): there
-is no silent fallback under which every program would fail.
+backend's reason (a code task's run checks this at start-up:
+``build.build_task(check_sandbox=True)``): there is no silent fallback under which every
+program would fail.
 
 Processes are confined to a pid namespace in the first two backends, so daemons (double
 fork, setsid) die with the namespace when the run ends. There a shell is the namespace's init
