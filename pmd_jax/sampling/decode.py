@@ -124,13 +124,12 @@ def place_rows(cache: Any, logits: jax.Array, group_cache: Any, group_logits: ja
     its 262 s of XLA compiles); the copies are the same.
     """
     src, dst, offset = jnp.asarray(src), jnp.asarray(dst), jnp.asarray(offset)
-    new = {
-        "k": jax.tree.map(lambda f, p: _place_kv(f, p, src, dst, offset),
-                          cache["k"], group_cache["k"]),
-        "v": jax.tree.map(lambda f, p: _place_kv(f, p, src, dst, offset),
-                          cache["v"], group_cache["v"]),
-        "index": cache["index"],
-    }
+
+    def put(full: jax.Array, part: jax.Array) -> jax.Array:
+        return _place_kv(full, part, src, dst, offset)
+
+    new = {kv: jax.tree.map(put, cache[kv], group_cache[kv]) for kv in ("k", "v")}
+    new["index"] = cache["index"]
     new["mask"], logits = _place_mask_logits(cache["mask"], logits, group_cache["mask"],
                                              group_logits, src, dst, offset)
     return new, logits
