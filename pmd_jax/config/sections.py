@@ -256,6 +256,12 @@ class TrainConfig(Section):
                                      "every N steps (footprint.drop_compiled), so that the "
                                      "programs of past batch shapes do not pile up; those needed "
                                      "again come from train.compilation_cache_dir. 0 = never.")
+    shared_prefix: str = knob("auto", "The train step's forwards (and the KL to the initial "
+                              "policy): the rollouts of one prompt in one row, their common "
+                              "prompt prefix forwarded once (distill/shared_prefix.py; same "
+                              "loss and gradient up to float rounding). 'auto': where that "
+                              "costs fewer estimated FLOPs; 'always'; 'off': one row per "
+                              "rollout. Not with train.microbatch_rows (ours).")
     microbatch_rows: int = knob(0, "Gradient accumulation: split the update batch into "
                                 "microbatches of this many rows inside one jitted step (grads "
                                 "summed with full-batch normalisation, one optimizer update); "

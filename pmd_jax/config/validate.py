@@ -71,7 +71,8 @@ def freeze(c: Any) -> RunConfig:
 
 def batch_plan_errors(c: Any) -> list[str]:
     """train.microbatch_rows splits the update batch evenly (rows, GRPO groups, mesh batch),
-    and dry_run.target is a known hardware target."""
+    train.shared_prefix is a known mode that fits it, and dry_run.target is a known hardware
+    target."""
     errs: list[str] = []
     mb = c.train.microbatch_rows
     rows = int(c.rollout.problems_per_step) * int(c.rollout.n)
@@ -90,6 +91,12 @@ def batch_plan_errors(c: Any) -> list[str]:
         if -1 not in batch_axes and mb % (batch_axes[0] * batch_axes[1]):
             errs.append(f"train.microbatch_rows={mb} is not a multiple of mesh.data x mesh.fsdp "
                         f"= {batch_axes[0] * batch_axes[1]} (each microbatch is split over them)")
+    sp = c.train.shared_prefix
+    if sp not in ("auto", "always", "off"):  # distill.shared_prefix.MODES
+        errs.append(f"train.shared_prefix must be 'auto', 'always' or 'off', got {sp!r}")
+    elif sp == "always" and isinstance(mb, int) and mb > 0:
+        errs.append(f"train.shared_prefix='always' cannot be combined with "
+                    f"train.microbatch_rows={mb} (microbatches split rollout rows); use 'auto'")
     dr = c.dry_run
     if dr.target:
         from pmd_jax.dry_run.hardware import TARGETS

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +83,26 @@ def gather_response(x: Array, index: Array) -> Array:
         )
     idx = index.astype(jnp.int32).reshape(index.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, idx, axis=1)
+
+
+def gather_response_rows(x: Array, row: Array, index: Array) -> Array:
+    """``x[row[b], index[b, t], ...]``: ``[G, S, ...]`` gathered to ``[B, R, ...]`` (a side in
+    shared-prefix rows, :mod:`pmd_jax.distill.shared_prefix`)."""
+    if x.ndim < 2 or index.ndim != 2 or row.shape != index.shape[:1]:
+        raise ValueError(
+            f"gather_response_rows needs x [G, S, ...], row [B] and index [B, R]; got "
+            f"{tuple(x.shape)}, {tuple(row.shape)} and {tuple(index.shape)}")
+    g, s = x.shape[:2]
+    flat = row.astype(jnp.int32)[:, None] * s + index.astype(jnp.int32)
+    return jnp.take(x.reshape((g * s,) + x.shape[2:]), flat, axis=0)
+
+
+def side_hidden(x: Array, batch: Any, side: str) -> Array:
+    """A side's hidden states (or logits) at its response index, from its own rows or from
+    shared-prefix rows (``{side}_row`` in ``batch``)."""
+    if f"{side}_row" in batch:
+        return gather_response_rows(x, batch[f"{side}_row"], batch[f"{side}_index"])
+    return gather_response(x, batch[f"{side}_index"])
 
 
 def response_targets(tokens: Array, index: Array) -> Array:

@@ -28,6 +28,10 @@ response slots), built on the host by :func:`make_batch` from an
 ``lesson_mask``        [L, Rl]     1 on real lesson tokens (all 0 on filler rows)
 =====================  ==========  ==========================================================
 
+A side in shared-prefix rows (:mod:`pmd_jax.distill.shared_prefix`) has ``G`` rows instead of
+``B``, plus ``{side}_segments`` [G, Ts] and ``{side}_row`` [B] (the row of each rollout; its
+``{side}_index`` then points into that row).
+
 Every loss reads :data:`BASE_KEYS`; a loss's own arrays (teacher sequence, ``rewards``) are
 its ``batch_keys`` in :mod:`pmd_jax.distill.registry`.
 """
@@ -52,6 +56,8 @@ OPTIONAL_RESPONSE_KEYS = ("sampler_logp", "old_logp")
 SAMPLE_KEYS = ("sd_mask", "rewards")
 # what every loss reads: the student forward, the response maps, the self-distillation mask
 BASE_KEYS = (*SEQ_KEYS["student"], *RESPONSE_KEYS, "sd_mask")
+# a side in shared-prefix rows (pmd_jax.distill.shared_prefix)
+PACKED_KEYS = tuple(f"{side}_{k}" for side in SEQ_KEYS for k in ("segments", "row"))
 
 
 class BatchError(ValueError):
@@ -105,7 +111,8 @@ def check_batch(batch: Mapping[str, Any], loss: str | reg.LossSpec) -> tuple[int
     missing = [k for k in need if k not in batch]
     if missing:
         raise BatchError(f"batch is missing {missing} (loss {spec.name!r})")
-    known = set(need) | set(SEQ_KEYS["teacher"]) | set(OPTIONAL_RESPONSE_KEYS) | {"rewards"}
+    known = (set(need) | set(SEQ_KEYS["teacher"]) | set(OPTIONAL_RESPONSE_KEYS) | {"rewards"}
+             | set(PACKED_KEYS))
     unknown = sorted(set(batch) - known)
     if unknown:
         raise BatchError(f"batch has unknown arrays {unknown}")
@@ -114,30 +121,30 @@ def check_batch(batch: Mapping[str, Any], loss: str | reg.LossSpec) -> tuple[int
         x = batch[k]
         return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
 
-    s_shape = shape("student_tokens")
-    if len(s_shape) != 2:
-        raise BatchError(f"student_tokens must be [B, Ts], got shape {s_shape}")
-    b, ts = s_shape
-    for k in SEQ_KEYS["student"]:
-        if shape(k) != s_shape:
-            raise BatchError(f"{k} has shape {shape(k)}, student_tokens has {s_shape}")
-    tt = 0
-    if "teacher_tokens" in batch:
-        t_shape = shape("teacher_tokens")
-        if len(t_shape) != 2:
-            raise BatchError(f"teacher_tokens must be [B, Tt], got shape {t_shape}")
-        if t_shape[0] != b:
-            raise BatchError(
-                f"student and teacher batches differ in batch size: student_tokens {s_shape}, "
-                f"teacher_tokens {t_shape}"
-            )
-        tt = t_shape[1]
-        for k in SEQ_KEYS["teacher"]:
-            if shape(k) != t_shape:
-                raise BatchError(f"{k} has shape {shape(k)}, teacher_tokens has {t_shape}")
     r_shape = shape("responses")
-    if len(r_shape) != 2 or r_shape[0] != b:
-        raise BatchError(f"responses must be [B={b}, R], got shape {r_shape}")
+    if len(r_shape) != 2:
+        raise BatchError(f"responses must be [B, R], got shape {r_shape}")
+    b = r_shape[0]
+
+    def side_len(side: str) -> int:
+        x_shape = shape(f"{side}_tokens")
+        packed = f"{side}_row" in batch
+        if len(x_shape) != 2:
+            raise BatchError(f"{side}_tokens must be [{'G' if packed else 'B'}, T], got shape "
+                             f"{x_shape}")
+        if not packed and x_shape[0] != b:
+            raise BatchError(f"student and teacher batches differ in batch size: {side}_tokens "
+                             f"{x_shape}, responses {r_shape}")
+        for k in (*SEQ_KEYS[side], *((f"{side}_segments",) if packed else ())):
+            if k not in batch or shape(k) != x_shape:
+                raise BatchError(f"{k} has shape {shape(k) if k in batch else 'missing'}, "
+                                 f"{side}_tokens has {x_shape}")
+        if packed and shape(f"{side}_row") != (b,):
+            raise BatchError(f"{side}_row must be [B]={(b,)}, got shape {shape(f'{side}_row')}")
+        return x_shape[1]
+
+    ts = side_len("student")
+    tt = side_len("teacher") if "teacher_tokens" in batch else 0
     r = r_shape[1]
     for k in (*RESPONSE_KEYS, *OPTIONAL_RESPONSE_KEYS):
         if k in batch and shape(k) != r_shape:
@@ -153,7 +160,7 @@ def check_batch(batch: Mapping[str, Any], loss: str | reg.LossSpec) -> tuple[int
     if spec.lesson_nll:
         _check_lesson_rows(shape)
     for k in ("student_tokens", "teacher_tokens", "responses", "student_index", "teacher_index",
-              "lesson_tokens", "lesson_index", "lesson_targets"):
+              "lesson_tokens", "lesson_index", "lesson_targets", *PACKED_KEYS):
         if k in batch:
             dt = getattr(batch[k], "dtype", None) or np.asarray(batch[k]).dtype
             if not jnp.issubdtype(dt, jnp.integer):

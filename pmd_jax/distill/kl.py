@@ -36,12 +36,14 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
     temp = float(cfg.distill.loss.temperature)
     key = (mc, temp)
     if key not in _KL_FNS:
-        def fn(params, tokens, positions, mask, index, responses):
-            h, _ = decoder.forward(params, tokens, positions, mc, attn_mask=mask,
-                                   return_hidden=True)
-            h = align.gather_response(h, index)
-            return chunked_token_logprobs(h, decoder.unembed_matrix(params, mc), responses,
-                                          temp)
+        def fn(params, b):
+            seg = b.get("student_segments")
+            h, _ = decoder.forward(params, b["student_tokens"], b["student_positions"], mc,
+                                   attn_mask=b["student_attn_mask"], segment_ids=seg,
+                                   shared_prefix=seg is not None, return_hidden=True)
+            h = align.side_hidden(h, b, "student")
+            return chunked_token_logprobs(h, decoder.unembed_matrix(params, mc),
+                                          b["responses"], temp)
 
         _KL_FNS[key] = jax.jit(fn)
     from pmd_jax.multihost import to_host
@@ -49,9 +51,14 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
     params = bundle.initial_params
     if isinstance(params, DiskParams):  # train.offload_initial_policy: read for this forward
         params = params.load()
+    # the student side in shared-prefix rows where train.shared_prefix says so
+    keys = ("student_tokens", "student_positions", "student_attn_mask", "student_index",
+            "student_segments", "student_row", "responses")
+    from pmd_jax.distill.shared_prefix import share_prefixes
+
+    packed = share_prefixes(batch, mc, mode=cfg.train.shared_prefix, sides=("student",))[0]
     lp0 = to_host(_KL_FNS[key](  # (gathered when sharded over several processes)
-        params, batch["student_tokens"], batch["student_positions"],
-        batch["student_attn_mask"], batch["student_index"], batch["responses"]))
+        params, {k: packed[k] for k in keys if k in packed}))
     m = batch["response_mask"].astype(np.float64)
     diff = (batch["sampler_logp"] - lp0) * m
     return float(diff.sum() / max(m.sum(), 1.0))

@@ -148,17 +148,20 @@ def make_loss_fn(
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
         if opts.unrolled_layers:  # per-layer slices (gradients concatenated back)
             params = decoder.unstack_layers(params)
+        seg = batch.get(f"{side}_segments")  # shared-prefix rows (distill.shared_prefix)
         h, _ = decoder.forward(
             params,
             batch[f"{side}_tokens"].astype(jnp.int32),
             batch[f"{side}_positions"].astype(jnp.int32),
             model_cfg,
             attn_mask=batch[f"{side}_attn_mask"],
+            segment_ids=seg,
+            shared_prefix=seg is not None,
             return_hidden=True,
             remat=remat,
             shard_ctx=shard_ctx,
         )
-        return align.gather_response(h, batch[f"{side}_index"])
+        return align.side_hidden(h, batch, side)
 
     def loss_fn(params: Any, teacher: Any, batch: Mapping[str, Array]) -> tuple[Array, dict]:
         p = _cast(params, compute_dtype)

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate
 from pmd_jax.distill import optim as doptim
+from pmd_jax.distill import shared_prefix as spx
 from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.batch import BatchError, check_batch
 from pmd_jax.distill.loss_fn import StepOptions, _cast, make_lesson_nll_fn, make_loss_fn
@@ -118,6 +119,7 @@ class TrainStep:
         loss_chunk_remat: bool = True,
         microbatch_rows: int = 0,
         lesson_nll_weight: float = 1.0,
+        shared_prefix: str = "off",
     ):
         self.model_cfg = model_cfg
         self.opts = StepOptions.from_config(distill_cfg, model_cfg.vocab_size)
@@ -137,6 +139,23 @@ class TrainStep:
         # gradient accumulation (train.microbatch_rows; 0 = off): checked against the mesh now
         self.microbatch_rows = int(microbatch_rows)
         accumulate.check_microbatch_rows(self.microbatch_rows, self.microbatch_unit())
+        # shared-prefix rows (train.shared_prefix): microbatches split rollout rows
+        if shared_prefix not in spx.MODES:
+            raise ValueError(f"shared_prefix={shared_prefix!r} is not one of {spx.MODES}")
+        if shared_prefix == "always" and self.microbatch_rows:
+            raise ValueError("shared_prefix='always' cannot be combined with microbatch_rows "
+                             f"({self.microbatch_rows}): microbatches split rollout rows")
+        self.shared_prefix = "off" if self.microbatch_rows else shared_prefix
+
+    def pack(self, batch: Mapping[str, Any], sides: tuple[str, ...] | None = None
+             ) -> tuple[dict[str, Any], dict[str, float]]:
+        """The host batch with its sides in shared-prefix rows where ``shared_prefix`` says so
+        (:mod:`pmd_jax.distill.shared_prefix`; ``sides``: default both sides the loss reads),
+        and the rows and slots each side's forward gets."""
+        if sides is None:
+            sides = ("student", "teacher") if self.opts.needs_teacher else ("student",)
+        return spx.share_prefixes(batch, self.model_cfg, mode=self.shared_prefix, sides=sides,
+                                  row_multiple=self.batch_divisor())
 
     def microbatch_unit(self) -> int:
         """A microbatch must be a multiple of this: the mesh's batch axes x the GRPO group."""

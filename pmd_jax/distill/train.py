@@ -29,7 +29,8 @@ def init_train_state(cfg: Any, model: Any) -> TrainBundle:
 
     ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules,
                    microbatch_rows=int(cfg.train.microbatch_rows),
-                   lesson_nll_weight=float(cfg.mel.nll_weight))  # used by the mel loss only
+                   lesson_nll_weight=float(cfg.mel.nll_weight),  # used by the mel loss only
+                   shared_prefix=cfg.train.shared_prefix)
     state = ts.init(model.params, rng=int(cfg.seed))
     return TrainBundle(ts, state, model.params)
 
@@ -59,6 +60,7 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
     """One update on the host batch ``batch``; returns the step's scalar metrics."""
     import jax
 
+    batch, layout = bundle.step_fn.pack(batch)  # shared-prefix rows (train.shared_prefix)
     sh = bundle.step_fn.batch_shardings(batch)
     if sh is not None and jax.process_count() > 1:
         # Every process holds the same global host batch; jit refuses numpy inputs with
@@ -69,7 +71,8 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
     # freed working memory goes back to the kernel while the step runs, not beside its
     # temporaries (footprint module docstring).
     footprint.release_free_memory()
-    return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+    out = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+    return {**out, **layout}
 
 
 def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: int) -> int:

@@ -93,10 +93,13 @@ def chunked_attention(
     k_segment_ids: jnp.ndarray | None = None,
     q_chunk: int = 512,
     k_chunk: int = 512,
+    shared_segment_zero: bool = False,
 ) -> jnp.ndarray:
     """Memory-bounded causal attention; same result as :func:`dense_attention` with the mask
     ``(j <= q_offset + t) & (q_offset + t - j < window) & key_mask[b, j]
-    (& q_segment_ids[b, t] == k_segment_ids[b, j])``.
+    (& q_segment_ids[b, t] == k_segment_ids[b, j])``; with ``shared_segment_zero`` a key of
+    segment 0 is visible from every segment (a prefix shared by the row's segments:
+    ``| k_segment_ids[b, j] == 0``).
 
     q [B,T,H,hd], k/v [B,KV,S,hd], key_mask [B,S] bool (None: all keys real), ``q_offset``:
     slot of the first query (the KV-cache write index; 0 without a cache), ``window``: sliding
@@ -123,7 +126,7 @@ def chunked_attention(
         qseg = q_segment_ids.astype(jnp.int32)
         kseg = k_segment_ids.astype(jnp.int32)
     cq, ck = min(q_chunk, T), min(k_chunk, S)
-    return _flash(cq, ck, q, k, v, km, off, win, qseg, kseg)
+    return _flash(cq, ck, bool(shared_segment_zero), q, k, v, km, off, win, qseg, kseg)
 
 
 # --------------------------------------------------------------------------- internals
@@ -164,7 +167,7 @@ def _k_range(slots, win, ck, nk):
     return lo, hi
 
 
-def _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale):
+def _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared):
     """Masked float32 scores [B, KV, G, cq, ck] of query chunk qc [B, cq, KV, G, hd] against
     key chunk j, and that chunk's k, v [B, KV, ck, hd]."""
     kc = jax.lax.dynamic_slice_in_dim(kp, j * ck, ck, axis=2)
@@ -176,12 +179,13 @@ def _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale):
     vis = ((rel >= 0) & (rel < win))[None] & kmc[:, None, :]  # [B, cq, ck]
     if qs is not None:
         ksc = jax.lax.dynamic_slice_in_dim(ksp, j * ck, ck, axis=1)
-        vis = vis & (qs[:, :, None] == ksc[:, None, :])
+        same = qs[:, :, None] == ksc[:, None, :]
+        vis = vis & ((same | (ksc[:, None, :] == 0)) if shared else same)
     s = jnp.where(vis[:, None, None], s, _MIN)
     return s, kc, vc
 
 
-def _forward(cq, ck, q, k, v, km, off, win, qseg, kseg):
+def _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
     B, T, H, hd = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -195,7 +199,7 @@ def _forward(cq, ck, q, k, v, km, off, win, qseg, kseg):
 
         def k_step(j, carry):
             m, den, acc = carry
-            s, _, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale)
+            s, _, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             corr = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -220,17 +224,17 @@ def _forward(cq, ck, q, k, v, km, off, win, qseg, kseg):
     return out, (o, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(cq, ck, q, k, v, km, off, win, qseg, kseg):
-    return _forward(cq, ck, q, k, v, km, off, win, qseg, kseg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
+    return _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg)[0]
 
 
-def _flash_fwd(cq, ck, q, k, v, km, off, win, qseg, kseg):
-    out, (o, lse) = _forward(cq, ck, q, k, v, km, off, win, qseg, kseg)
+def _flash_fwd(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
+    out, (o, lse) = _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg)
     return out, (q, k, v, km, off, win, qseg, kseg, o, lse)
 
 
-def _flash_bwd(cq, ck, res, dout):
+def _flash_bwd(cq, ck, shared, res, dout):
     q, k, v, km, off, win, qseg, kseg, o, lse = res
     B, T, H, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
@@ -252,7 +256,7 @@ def _flash_bwd(cq, ck, res, dout):
 
         def k_step(j, c):
             dq, dk_acc, dv_acc = c
-            s, kc, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale)
+            s, kc, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
             p = jnp.exp(s - lse_c[..., None])  # [B, KV, G, cq, ck]
             dv = jnp.einsum("bkgqs,bkgqd->bksd", p, doc)
             dp = jnp.einsum("bkgqd,bksd->bkgqs", doc, vc.astype(jnp.float32))

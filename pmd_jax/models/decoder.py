@@ -18,8 +18,11 @@ Attention masks: ``attn_mask`` [B, T] marks real tokens (1) and padding (0); pad
 never attended. Causality and sliding windows are over token slots (HF semantics: a key at slot
 j is visible from slot i iff j <= i and, on sliding layers, i - j < window). ``positions`` are
 given by the caller (for left padding: cumsum of the mask - 1). ``segment_ids`` (packing)
-restricts attention to equal ids. With a KV cache, slots are cache slots: ``cache_index`` (or
-the cache's own ``index``) is where the T new tokens are written.
+restricts attention to equal ids; with ``shared_prefix`` segment 0 is a prefix that every
+segment of its row also sees (one prompt and several continuations of it in one row, each
+continuation its own id >= 1 and positions that go on from the prefix's). With a KV cache,
+slots are cache slots: ``cache_index`` (or the cache's own ``index``) is where the T new tokens
+are written.
 
 Attention implementations (``cfg.attention_impl`` or ``forward(..., attention_impl=)``):
 "dense" builds the [B, T, S] mask and [B, KV, G, T, S] float32 scores; "chunked"
@@ -460,8 +463,24 @@ def _check_inputs(params: Params, tokens: jnp.ndarray, positions: jnp.ndarray,
             "split by unstack_layers, and a stacked cache with stacked params")
 
 
+def check_shared_prefix(cfg: ModelConfig, seq_len: int, segment_ids: Any) -> None:
+    """Raise ValueError unless rows of ``seq_len`` slots can hold a shared prefix: segment ids
+    given, and no sliding window shorter than the row (windows count slots, and a continuation
+    sits further from the prefix in slots than in positions)."""
+    if segment_ids is None:
+        raise ValueError("shared_prefix needs segment_ids (0 marks the shared prefix)")
+    short = [i for i in range(cfg.num_layers) if cfg.layer_type(i) == "sliding_attention"
+             and cfg.sliding_window and cfg.sliding_window < seq_len]
+    if short:
+        raise ValueError(
+            f"shared_prefix rows of {seq_len} slots exceed the sliding window "
+            f"({cfg.sliding_window}) of layers {short[:4]}{'...' if len(short) > 4 else ''}: "
+            "windows count slots, not positions")
+
+
 def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarray,
-               idx: jnp.ndarray | None, segment_ids: jnp.ndarray | None) -> Callable:
+               idx: jnp.ndarray | None, segment_ids: jnp.ndarray | None,
+               shared_prefix: bool = False) -> Callable:
     """``window -> attend(q, k, v)``: the masked attention of a layer with that sliding window
     (_BIG_WINDOW: none), over slots (causal, padding keys and other segments masked)."""
     if impl == "dense":
@@ -469,7 +488,8 @@ def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarra
         k_idx = jnp.arange(S, dtype=jnp.int32)
         base = (k_idx[None, :] <= q_idx[:, None])[None] & key_mask[:, None, :]
         if segment_ids is not None:
-            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]
+            base = base & ((same | (segment_ids[:, None, :] == 0)) if shared_prefix else same)
         rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
 
     def attend_fn(window: Any) -> Callable:
@@ -478,7 +498,8 @@ def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarra
                 attn_lib.chunked_attention, key_mask=key_mask,
                 q_offset=0 if idx is None else idx, window=window,
                 q_segment_ids=segment_ids, k_segment_ids=segment_ids,
-                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk)
+                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk,
+                shared_segment_zero=shared_prefix)
         if isinstance(window, int) and window >= _BIG_WINDOW:
             mask = base
         else:
@@ -496,6 +517,7 @@ def forward(
     *,
     attn_mask: jnp.ndarray | None = None,
     segment_ids: jnp.ndarray | None = None,
+    shared_prefix: bool = False,
     cache: dict[str, jnp.ndarray] | None = None,
     cache_index: jnp.ndarray | int | None = None,
     return_hidden: bool = False,
@@ -513,9 +535,12 @@ def forward(
     "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
     ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` ("auto" | "dense" |
     "chunked") overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
-    mask or score matrix (see :mod:`pmd_jax.models.attention`).
+    mask or score matrix (see :mod:`pmd_jax.models.attention`). ``shared_prefix``: segment 0
+    of ``segment_ids`` is seen by every segment of its row (module docstring).
     """
     _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache)
+    if shared_prefix:
+        check_shared_prefix(cfg, tokens.shape[1], segment_ids)
     B, T = tokens.shape
     dt = _dtype(cfg.dtype)
     kmask_new = jnp.ones((B, T), jnp.bool_) if attn_mask is None else attn_mask.astype(jnp.bool_)
@@ -544,7 +569,7 @@ def forward(
         key_mask = new_mask
     impl = attn_lib.resolve_impl(
         cfg.attention_impl if attention_impl is None else attention_impl, T, S)
-    attend_fn = _attend_fn(cfg, impl, T, S, key_mask, idx, segment_ids)
+    attend_fn = _attend_fn(cfg, impl, T, S, key_mask, idx, segment_ids, shared_prefix)
 
     # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)

@@ -99,7 +99,8 @@ def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
         "sampler_logp": rng.normal(-2.0, 0.5, (b, r)).astype(np.float32),
     }
     run_cfg = types.SimpleNamespace(distill=types.SimpleNamespace(
-        loss=types.SimpleNamespace(temperature=1.0)))
+        loss=types.SimpleNamespace(temperature=1.0)),
+        train=types.SimpleNamespace(shared_prefix="auto"))
     model = types.SimpleNamespace(cfg=cfg)
     in_memory = kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=init),
                                  batch)
