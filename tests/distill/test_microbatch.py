@@ -10,7 +10,8 @@ any, and responses of different lengths, so per-microbatch normalisation would d
 from __future__ import annotations
 
 # isort: off
-from tests.distill.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+from tests.distill.distill_common import (  # first: sets 8 fake devices
+    TINY, assert_same_steps, ema_step_config, make_mesh8, start_state, tiny_params)
 # isort: on
 
 import jax
@@ -22,8 +23,6 @@ from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate, align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import step as st
-from pmd_jax.distill.config import default_distill_config
-from pmd_jax.models import decoder
 
 B = 16
 GROUP = 2
@@ -31,17 +30,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _cfg(mode: str):
-    c = default_distill_config()
-    c.loss.name = mode
-    c.teacher.rule = "ema"
-    c.teacher.rate = 0.1
-    c.loss.topk = 8
-    c.loss.chunk_size = 3
-    c.loss.group_size = GROUP
-    c.loss.hybrid_lambda = 0.6
-    c.optim.lr = 1e-3
-    c.optim.warmup_steps = 0
-    return c
+    return ema_step_config(mode, GROUP)
 
 
 def _batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -61,16 +50,8 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
     )
 
 
-def _params(seed: int):
-    return decoder.init_params(TINY, jax.random.PRNGKey(seed))
-
-
-def _start(ts: st.TrainStep) -> st.TrainState:
-    state = ts.init(_params(0), 0)
-    if state.teacher:  # a teacher that differs from the student, so there is a signal
-        state = state.replace(teacher=jax.tree.map(
-            lambda t, p: jax.device_put(p, t.sharding), state.teacher, _params(7)))
-    return state
+_params = tiny_params
+_start = start_state
 
 
 def _np(tree):
@@ -92,18 +73,7 @@ def mesh():
 
 
 def _assert_same(got, want):
-    (s_a, ms_a), (s_b, ms_b) = got, want
-    for i, (ma, mb) in enumerate(zip(ms_a, ms_b, strict=True)):
-        assert set(ma) == set(mb)
-        for k in mb:
-            np.testing.assert_allclose(ma[k], mb[k], **TOL, err_msg=f"step {i} metric {k}")
-    for name in ("params", "opt_state", "teacher"):
-        la = jax.tree_util.tree_leaves_with_path(getattr(s_a, name))
-        lb = jax.tree.leaves(getattr(s_b, name))
-        assert len(la) == len(lb)
-        for (path, a), b in zip(la, lb, strict=True):
-            np.testing.assert_allclose(a, b, **TOL,
-                                       err_msg=f"{name}{jax.tree_util.keystr(path)}")
+    assert_same_steps(got, want, TOL)
 
 
 @pytest.mark.parametrize("mode", ["sdpo", "grpo", "hybrid"])

@@ -13,7 +13,8 @@ rows without signal.
 from __future__ import annotations
 
 # isort: off
-from tests.distill.distill_common import TINY, make_mesh8  # first: sets 8 fake devices
+from tests.distill.distill_common import (  # first: sets 8 fake devices
+    TINY, assert_same_steps, ema_step_config, make_mesh8, start_state, tiny_params)
 # isort: on
 
 import jax
@@ -25,7 +26,6 @@ from pmd_jax.distill import align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import shared_prefix as spx
 from pmd_jax.distill import step as st
-from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 
@@ -34,17 +34,7 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def _cfg(mode: str):
-    c = default_distill_config()
-    c.loss.name = mode
-    c.teacher.rule = "ema"
-    c.teacher.rate = 0.1
-    c.loss.topk = 8
-    c.loss.chunk_size = 3
-    c.loss.group_size = N
-    c.loss.hybrid_lambda = 0.6
-    c.optim.lr = 1e-3
-    c.optim.warmup_steps = 0
-    return c
+    return ema_step_config(mode, N)
 
 
 def _batch(seed: int = 0, problems: int = 4) -> dict[str, np.ndarray]:
@@ -71,16 +61,8 @@ def _batch(seed: int = 0, problems: int = 4) -> dict[str, np.ndarray]:
     )
 
 
-def _params(seed: int):
-    return decoder.init_params(TINY, jax.random.PRNGKey(seed))
-
-
-def _start(ts: st.TrainStep) -> st.TrainState:
-    state = ts.init(_params(0), 0)
-    if state.teacher:  # a teacher that differs from the student, so there is a signal
-        state = state.replace(teacher=jax.tree.map(
-            lambda t, p: jax.device_put(p, t.sharding), state.teacher, _params(7)))
-    return state
+_params = tiny_params
+_start = start_state
 
 
 def _run(ts: st.TrainStep, problems: int = 4, steps: int = 2):
@@ -94,17 +76,7 @@ def _run(ts: st.TrainStep, problems: int = 4, steps: int = 2):
 
 
 def _assert_same(got, want):
-    (s_a, ms_a, _), (s_b, ms_b, _) = got, want
-    for i, (ma, mb) in enumerate(zip(ms_a, ms_b, strict=True)):
-        assert set(ma) == set(mb)
-        for k in mb:
-            np.testing.assert_allclose(ma[k], mb[k], **TOL, err_msg=f"step {i} metric {k}")
-    for name in ("params", "opt_state", "teacher"):
-        la = jax.tree_util.tree_leaves_with_path(getattr(s_a, name))
-        lb = jax.tree.leaves(getattr(s_b, name))
-        for (path, a), b in zip(la, lb, strict=True):
-            np.testing.assert_allclose(a, b, **TOL,
-                                       err_msg=f"{name}{jax.tree_util.keystr(path)}")
+    assert_same_steps(got[:2], want[:2], TOL)
 
 
 @pytest.mark.parametrize("mode", ["sdpo", "grpo", "hybrid"])
