@@ -156,9 +156,7 @@ def share_prefixes(batch: Mapping[str, Any], model_cfg: Any, *, mode: str = "aut
             packed = pack_side(_sequences(batch, side), groups, r_len, multiple=multiple,
                                row_multiple=row_multiple)
             g, s = packed["tokens"].shape
-            window_ok = not any(
-                model_cfg.layer_type(i) == "sliding_attention" and model_cfg.sliding_window
-                and model_cfg.sliding_window < s for i in range(model_cfg.num_layers))
+            window_ok = not model_cfg.windows_shorter_than(s)
             cheaper = (layout_cost(g, s, per_token, per_pair)
                        < layout_cost(rows, seq_len, per_token, per_pair))
             if window_ok and (mode == "always" or cheaper):

@@ -135,6 +135,11 @@ class ModelConfig:
     def layer_type(self, i: int) -> LayerType:
         return "full_attention" if self.layer_types is None else self.layer_types[i]
 
+    def windows_shorter_than(self, seq_len: int) -> list[int]:
+        """The sliding-attention layers whose window is shorter than ``seq_len`` slots."""
+        return [i for i in range(self.num_layers) if self.layer_type(i) == "sliding_attention"
+                and self.sliding_window and self.sliding_window < seq_len]
+
     def rope_for(self, layer_type: str) -> RopeConfig:
         table = dict(self.rope)
         return table.get(layer_type, table["full_attention"])

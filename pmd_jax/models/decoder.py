@@ -463,21 +463,6 @@ def _check_inputs(params: Params, tokens: jnp.ndarray, positions: jnp.ndarray,
             "split by unstack_layers, and a stacked cache with stacked params")
 
 
-def check_shared_prefix(cfg: ModelConfig, seq_len: int, segment_ids: Any) -> None:
-    """Raise ValueError unless rows of ``seq_len`` slots can hold a shared prefix: segment ids
-    given, and no sliding window shorter than the row (windows count slots, and a continuation
-    sits further from the prefix in slots than in positions)."""
-    if segment_ids is None:
-        raise ValueError("shared_prefix needs segment_ids (0 marks the shared prefix)")
-    short = [i for i in range(cfg.num_layers) if cfg.layer_type(i) == "sliding_attention"
-             and cfg.sliding_window and cfg.sliding_window < seq_len]
-    if short:
-        raise ValueError(
-            f"shared_prefix rows of {seq_len} slots exceed the sliding window "
-            f"({cfg.sliding_window}) of layers {short[:4]}{'...' if len(short) > 4 else ''}: "
-            "windows count slots, not positions")
-
-
 def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarray,
                idx: jnp.ndarray | None, segment_ids: jnp.ndarray | None,
                shared_prefix: bool = False) -> Callable:
@@ -539,8 +524,11 @@ def forward(
     of ``segment_ids`` is seen by every segment of its row (module docstring).
     """
     _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache)
-    if shared_prefix:
-        check_shared_prefix(cfg, tokens.shape[1], segment_ids)
+    if shared_prefix and (segment_ids is None or cfg.windows_shorter_than(tokens.shape[1])):
+        raise ValueError(  # windows count slots: a continuation sits further from its prefix
+            f"shared_prefix needs segment_ids and no sliding window shorter than the row "
+            f"({tokens.shape[1]} slots; layers {cfg.windows_shorter_than(tokens.shape[1])[:4]} "
+            f"have window {cfg.sliding_window})")
     B, T = tokens.shape
     dt = _dtype(cfg.dtype)
     kmask_new = jnp.ones((B, T), jnp.bool_) if attn_mask is None else attn_mask.astype(jnp.bool_)

@@ -195,7 +195,7 @@ def test_rows_longer_than_a_sliding_window_stay_per_rollout():
     b, lay = spx.share_prefixes(plain, slide, mode="always", multiple=4)
     assert lay["student_forward_rows"] == 16 and "student_row" not in b
     seg = np.zeros((1, 12), np.int32)
-    with pytest.raises(ValueError, match=r"exceed the sliding window \(8\) of layers \[0\]"):
+    with pytest.raises(ValueError, match=r"12 slots; layers \[0\] have window 8"):
         decoder.forward(_params(0), np.ones((1, 12), np.int32),
                         np.arange(12, dtype=np.int32)[None], slide, segment_ids=seg,
                         shared_prefix=True)
