@@ -396,12 +396,16 @@ def test_reward_hacks_fail(mbpp, tmp_path):
         task.warm_pool = pooled
         r = task.verify(q, spy, "validation")
         shown = "\n".join(str(rec["actual"]) for rec in r.details["records"])
-        # the harness's random 32-hex nonce may hold "101" by chance (seen once: '010172bed...')
-        shown = re.sub(r"[0-9a-f]{32}", "<nonce>", shown)
+        # what the spy prints holds numbers that may contain "101" by chance: the harness's
+        # random 32-hex nonce (seen once: '010172bed...'), object addresses, frame line numbers
+        # and run times (seen once in CI: 'elapsed': 0.0101); mask them, then look for 101 as
+        # a number of its own, the gold output of "100 1"
+        shown = re.sub(r"[0-9a-f]{32}|0x[0-9a-f]+|line \d+|\d+\.\d+(?:e-?\d+)?", "<n>", shown)
         assert "100 1" in shown  # the spy did read the payload (the inputs are in it)
         if not pooled:
             assert "payload.bin:" in shown
-        assert "101" not in shown and '"outputs"' not in shown and "'outputs'" not in shown
+        assert not re.search(r"(?<![\d.])101(?!\d)", shown)
+        assert '"outputs"' not in shown and "'outputs'" not in shown
     task.close()
 
 
