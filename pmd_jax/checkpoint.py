@@ -416,6 +416,14 @@ class Checkpointer:
         """Block until the in-flight save is written, finalised and committed."""
         self._mgr.wait_until_finished()
 
+    def poll(self) -> bool:
+        """Never blocks on a save still being written: once the in-flight save has ended,
+        raises its error if it failed. Returns whether a save is still in flight."""
+        if self._mgr.is_saving_in_progress():
+            return True
+        self._mgr.wait_until_finished()  # an ended save: returns at once, or raises its error
+        return False
+
     def close(self) -> None:
         self._mgr.wait_until_finished()
         self._mgr.close()
@@ -547,6 +555,9 @@ class RunCheckpointer:
 
     def wait(self) -> None:
         self.ckpt.wait()
+
+    def poll(self) -> bool:
+        return self.ckpt.poll()
 
 
 def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:

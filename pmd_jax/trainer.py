@@ -189,6 +189,8 @@ class Trainer:
             prog.update(1, **{k: metrics[m] for k, m in _PROGRESS_FIELDS if m in metrics})
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
+            elif self._ckpt_inflight is not None:  # a failed write stops the run now, not at
+                self._wait_checkpoint(block=False)  # the next save (disk full: steps lost)
             if self._eval_due(self.step):
                 results[f"step_{self.step}"] = self.evaluate(self.step)
                 if drop:  # and the evaluation's, before the next step's
@@ -471,12 +473,17 @@ class Trainer:
             raise self._checkpoint_error(self.step, e) from e
         self._ckpt_inflight = self.step
 
-    def _wait_checkpoint(self) -> None:
-        """Blocks until the in-flight (async) checkpoint is committed; a failure names its step."""
-        step, self._ckpt_inflight = self._ckpt_inflight, None
+    def _wait_checkpoint(self, block: bool = True) -> None:
+        """Blocks until the in-flight (async) checkpoint is committed (``block=False``: only
+        looks whether it has ended); a failure names its step."""
+        step = self._ckpt_inflight
         try:
-            self.ckpt.wait()
+            if not block and self.ckpt.poll():
+                return  # still being written
+            self._ckpt_inflight = None
+            self.ckpt.wait()  # (after a poll: an ended save, so it returns at once)
         except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            self._ckpt_inflight = None
             raise self._checkpoint_error(step, e) from e
 
     def _checkpoint_error(self, step: int | None, e: Exception) -> TrainingError:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -134,6 +135,34 @@ def test_partial_tmp_dir_is_ignored_and_all_corrupt_is_an_error(tmp_path):
         ck.restore(_state(0))
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(_state(0))
+
+
+def test_poll_raises_a_failed_background_write_once_it_has_ended(tmp_path):
+    """The trainer polls the in-flight save after every step: a background write that fails
+    (here EFBIG under RLIMIT_FSIZE, as on a full disk; Python ignores SIGXFSZ) raises at the
+    first poll after it ended, not at the next save up to ``train.checkpoint_every`` steps on."""
+    ck = Checkpointer(tmp_path, max_to_keep=3)
+    rng = np.random.default_rng(0)  # random floats: OCDBT's compression cannot shrink them
+    state = {"w": jnp.asarray(rng.random(3_000_000, dtype=np.float32))}  # 12 MB
+    ck.save(1, state)
+    ck.wait()
+    assert ck.poll() is False  # ended and committed: nothing to raise, nothing in flight
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard))
+    try:
+        ck.save(2, state)  # returns once the arrays are on the host; the write goes on
+        deadline = time.time() + 120
+        with pytest.raises(Exception, match="File too large|EFBIG|rrno 27"):
+            while ck.poll():
+                assert time.time() < deadline, "the failed save never ended"
+                time.sleep(0.02)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert ck.committed_steps() == [1]
+    assert ck.restore(jax.tree.map(jnp.zeros_like, state)).step == 1
+    ck.save(3, state)  # the checkpointer is usable again once the space is back
+    ck.wait()
+    assert ck.committed_steps() == [1, 3] and ck.poll() is False
 
 
 def test_restore_onto_mesh_shardings(tmp_path):
