@@ -49,6 +49,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 from pmd_jax import footprint, paths
+from pmd_jax.phases import TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +503,7 @@ class RunCheckpointer:
         self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
                                  slots=("memory", "data_cursor", "trainer", "prefetch",
                                         "fast_slow"))
+        self.inflight: int | None = None  # the step of the background write, until it ends
 
     def save(self, step: int, bundle: Any, extras: dict[str, Any]) -> None:
         """Saves ``bundle.state`` (a distill.train.TrainBundle) and the trainer's ``extras``."""
@@ -518,8 +520,12 @@ class RunCheckpointer:
             "fast_slow": (pickle.dumps(extras["fast_slow"], protocol=5)
                           if extras.get("fast_slow") is not None else None),
         }
-        self.ckpt.wait()  # surface a failed background write before starting the next one
-        self.ckpt.save(int(step), bundle.state, slots=slots)
+        self.wait()  # a failed background write of the previous save stops here
+        try:
+            self.ckpt.save(int(step), bundle.state, slots=slots)
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            raise self._error(int(step), e) from e
+        self.inflight = int(step)
 
     def restore_latest(self, bundle: Any) -> tuple[Any, dict[str, Any]] | None:
         """The latest usable checkpoint into ``bundle`` and the trainer's extras, or None."""
@@ -547,17 +553,31 @@ class RunCheckpointer:
             extras["fast_slow"] = pickle.loads(r.slots["fast_slow"])
         return bundle, extras
 
-    def latest_committed(self) -> int | None:
+    def wait(self, block: bool = True) -> None:
+        """Blocks until the background write is committed (``block=False``: only looks
+        whether it has ended, so a failed write stops the run after the step it failed in,
+        not at the next save); a failure raises a TrainingError naming its step."""
+        step = self.inflight
+        if step is None:
+            return
         try:
-            return self.ckpt.latest_step()
-        except Exception:  # noqa: BLE001 - only used in an error message
-            return None
+            if not block and self.ckpt.poll():
+                return  # still being written
+            self.inflight = None
+            self.ckpt.wait()  # (after a poll: an ended save, so it returns at once)
+        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
+            self.inflight = None
+            raise self._error(step, e) from e
 
-    def wait(self) -> None:
-        self.ckpt.wait()
-
-    def poll(self) -> bool:
-        return self.ckpt.poll()
+    def _error(self, step: int, e: Exception) -> TrainingError:
+        try:
+            prev = self.ckpt.latest_step()
+        except Exception:  # noqa: BLE001 - only used in the message
+            prev = None
+        intact = (f"the previous checkpoint (step {prev}) is intact" if prev is not None
+                  else "there is no earlier checkpoint")
+        return TrainingError(
+            f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
 
 
 def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:

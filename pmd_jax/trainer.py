@@ -114,7 +114,6 @@ class Trainer:
         # The policy version the sampler holds (0 = the initial weights; publish after step k
         # makes it k + 1). A rollout batch's staleness is this minus its weights_version.
         self.weights_version = 0
-        self._ckpt_inflight: int | None = None  # step of the async checkpoint being written
         # rollout.overlap: the batch for step k + 1, being sampled (Future) or done (StepBatch).
         self._next: Future | StepBatch | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -172,7 +171,7 @@ class Trainer:
         prog.close()
         if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:
             results["after"] = self.evaluate(self.step)
-        self._wait_checkpoint()
+        self.ckpt.wait()
         self.finish()
         return results
 
@@ -189,8 +188,8 @@ class Trainer:
             prog.update(1, **{k: metrics[m] for k, m in _PROGRESS_FIELDS if m in metrics})
             if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.steps:
                 self._save()
-            elif self._ckpt_inflight is not None:  # a failed write stops the run now, not at
-                self._wait_checkpoint(block=False)  # the next save (disk full: steps lost)
+            else:  # a write that failed (disk full) stops the run now, not at the next save
+                self.ckpt.wait(block=False)
             if self._eval_due(self.step):
                 results[f"step_{self.step}"] = self.evaluate(self.step)
                 if drop:  # and the evaluation's, before the next step's
@@ -466,32 +465,7 @@ class Trainer:
             "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
             "fast_slow": self.fast_slow.state_dict() if self.fast_slow is not None else None,
         }
-        self._wait_checkpoint()  # a failed background write of the previous save stops here
-        try:
-            self.ckpt.save(self.step, self.state, extras)
-        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
-            raise self._checkpoint_error(self.step, e) from e
-        self._ckpt_inflight = self.step
-
-    def _wait_checkpoint(self, block: bool = True) -> None:
-        """Blocks until the in-flight (async) checkpoint is committed (``block=False``: only
-        looks whether it has ended); a failure names its step."""
-        step = self._ckpt_inflight
-        try:
-            if not block and self.ckpt.poll():
-                return  # still being written
-            self._ckpt_inflight = None
-            self.ckpt.wait()  # (after a poll: an ended save, so it returns at once)
-        except Exception as e:  # noqa: BLE001 - report which step failed and what is intact
-            self._ckpt_inflight = None
-            raise self._checkpoint_error(step, e) from e
-
-    def _checkpoint_error(self, step: int | None, e: Exception) -> TrainingError:
-        prev = self.ckpt.latest_committed()
-        intact = (f"the previous checkpoint (step {prev}) is intact" if prev is not None
-                  else "there is no earlier checkpoint")
-        return TrainingError(
-            f"checkpoint write at step {step} failed ({type(e).__name__}: {e}); {intact}")
+        self.ckpt.save(self.step, self.state, extras)  # (names the step of a failed write)
 
     def _restore(self) -> None:
         restored = self.ckpt.restore_latest(self.state) if self.cfg.resume else None
@@ -538,7 +512,7 @@ class Trainer:
         # The checkpoint written in the background finishes first: its write buffers (0.6-1.6
         # GiB of C heap on the embedded default) and an evaluation's batches, the run's
         # largest sampling programs, would otherwise be resident together.
-        self._wait_checkpoint()
+        self.ckpt.wait()
         footprint.release_free_memory()
         t0 = time.perf_counter()
         # Process 0 evaluates and writes the results; the others serve its generate calls.

@@ -165,6 +165,43 @@ def test_poll_raises_a_failed_background_write_once_it_has_ended(tmp_path):
     assert ck.committed_steps() == [1, 3] and ck.poll() is False
 
 
+def test_run_checkpointer_names_the_failed_write_without_blocking_on_one_in_flight(tmp_path):
+    """The trainer's side of the above (RunCheckpointer.wait(block=False) after every step):
+    the error names the failed step and the intact one; nothing in flight is a no-op."""
+    import types
+
+    from pmd_jax.checkpoint import RunCheckpointer
+    from pmd_jax.phases import TrainingError
+
+    ck = RunCheckpointer(tmp_path, keep=3)
+    rng = np.random.default_rng(0)
+    bundle = types.SimpleNamespace(state={"w": jnp.asarray(rng.random(3_000_000, np.float32))})
+    extras = {"data_cursor": {"pos": 0}}
+    ck.wait(block=False)  # no save yet: nothing to look at
+    ck.save(1, bundle, extras)
+    ck.wait()
+    assert ck.inflight is None
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard))
+    try:
+        ck.save(2, bundle, extras)
+        assert ck.inflight == 2
+        deadline = time.time() + 120
+        with pytest.raises(TrainingError, match=r"checkpoint write at step 2 failed .*File too "
+                           r"large.*; the previous checkpoint \(step 1\) is intact"):
+            while ck.inflight is not None:
+                ck.wait(block=False)
+                assert time.time() < deadline, "the failed save never ended"
+                time.sleep(0.02)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert ck.inflight is None
+    ck.wait()  # the error was reported once; the next save starts clean
+    ck.save(3, bundle, extras)
+    ck.wait()
+    assert ck.ckpt.committed_steps() == [1, 3]
+
+
 def test_restore_onto_mesh_shardings(tmp_path):
     assert len(jax.devices()) == 8
     rules = shd.ShardingRules.from_mapping()
