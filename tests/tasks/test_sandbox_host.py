@@ -81,9 +81,39 @@ def tmp_venv():
             timeout=60,
         ).stdout.strip()
         Path(purelib, "pmd_venv_probe.py").write_text("WHERE = __file__\n")
+        _see_the_running_environment(py, purelib)
         yield py
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _see_the_running_environment(py: str, purelib: str) -> None:
+    """Make the probe venv see what this test process imports.
+
+    ``--system-site-packages`` exposes the *base* interpreter's site-packages. When pytest
+    itself runs from a venv (the README's ``python3.11 -m venv /tmp/x`` route), numpy, absl
+    and the rest live in that outer venv, which a venv made from it does not see (venvs do
+    not chain). Then: a ``.pth`` file lists the outer venv's site-packages, so the driver's
+    host-side imports (pmd_jax and its dependencies) resolve as in this process; and numpy,
+    which the sandboxed programs import, is copied into the probe venv's own site-packages,
+    because a ``.pth`` entry outside the venv is not something the sandbox mounts.
+    """
+    import importlib.metadata
+    import site
+
+    probe = [py, "-c", "import numpy, absl"]
+    if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+        return  # CI: the packages are in the base interpreter's site-packages
+    if sys.prefix == sys.base_prefix:
+        pytest.fail("numpy/absl are importable here but not from a --system-site-packages venv")
+    Path(purelib, "pmd-outer-env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    dist = importlib.metadata.distribution("numpy")
+    base = Path(str(dist.locate_file("")))
+    for top in sorted({Path(str(f)).parts[0] for f in dist.files or ()} - {".."}):
+        src = base / top
+        if src.is_dir():
+            shutil.copytree(src, Path(purelib, top), symlinks=True)
+    subprocess.run(probe, check=True, capture_output=True, timeout=60)
 
 
 @pytest.mark.parametrize("backend", sandbox.BACKENDS)
@@ -127,10 +157,12 @@ def test_bwrap_tmp_stays_private_and_writable_over_python_mounts(tmp_venv):
     if "bwrap" not in INFO["available"]:
         pytest.skip("bwrap does not work on this machine")
     probe = tempfile.mkdtemp(prefix="pmd-test-hidden-")
+    # a name no host path can hold: the README's own venv is /tmp/x, which the sandbox binds
+    scratch = f"/tmp/pmd-sbx-scratch-{uuid.uuid4().hex}"
     try:
         r = run(
-            "import os, sys\nopen('/tmp/x', 'w').write('ok')\n"
-            f"print(open('/tmp/x').read(), os.path.exists({probe!r}))\n"
+            f"import os, sys\nopen({scratch!r}, 'w').write('ok')\n"
+            f"print(open({scratch!r}).read(), os.path.exists({probe!r}))\n"
             "try:\n    open(sys.prefix + '/pwned', 'w')\nexcept OSError:\n    print('ro')",
             backend="bwrap",
         )
