@@ -26,6 +26,11 @@ def get_config():
     c.task.prompt_style = "direct_text"
     c.task.include_support = True
     c.task.max_eval_problems = 100  # the whole SciQ validation split we hold out
+    # Problems recur (issue 35): 12 steps x 4 problems over 16 training problems are three
+    # epochs, so a problem's memory, written from one epoch's attempts, serves (and is checked
+    # on) the same problem in the next; with the whole split no problem was drawn twice and
+    # the memory never served one across steps, which is what the method is for (ours).
+    c.task.max_train_problems = 16
     c.rollout.problems_per_step = 4
     c.rollout.n = 4
     c.rollout.temperature = 0.7

@@ -44,9 +44,13 @@ def make_generate_fn(
         pre = [prefixes.get(user_text(c), "") for c in convs]
         if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
             pids = pid_by_text or {}
-            convs = [teacher_messages(c, memory.teacher_context(
-                pids.get(user_text(c), ""), user_text(c)).render(model.count_tokens))
-                for c in convs]
+            ctxs = [memory.teacher_context(pids.get(user_text(c), ""), user_text(c))
+                    for c in convs]
+            if memory.config.verify.enabled:  # only what the check admitted (memory/verify)
+                for ctx in ctxs:
+                    ctx.keep_items(memory.evidence.visible)
+            convs = [teacher_messages(c, ctx.render(model.count_tokens))
+                     for c, ctx in zip(convs, ctxs, strict=True)]
         if context is not None:  # fast_slow's deployed form: the pool's best context
             from pmd_jax.fast_slow.contexts import with_context
 

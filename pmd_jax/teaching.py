@@ -15,12 +15,13 @@ Nothing numeric happens here beyond host-side bookkeeping.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from pmd_jax.distill.update_rows import round_up
-from pmd_jax.sampling.base import Messages, TextGenerator
+from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -100,8 +101,12 @@ def select_demonstrations(
 
 
 def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
-                           sb: Any) -> list[Any]:
-    """One TeacherContext per rollout (prompt-major), following the mode's rules."""
+                           sb: Any, sampler: Any = None,
+                           stats: dict[str, float] | None = None) -> list[Any]:
+    """One TeacherContext per rollout (prompt-major), following the mode's rules. With
+    ``memory.verify.enabled`` the memory items go through the check before use
+    (:func:`check_memory`, replays through ``sampler``) and only admitted ones stay;
+    ``stats`` receives the check's counts and costs."""
     from pmd_jax.memory.context import TeacherContext
     from pmd_jax.memory.sanitize import sanitize_text
 
@@ -111,19 +116,26 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
     demos = select_demonstrations(sb.rewards, tp.success_threshold,
                                   tp.dont_reprompt_on_self_success)
     extra = tuple(model.tokenizer.special_tokens)
+    spare: list[str | None] = [None] * len(sb.problems)
+    if int(tp.extra_demo_samples) > 0:
+        if sampler is None:
+            raise ValueError("teacher_prompt.extra_demo_samples needs a sampler")
+        spare, spare_stats = extra_demonstrations(cfg, model, task, sb, sampler)
+        if stats is not None:
+            stats.update(spare_stats)
     out = []
     for idx, r in enumerate(sb.rollouts):
         i, j = r.prompt_index, r.sample_index
         p = sb.problems[i]
         user = user_text(task.prompt(p))
         d = demos[i, j]
-        sibling = sb.texts[i * g + d] if d >= 0 else None
+        sibling = sb.texts[i * g + d] if d >= 0 else spare[i]
         fb = sb.results[idx].feedback if tp.include_feedback else None
         if fb and tp.feedback_only_without_solution and sibling:
             fb = None
         if memory is not None:
             ctx = memory.teacher_context(str(p.id), user, sibling, fb,
-                                         student_response=sb.texts[idx])
+                                         student_response=sb.texts[idx], step=int(sb.step))
         else:  # sdpo: the reprompt template with only the demonstration and feedback
             succ = (sanitize_text(sibling, int(limits.max_attempt_chars), extra,
                                   drop_thinking=True) if sibling else None)
@@ -135,16 +147,130 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
                 signal_rule="sdpo", max_tokens=int(tp.max_tokens),
             )
         out.append(ctx)
+    if memory is not None and memory.config.verify.enabled:
+        if sampler is None:
+            raise ValueError("memory.verify.enabled needs a sampler for the replays")
+        counts = check_memory(cfg, model, task, memory, sb, out, sampler)
+        if stats is not None:
+            stats.update(counts)
+    return out
+
+
+def extra_demonstrations(cfg: Any, model: Any, task: Any, sb: Any, sampler: Any
+                         ) -> tuple[list[str | None], dict[str, float]]:
+    """``teacher_prompt.extra_demo_samples`` more samples of each problem's student prompt
+    (verified, not trained on): each problem's first success, or None; and their costs."""
+    r, tp = cfg.rollout, cfg.teacher_prompt
+    params = SamplingParams(
+        n=int(tp.extra_demo_samples), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
+        seed=hash((int(cfg.seed), int(sb.step), "extra_demos")) % (2**31))
+    rollouts = sampler.generate(sb.student_prompts, params)
+    probs = [sb.problems[ro.prompt_index] for ro in rollouts]
+    texts = [response_prefix(task, p) + model.decode(ro.tokens.tolist())
+             for p, ro in zip(probs, rollouts, strict=True)]
+    results = task.verify_batch(probs, texts, "train")
+    found: list[str | None] = [None] * len(sb.problems)
+    for ro, text, res in zip(rollouts, texts, results, strict=True):
+        if found[ro.prompt_index] is None and float(res.reward) >= float(tp.success_threshold):
+            found[ro.prompt_index] = text
+    return found, {
+        "extra_demo_sequences": float(len(rollouts)),
+        "extra_demo_generated_tokens": float(sum(len(ro.tokens) for ro in rollouts)),
+        "extra_demo_prompt_tokens": float(sum(len(x) for x in sb.student_prompts)),
+        "extra_demo_found_fraction": float(np.mean([f is not None for f in found])),
+    }
+
+
+# ----------------------------------------------------------------------------- check before use
+def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: list[Any],
+                 sampler: Any) -> dict[str, float]:
+    """The check before use (memory/verify.py) on this step's teacher contexts: the items
+    proposed for each problem are tested by paired replays where due, then every context
+    keeps only admitted items. Returns the step's counts and costs (``verify_*``)."""
+    from pmd_jax.memory.context import TeacherContext
+    from pmd_jax.memory.verify import Proposal, check_before_use
+
+    g = cfg.rollout.n
+    nprob = len(sb.problems)
+    props: list[list[Proposal]] = [[] for _ in range(nprob)]
+    seen: list[set[str]] = [set() for _ in range(nprob)]
+    levels = {"strategies": "insight", "lessons": "insight", "behaviors": "behavior"}
+    for idx, ctx in enumerate(ctxs):
+        i = idx // g
+        for section, keys in ctx.item_keys.items():
+            for key, value in zip(keys, ctx.section(section), strict=True):
+                if key not in seen[i]:
+                    seen[i].add(key)
+                    props[i].append(Proposal(key, levels.get(section, section), section,
+                                             value))
+    users = [user_text(task.prompt(p)) for p in sb.problems]
+    cost = {"verify_sequences": 0, "verify_generated_tokens": 0, "verify_prompt_tokens": 0}
+    r = cfg.rollout
+    params = SamplingParams(
+        n=int(cfg.memory.verify.replays), temperature=r.temperature, top_p=r.top_p,
+        top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
+        seed=hash((int(cfg.memory.verify.seed), int(sb.step), "verify")) % (2**31))
+    budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
+
+    def run_arms(arms: list[Any]) -> list[list[tuple[bool, bool]]]:
+        prompts, probs = [], []
+        for i, section, value in arms:
+            ctx = TeacherContext(problem_text=users[i], signal_rule="sdpo",
+                                 truncation_order=tuple(cfg.memory.context.truncation_order))
+            if section is not None:
+                ctx.add_item(section, value, "replay")
+            prob = sb.problems[i]
+            msgs = teacher_messages(task.prompt(prob), ctx.render(model.count_tokens, budget))
+            prompts.append(model.encode_prompt(msgs, response_prefix(task, prob)))
+            probs.append(prob)
+        rollouts = sampler.generate(prompts, params)
+        cost["verify_prompt_tokens"] += sum(len(x) for x in prompts)
+        texts, rprobs = [], []
+        for ro in rollouts:
+            texts.append(response_prefix(task, probs[ro.prompt_index])
+                         + model.decode(ro.tokens.tolist()))
+            rprobs.append(probs[ro.prompt_index])
+            cost["verify_sequences"] += 1
+            cost["verify_generated_tokens"] += int(len(ro.tokens))
+        results = task.verify_batch(rprobs, texts, "train")
+        out: list[list[tuple[bool, bool]]] = [[] for _ in arms]
+        thr = float(cfg.teacher_prompt.success_threshold)
+        for ro, res in zip(rollouts, results, strict=True):
+            out[ro.prompt_index].append((float(res.reward) >= thr, bool(res.ok)))
+        return out
+
+    t0 = time.perf_counter()
+    counts = check_before_use(memory.evidence, int(sb.step), [str(p.id) for p in sb.problems],
+                              props, run_arms)
+    seconds = time.perf_counter() - t0
+    proposed = sum(len(x) for x in props)
+    for ctx in ctxs:
+        ctx.keep_items(memory.evidence.visible)
+    state = memory.evidence.counts()
+    out: dict[str, float] = {f"verify_items_{k}": float(v) for k, v in counts.items()
+                             if k not in ("calls", "arms")}
+    out.update({k: float(v) for k, v in cost.items()})
+    out.update(verify_generate_calls=float(counts["calls"]), verify_arms=float(counts["arms"]),
+               verify_items_proposed=float(proposed), verify_seconds=seconds,
+               verify_token_forwards=float(cost["verify_prompt_tokens"]
+                                           + cost["verify_generated_tokens"]),
+               **{f"verify_memory_{k}": float(v) for k, v in state.items()})
     return out
 
 
 # ----------------------------------------------------------------------------- train batch
 def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
-                      student_only: bool = False) -> tuple[dict[str, np.ndarray],
-                                                           dict[str, float]]:
+                      student_only: bool = False, sampler: Any = None
+                      ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """The host-side train batch of a step's rollouts (``distill.batch.make_batch``'s keys,
     right padded) and the teacher prompts' metrics. ``student_only``: the teacher side is the
-    student's own prompt (GRPO's batch; what the KL to the initial policy reads)."""
+    student's own prompt (GRPO's batch; what the KL to the initial policy reads). ``sampler``:
+    for the memory's check before use (``memory.verify.enabled``).
+
+    A row's teacher signal (the self-distillation mask) is read from its context *after* the
+    token budget has cut it: a row whose memory items were all cut keeps a signal only if its
+    demonstration or feedback survived."""
     from pmd_jax.distill import align
     from pmd_jax.distill.batch import make_batch
 
@@ -157,26 +283,35 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
         teachers = students
         sd = np.ones(len(responses), np.float32)
     else:
-        ctxs = build_teacher_contexts(cfg, model, task, memory, sb)
+        ctxs = build_teacher_contexts(cfg, model, task, memory, sb, sampler, stats)
         budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens)
                      if memory is not None else cfg.teacher_prompt.max_tokens)
         teachers, sd = [], np.zeros(len(responses), np.float32)
         src = {"sibling": 0, "memory": 0}
+        with_items = memory_only = 0
         for k, (ctx, r) in enumerate(zip(ctxs, sb.rollouts, strict=True)):
-            text = ctx.render(model.count_tokens, budget)
+            fitted = ctx.fit(model.count_tokens, budget)
             prob = sb.problems[r.prompt_index]
-            msgs = teacher_messages(task.prompt(prob), text)
+            msgs = teacher_messages(task.prompt(prob), fitted.text())
             teachers.append(model.encode_prompt(msgs, response_prefix(task, prob)))
-            sd[k] = float(ctx.has_signal)
-            if ctx.successful_attempt_source in src:
-                src[ctx.successful_attempt_source] += 1
+            sd[k] = float(fitted.has_signal)
+            if fitted.successful_attempt_source in src:
+                src[fitted.successful_attempt_source] += 1
+            items = fitted.memory_items() > 0
+            with_items += items
+            memory_only += items and fitted.has_signal and not (
+                fitted.successful_attempt or fitted.feedback)
         n = max(1, len(ctxs))
-        stats = {
+        stats.update({
             "reprompt_sample_fraction": float(sd.mean()),
             "demo_from_sibling_fraction": src["sibling"] / n,
             "demo_from_memory_fraction": src["memory"] / n,
             "teacher_prompt_tokens_mean": float(np.mean([len(t) for t in teachers])),
-        }
+            # rows whose teacher context holds memory items (written at earlier steps, with
+            # memory.context.previous_steps_only), and those whose signal is the memory alone
+            "memory_item_row_fraction": with_items / n,
+            "memory_signal_row_fraction": memory_only / n,
+        })
     r_max = max(1, max(len(x) for x in responses))
     db = align.build_distill_batch(
         students, teachers, responses, pad_id=model.pad_id, pad_side="right",

@@ -291,7 +291,7 @@ class Trainer:
                 mem_stats.update(self.fast_slow.update(step, sb, self.memory, self.textgen))
         with timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
             batch, prompt_stats = teaching.build_train_batch(
-                cfg, self.model, self.task, self.memory, sb
+                cfg, self.model, self.task, self.memory, sb, sampler=self.leader_sampler
             )
             if mel_step is not None:  # + the kept lessons' rows (their NLL joins the loss)
                 batch.update(mel.lesson_rows(cfg, self.model, self.task, sb, mel_step.kept,

@@ -12,8 +12,8 @@ sequence the teacher actually scores.
   correct solution, feedback, instruction), under the configured budget;
 - tight budgets cut exactly in ``memory.context.truncation_order`` (the default and another
   permutation), from the end of a list and to a prefix of a text;
-- ``random_other_problem``: one other problem's strategies and lessons, another problem's
-  remembered success, none of the problem's own;
+- ``random_other_problem``: the mode's form (as many strategies, lessons and behaviors, a
+  remembered success only where the mode shows one) with other problems' content;
 - ``inverted_lessons``: the lessons under the strategies header and the strategies under the
   lessons header (prompts.py / context.py);
 - a real ``Trainer.run`` in mode pmd (tiny random Llama, JAX sampler, in a subprocess like
@@ -241,9 +241,11 @@ def step_batch(cfg, model, pids):
                      np.zeros((len(problems), g)), results, step=1)
 
 
-def teacher_user_texts(cfg, model, mem, sb) -> tuple[list[str], dict]:
-    """build_train_batch's teacher prompts, decoded; returns each one's user message."""
-    batch, _ = teaching.build_train_batch(cfg, model, Task(), mem, sb)
+def teacher_user_texts(cfg, model, mem, sb, task=None, sampler=None
+                       ) -> tuple[list[str], dict]:
+    """build_train_batch's teacher prompts, decoded; returns each one's user message
+    (``task``, ``sampler``: for the check before use's replays)."""
+    batch, _ = teaching.build_train_batch(cfg, model, task or Task(), mem, sb, sampler=sampler)
     out = []
     head, end = "<|im_start|>user\n", "<|im_end|>"
     for k, r in enumerate(sb.rollouts):
@@ -383,26 +385,52 @@ def test_tight_budget_cuts_in_the_configured_truncation_order(model, order):
 
 # ----------------------------------------------------------------------------- controls
 def test_random_other_problem_shows_another_problems_items_and_none_of_its_own(model):
+    """Issue 35: the control has the form of the mode's context (the same sections with as
+    many items, a remembered success only where the mode shows one) and other problems'
+    content: none of the problem's own strategies, lessons or success."""
     pids = ["pA", "pB", "pC"]
     cfg = run_config(**{"memory.control_mode": "random_other_problem"})
     mem, items = make_memory(cfg, model, pids)
+    real_cfg = run_config()
+    real_mem, _ = make_memory(real_cfg, model, pids)
     sb = step_batch(cfg, model, pids)
     users, _ = teacher_user_texts(cfg, model, mem, sb)
-    for pid, user in zip(pids, users, strict=True):
+    reals, _ = teacher_user_texts(real_cfg, model, real_mem, sb)
+    others = lambda pid, key: [t for q in pids if q != pid for t in items[q][key]]  # noqa: E731
+    for pid, user, real in zip(pids, users, reals, strict=True):
         own = items[pid]
         for t in own["strategies"] + own["lessons"] + [own["success"]]:
             assert t not in user, (pid, t)
-        shown = [q for q in pids if q != pid
-                 and all(t in user for t in items[q]["strategies"] + items[q]["lessons"])]
-        assert len(shown) == 1, (pid, shown)  # one other problem's insights, all of them
-        q = shown[0]
-        assert block_items(user, STRATEGIES_HEADER) == items[q]["strategies"]
-        assert block_items(user, LESSONS_HEADER) == items[q]["lessons"]
+        for header, key in ((STRATEGIES_HEADER, "strategies"), (LESSONS_HEADER, "lessons")):
+            shown = block_items(user, header)
+            assert len(shown) == len(block_items(real, header)) == 2, (pid, key)
+            assert set(shown) <= set(others(pid, key)) and len(set(shown)) == 2
         succ = [r for r in pids if items[r]["success"] in user]
         assert len(succ) == 1 and succ[0] != pid, (pid, succ)
-        assert all(behavior_line(n, i) in user for n, i in BEHAVIORS)  # top_k 5 >= 3
+        assert own["success"] in real
+        got = [behavior_line(n, i) for n, i in BEHAVIORS if behavior_line(n, i) in user]
+        assert len(got) == len(BEHAVIORS)  # as many as the mode's top_k 5 shows: all 3
+        # same sections, in the same order
+        heads = [STRATEGIES_HEADER, LESSONS_HEADER, BEHAVIORS_HEADER, SOLUTION_HEADER,
+                 FEEDBACK_HEADER, INSTRUCTION]
+        assert [h in user for h in heads] == [h in real for h in heads]
     again, _ = teacher_user_texts(cfg, model, mem, sb)
     assert again == users  # deterministic per (control_seed, problem, update step)
+
+
+def test_random_control_shows_no_remembered_success_where_the_mode_shows_none(model):
+    """The old control showed another problem's success in 10-88% of rows while PMD showed
+    a remembered success in none: a sibling's success (SDPO's signal, in both) or no
+    remembered success of the problem leaves the control without one too."""
+    pids = ["pA", "pB", "pC"]
+    cfg = run_config(**{"memory.control_mode": "random_other_problem"})
+    mem, items = make_memory(cfg, model, pids)
+    del mem.experience.successes["pA"]  # the mode has no remembered success for pA
+    sb = step_batch(cfg, model, ["pA"])
+    (user,), batch = teacher_user_texts(cfg, model, mem, sb)
+    assert SOLUTION_HEADER not in user
+    assert not any(items[q]["success"] in user for q in pids)
+    assert block_items(user, STRATEGIES_HEADER)  # the other parts are there
 
 
 def test_inverted_lessons_swaps_strategies_and_lessons_under_the_headers(model):

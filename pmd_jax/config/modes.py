@@ -11,18 +11,26 @@ import ml_collections
 # PMD under SDPO's signal rule (only a shown success or feedback gives a rollout a teacher
 # signal; the memory still fills the teacher's context: METHOD.md 2.2's "ablate").
 # The mode name stays in the run's config and metrics; apply_mode sets what it implies.
+# pmd_verified (issue 35; memory/verify.py): only insights and behaviors whose paired replays
+# show that they help reach a teacher context, and a row gets a memory signal only from them
+# (all-fail groups with no admitted item are SDPO's: no signal). It is a variant, not the new
+# meaning of "pmd": "pmd" stays the method as the paper describes it (every reflected item
+# supervises), so that the comparison can show what the check changes.
 PMD_VARIANTS: dict[str, dict[str, Any]] = {
     "pmd_random_memory": {"control_mode": "random_other_problem"},
     "pmd_no_insight": {"levels.insight": False},
     "pmd_no_behaviors": {"levels.behavior": False},
     "pmd_sdpo_signal": {"signal_rule": "sdpo"},
+    "pmd_verified": {"verify.enabled": True},
+    "pmd_verified_random_memory": {"verify.enabled": True,
+                                   "control_mode": "random_other_problem"},
 }
 # Other names of a mode. memory_only (training-free, as Training-Free GRPO / ReasoningBank: the
 # memory evolves from the rollouts, the weights never change, evaluation with the memory in the
 # prompt) is exactly pmd_frozen_policy; apply_mode writes the canonical name into the config.
 MODE_ALIASES: dict[str, str] = {"memory_only": "pmd_frozen_policy"}
-MODES: tuple[str, ...] = ("grpo", "sdpo", "pmd", "pmd_frozen_memory", "pmd_frozen_policy",
-                          *PMD_VARIANTS, "mel", "fast_slow")
+MODES: tuple[str, ...] = ("grpo", "sdpo", "sdpo_matched_sampling", "pmd", "pmd_frozen_memory",
+                          "pmd_frozen_policy", *PMD_VARIANTS, "mel", "fast_slow")
 # fast_slow keeps a memory (updated as in pmd) to render its contexts from (pmd_jax/fast_slow).
 MEMORY_MODES: tuple[str, ...] = ("pmd", "pmd_frozen_memory", "pmd_frozen_policy", *PMD_VARIANTS,
                                  "fast_slow")
@@ -58,6 +66,15 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             loss.name = "mel"
         elif spec is not None and not spec.needs_teacher:  # a teacher-free loss: SDPO's
             loss.name = "sdpo"
+        if c.mode == "sdpo_matched_sampling" and c.teacher_prompt.extra_demo_samples == 0:
+            # SDPO with as many extra samples per problem as pmd_verified's check may spend on
+            # one problem in a step (a baseline arm and up to max_items_per_problem item arms,
+            # ``replays`` samples each; the per-step cap shared over the step's problems), spent
+            # on SDPO's own signal: a demonstration for groups without a success.
+            v = c.memory.verify
+            per_problem = min(v.max_items_per_problem,
+                              -(-v.max_items_per_step // max(1, c.rollout.problems_per_step)))
+            c.teacher_prompt.extra_demo_samples = int(v.replays * (1 + per_problem))
         if c.mode == "pmd_frozen_memory" and c.memory.frozen_after_step < 0:
             # "memory built once, then fixed": the first fifth of the run builds it (ours).
             c.memory.frozen_after_step = max(0, c.train.steps // 5 - 1)

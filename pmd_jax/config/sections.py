@@ -221,11 +221,19 @@ class TeacherPromptConfig(Section):
     feedback_only_without_solution: bool = knob(True, "Show feedback only when no successful "
                                                 "attempt is shown (a sibling's or the "
                                                 "memory's).")
+    extra_demo_samples: int = knob(
+        0, "Extra samples per problem and step, drawn from the student prompt and verified but "
+        "not trained on; a success among them is the demonstration of the group's rows that "
+        "have no sibling's (mode sdpo_matched_sampling: SDPO spending the samples the memory's "
+        "check before use may spend). 0: off.")
 
     @staticmethod
     def errors(t: Any) -> list[str]:
-        return [] if t.max_tokens >= 1 else [
+        out = [] if t.max_tokens >= 1 else [
             f"teacher_prompt.max_tokens must be >= 1, got {t.max_tokens}"]
+        if t.extra_demo_samples < 0:
+            out.append("teacher_prompt.extra_demo_samples must be >= 0")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

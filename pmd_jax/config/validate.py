@@ -118,6 +118,15 @@ def validate_config(c: Any) -> None:
     errs = config_errors(c)
     if errs:
         raise ConfigError(format_errors(errs))
+    loss = c.distill.loss
+    if loss.name == "hybrid" and (loss.alpha != 1.0 or loss.full_logit_distillation):
+        import logging
+
+        logging.getLogger("pmd_jax").warning(
+            "distill.loss.name='hybrid': its SDPO advantage is the sampled token's teacher / "
+            "student log-ratio (reverse KL on the sampled token); distill.loss.alpha=%s, "
+            "topk=%s and full_logit_distillation=%s only define its kl metric, not its "
+            "gradient", loss.alpha, loss.topk, loss.full_logit_distillation)
 
 
 def config_errors(c: Any) -> list[str]:

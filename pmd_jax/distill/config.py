@@ -46,7 +46,11 @@ class DistillLoss(Section):
 
     name: str = knob("sdpo", "Which loss (distill/registry.py): 'sdpo' pure self-distillation "
                      "(verl loss_mode=sdpo); 'grpo' the baseline, no teacher; 'hybrid' PPO-clip "
-                     "with A = lambda * A_GRPO + (1 - lambda) * A_SDPO (Eq. 3).")
+                     "with A = lambda * A_GRPO + (1 - lambda) * A_SDPO (Eq. 3), where A_SDPO is "
+                     "the sampled token's teacher/student log-ratio (a reverse-KL advantage): "
+                     "with 'hybrid' the divergence settings (alpha, topk, add_tail, "
+                     "full_logit_distillation) do not reach the gradient, only the kl metric "
+                     "(a warning says so at start-up).")
     alpha: float = knob(0.5, "0: forward KL(teacher||student); 1: reverse KL(student||teacher); "
                         "else the generalized JSD.")
     full_logit_distillation: bool = knob(True, "True: divergence over next-token distributions "

@@ -138,7 +138,10 @@ register_loss(LossSpec(
     name="hybrid", fn=hybrid, needs_teacher=True, needs_rewards=True, needs_old_logprobs=False,
     batch_keys=(*TEACHER_KEYS, "rewards"),
     doc="GRPO + SDPO hybrid (Eq. 3): the PPO-clip loss with the combined advantage "
-        "(distill.loss.hybrid_lambda)",
+        "(distill.loss.hybrid_lambda); its A_SDPO is the sampled token's log-ratio "
+        "log q(y_t) - log pi(y_t) (Eq. 2, a reverse-KL advantage), so distill.loss.alpha, "
+        "topk, add_tail and full_logit_distillation do not shape its gradient (they only "
+        "define its kl metric)",
     metric_kinds={**_PG_KINDS, **_DISTILL_METRIC_KINDS, "hybrid_adv_mean": "response"},
 ))
 

@@ -23,8 +23,8 @@ own text embedding. When the bank exceeds ``max_bank_size`` the least recently u
 behavior is evicted first.
 
 As a memory level (:class:`BehaviorLevel`) it fills the teacher context's numbered behaviors:
-the ``top_k`` nearest the rollout's problem (random ones in control mode
-"random_other_problem").
+the ``top_k`` nearest the rollout's problem among those last written before the rollout's step
+(in control mode "random_other_problem": as many, drawn from the others).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behavior
 from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import evolution_schema, extraction_schema, summary_schema
 from pmd_jax.memory.types import Behavior, MemoryUpdateStats, Provenance
+from pmd_jax.memory.verify import evidence_key
 from pmd_jax.sampling.base import TextGenerator
 
 
@@ -381,24 +382,42 @@ class BehaviorLevel(MemoryLevel):
         stats.seconds["behavior_round"] = time.perf_counter() - tg
         return timed.seconds
 
+    def _eligible(self, b: Behavior, query: ContextQuery) -> bool:
+        """Last written from an earlier step's evidence than the row's (own-attempt guard)."""
+        return query.before_step is None or b.updated_step < query.before_step
+
+    def _add(self, ctx: TeacherContext, b: Behavior) -> None:
+        toks = self.memory.extra_tokens
+        name, ins = resanitize(b.name, toks), resanitize(b.instruction, toks)
+        if name and ins:
+            ctx.add_item("behaviors", (name, ins),
+                         evidence_key(b.docid, f"{b.name}\n{b.instruction}"),
+                         dict(item=b.docid, **b.provenance.to_json()))
+
     def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        """The ``top_k`` behaviors nearest the row's problem, written before its step."""
         top_k = self.memory.config.behavior.top_k
         bank = self.store
         if not (self.enabled and top_k > 0 and bank.behaviors):
             return
-        if query.rng is not None:
-            ids = sorted(bank.behaviors)
-            pick = query.rng.permutation(len(ids))[:top_k]
-            chosen = [bank.behaviors[ids[i]] for i in pick]
-        else:
-            q = self.memory.problem_vector(query.problem_id, query.problem_text)
-            chosen = bank.retrieve(q, top_k)
-        toks = self.memory.extra_tokens
-        for b in chosen:
-            name, ins = resanitize(b.name, toks), resanitize(b.instruction, toks)
-            if name and ins:
-                ctx.behaviors.append((name, ins))
-                ctx.provenance.append(dict(item=b.docid, **b.provenance.to_json()))
+        q = self.memory.problem_vector(query.problem_id, query.problem_text)
+        # retrieve past the ineligible ones (written this step), then keep top_k
+        k = top_k if query.before_step is None else len(bank.behaviors)
+        chosen = [b for b in bank.retrieve(q, k) if self._eligible(b, query)]
+        for b in chosen[:top_k]:
+            self._add(ctx, b)
+
+    def fill_control(self, ctx: TeacherContext, real: TeacherContext,
+                     query: ContextQuery) -> None:
+        """Control "random_other_problem": as many behaviors as ``real`` holds, drawn at
+        random from the eligible bank instead of retrieved for the problem (a small bank
+        cannot hold as many others as the problem's nearest, so the draw may repeat them)."""
+        want = len(real.behaviors)
+        if not (self.enabled and want and query.rng is not None):
+            return
+        pool = sorted(d for d, b in self.store.behaviors.items() if self._eligible(b, query))
+        for i in query.rng.permutation(len(pool))[:want]:
+            self._add(ctx, self.store.behaviors[pool[int(i)]])
 
     def stats(self) -> dict[str, Any]:
         bank = self.store

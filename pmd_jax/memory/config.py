@@ -67,7 +67,9 @@ class MemoryInsight(Section):
                                "states it): each strategy / lesson is min_item_chars.."
                                "max_item_chars long.")
     min_item_chars: int = knob(8, "See max_item_chars.")
-    min_items_per_reflection: int = knob(1, "Per field; 0 lets a constrained model write [].")
+    min_items_per_reflection: int = knob(0, "Per field; 0 lets a constrained model write [] "
+                                         "(with 1 every reflection had to write an item, "
+                                         "whatever it had to say).")
     max_items_per_reflection: int = knob(8, "Per field.")
     max_strategies_per_problem: int = knob(8, "Oldest evicted first.")
     max_lessons_per_problem: int = knob(8, "Oldest evicted first.")
@@ -165,6 +167,11 @@ class MemoryContext(Section):
     max_attempt_chars: int = knob(6_000, "Shown successful attempt length.")
     max_feedback_chars: int = knob(2_000, "Shown feedback length.")
     strip_thinking: bool = knob(True, "Drop thinking blocks from a shown attempt.")
+    previous_steps_only: bool = knob(
+        True, "A row's teacher sees only strategies, lessons and behaviors written from "
+        "earlier steps' rollouts, never one written about its own attempt (the reflections "
+        "run before the teacher batch; experience has its own "
+        "remembered_success_previous_steps_only).")
     feedback_only_without_solution: bool = knob(
         False, "Show feedback only when no successful attempt is shown. In a run it is "
         "teacher_prompt.feedback_only_without_solution.",
@@ -174,6 +181,29 @@ class MemoryContext(Section):
         "when the memory is built). Model text loses them before it is stored or shown to the "
         "teacher; empty: a small family-independent fallback list (memory/sanitize.py).",
         as_list=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryVerify(Section):
+    """Admission of model-written items by paired replays (memory/verify.py; ours)."""
+
+    enabled: bool = knob(False, "Only insights and behaviors whose paired replays show that "
+                         "they help reach a teacher context, and a row gets a memory signal "
+                         "only from such items (mode pmd_verified sets it).")
+    replays: int = knob(4, "Paired samples per item test (with the item / without it, same "
+                        "sampling keys).")
+    z: float = knob(1.645, "Wilson bound's z (one-sided 95%): admitted iff the lower bound "
+                    "of the paired effect on the verified reward is above zero.")
+    max_pairs: int = knob(8, "An item still undecided after this many pairs is rejected.")
+    retest_every: int = knob(4, "An admitted item proposed again this many steps after its "
+                             "last test is tested again (0: never); retired if its lower "
+                             "bound falls to zero or below.")
+    max_items_per_step: int = knob(12, "Item tests per step (the check's generation budget); "
+                                   "untested items first, then the longest untested.")
+    max_items_per_problem: int = knob(4, "Item tests per problem and step.")
+    check_format: bool = knob(True, "Reject an item whose lower bound on the rise in invalid "
+                              "answers (the task's ok flag: no option named) is above zero.")
+    seed: int = knob(0, "Replay sampling seed (mixed with the step).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +240,7 @@ class MemoryConfig(Section):
     embedder: MemoryEmbedder = section(MemoryEmbedder, "The embedder.")
     index: MemoryIndex = section(MemoryIndex, "ScaNN retrieval.")
     context: MemoryContext = section(MemoryContext, "The teacher context.")
+    verify: MemoryVerify = section(MemoryVerify, "The check before use (memory/verify.py).")
 
     @staticmethod
     def errors(m: Any) -> list[str]:
@@ -287,6 +318,14 @@ def validate_memory_config(c: Any) -> None:
         bad("context.extra_control_tokens must be a list of strings (the tokenizer's tokens)")
     if c.index.brute_force_below < 1:
         bad("index.brute_force_below must be >= 1")
+    v = c.verify
+    for name in ("replays", "max_pairs", "max_items_per_step", "max_items_per_problem"):
+        if getattr(v, name) < 1:
+            bad(f"verify.{name} must be >= 1")
+    if v.retest_every < 0:
+        bad("verify.retest_every must be >= 0 (0: never)")
+    if not v.z > 0:
+        bad("verify.z must be > 0")
 
 
 def small_model_memory_calls(mc: ml_collections.ConfigDict) -> None:

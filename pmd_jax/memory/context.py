@@ -136,6 +136,41 @@ class TeacherContext:
     over_budget: bool = False
     # Values of the sections registered by further levels (register_section), by name.
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Per list section, the evidence key (memory/verify.py) of each item, parallel to the
+    # section's list: what the check before use admits or filters out.
+    item_keys: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def add_item(self, name: str, value: Any, key: str, provenance: dict | None = None) -> None:
+        """Appends one model-written item to list section ``name`` with its evidence key."""
+        items = self.section(name)
+        if items is None:
+            items = []
+            self.set_section(name, items)
+        items.append(value)
+        self.item_keys.setdefault(name, []).append(key)
+        if provenance is not None:
+            self.provenance.append(dict(provenance, key=key, section=name))
+
+    def keys(self) -> list[str]:
+        """The evidence keys of every item shown, in section order."""
+        return [k for s in SECTIONS for k in self.item_keys.get(s.name, [])]
+
+    def keep_items(self, keep: Callable[[str], bool]) -> int:
+        """Drops every keyed item for which ``keep(key)`` is false (and its provenance);
+        returns how many were dropped."""
+        dropped: set[str] = set()
+        for name, keys in self.item_keys.items():
+            items = self.section(name)
+            kept = [(v, k) for v, k in zip(items, keys, strict=True) if keep(k)]
+            dropped.update(k for k in keys if not keep(k))
+            items[:] = [v for v, _ in kept]
+            keys[:] = [k for _, k in kept]
+        self.provenance = [p for p in self.provenance if p.get("key") not in dropped]
+        return len(dropped)
+
+    def memory_items(self) -> int:
+        """How many memory items (list sections' entries) the context holds."""
+        return sum(len(self.section(s.name) or ()) for s in SECTIONS if s.kind == "list")
 
     def section(self, name: str) -> Any:
         """The value of part ``name`` (a list for "list" parts, str or None for "text")."""
@@ -177,7 +212,8 @@ class TeacherContext:
                                   lessons=list(self.lessons), behaviors=list(self.behaviors),
                                   extra={k: list(v) if isinstance(v, list) else v
                                          for k, v in self.extra.items()},
-                                  over_budget=False)
+                                  item_keys={k: list(v) for k, v in self.item_keys.items()},
+                                  provenance=list(self.provenance), over_budget=False)
 
         def fits() -> bool:
             return count_tokens(ctx.text()) <= max_tokens
@@ -187,8 +223,12 @@ class TeacherContext:
         for part in self.truncation_order:
             if _section(part).kind == "list":
                 items = ctx.section(part)
+                keys = ctx.item_keys.get(part)
                 while items and not fits():
                     items.pop()
+                    if keys and len(keys) > len(items):  # the item's key goes with it
+                        gone = keys.pop()
+                        ctx.provenance = [p for p in ctx.provenance if p.get("key") != gone]
             else:
                 full = ctx.section(part)
                 if not full:

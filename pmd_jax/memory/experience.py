@@ -10,7 +10,8 @@ Eviction policy (bounded size):
 As a memory level (:class:`ExperienceLevel`) it stores every rollout even when switched off
 (``memory.levels.experience`` only gates the teacher context): the other levels read its
 problem texts, gold-leak strings and success rates. In a teacher context it fills the
-"Correct solution" part with the latest remembered success when no sibling's is given.
+"Correct solution" part with the latest remembered success when no sibling's is given (in
+control mode "random_other_problem", another problem's, only where the mode shows one).
 """
 
 from __future__ import annotations
@@ -159,32 +160,47 @@ class ExperienceLevel(MemoryLevel):
         stats.merge(self.store.add(batch.records))  # always: the other levels read it
         return 0.0
 
+    def _before(self) -> int | None:
+        mem = self.memory
+        return (mem.last_update_step
+                if mem.config.experience.remembered_success_previous_steps_only else None)
+
+    def _show(self, ctx: TeacherContext, item: Any) -> None:
+        cx, toks = self.memory.config.context, self.memory.extra_tokens
+        succ = sanitize_text(item.response_text, cx.max_attempt_chars, toks,
+                             drop_thinking=cx.strip_thinking)
+        if succ:
+            ctx.successful_attempt = succ
+            ctx.successful_attempt_source = "memory"
+            ctx.provenance.append(dict(item=item.docid, **item.provenance().to_json()))
+
     def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
         """The latest remembered success, unless a sibling's is shown (or it is the student's
         own response)."""
         if ctx.successful_attempt or not self.enabled:
             return
-        mem, st = self.memory, self.store
-        c, toks = mem.config, mem.extra_tokens
-        cx = c.context
-        src: str | None = query.problem_id
-        if query.rng is not None:
-            others = [p for p in st.successes if p != query.problem_id]
-            src = others[int(query.rng.integers(len(others)))] if others else None
-        before = (mem.last_update_step if c.experience.remembered_success_previous_steps_only
-                  else None)
-        item = st.remembered_success(src, before) if src else None
+        c, toks = self.memory.config, self.memory.extra_tokens
+        item = self.store.remembered_success(query.problem_id, self._before())
         if item is not None and query.student_response is not None and (
                 item.response_text == sanitize_text(query.student_response,
                                                      c.experience.max_response_chars, toks)):
             item = None
         if item is not None:
-            succ = sanitize_text(item.response_text, cx.max_attempt_chars, toks,
-                                 drop_thinking=cx.strip_thinking)
-            if succ:
-                ctx.successful_attempt = succ
-                ctx.successful_attempt_source = "memory"
-                ctx.provenance.append(dict(item=item.docid, **item.provenance().to_json()))
+            self._show(ctx, item)
+
+    def fill_control(self, ctx: TeacherContext, real: TeacherContext,
+                     query: ContextQuery) -> None:
+        """Control "random_other_problem": a remembered success of another problem, only where
+        the mode shows a remembered success (a sibling's is SDPO's signal: kept as is)."""
+        if (ctx.successful_attempt or not self.enabled or query.rng is None
+                or real.successful_attempt_source != "memory"):
+            return
+        before = self._before()
+        others = sorted(p for p in self.store.successes if p != query.problem_id
+                        and self.store.remembered_success(p, before) is not None)
+        if others:
+            pid = others[int(query.rng.integers(len(others)))]
+            self._show(ctx, self.store.remembered_success(pid, before))
 
     def stats(self) -> dict[str, Any]:
         st = self.store

@@ -8,7 +8,8 @@ items salvaged into strategies and lessons, then filtered:
 
 - strategies are kept only if a shown attempt is a verified success, lessons only if a shown
   attempt is a verified failure (switchable);
-- items containing a gold-leak string (option letter, expected output) are dropped;
+- items containing a gold-leak string (option letter, expected output; for multiple choice
+  every option's text, the distractors' too) are dropped;
 - near-duplicates (cosine >= ``dedup_threshold`` with an item of the same problem and kind, or
   with an earlier item of the same reply) are not added; the existing item's support grows.
   ``dedup="exact"`` compares case- and space-normalised text instead (no embedder calls).
@@ -17,8 +18,9 @@ Per problem at most ``max_strategies_per_problem`` / ``max_lessons_per_problem``
 least recently confirmed (then least supported) item is evicted first.
 
 As a memory level (:class:`InsightLevel`) it fills the teacher context's strategies and
-lessons of the rollout's problem (of another problem in control mode
-"random_other_problem").
+lessons of the rollout's problem, written from earlier steps than the rollout's (never from its
+own attempt); in control mode "random_other_problem" as many items of each kind, drawn from
+other problems.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pmd_jax.memory.parsing import parse_reflection
 from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import reflection_schema
 from pmd_jax.memory.types import InsightItem, MemoryUpdateStats, Provenance, RolloutRecord
+from pmd_jax.memory.verify import evidence_key
 
 KINDS = ("strategy", "lesson")
 
@@ -266,23 +269,43 @@ class InsightLevel(MemoryLevel):
         stats.merge(dict(counts))
         return gen_s
 
+    def _eligible(self, docid: str, query: ContextQuery) -> bool:
+        """Written from an earlier step's rollouts than the row's (own-attempt guard)."""
+        return query.before_step is None or \
+            self.store.items[docid].provenance.step < query.before_step
+
+    def _add(self, ctx: TeacherContext, dest: str, docid: str) -> None:
+        it = self.store.items[docid]
+        text = resanitize(it.text, self.memory.extra_tokens)
+        if text:
+            ctx.add_item(dest, text, evidence_key(docid, it.text),
+                         dict(item=docid, **it.provenance.to_json()))
+
     def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        """The strategies and lessons of the row's problem written before its step."""
         if not self.enabled:
             return
-        st = self.store
-        src: str | None = query.problem_id
-        if query.rng is not None:
-            others = [p for p in st.problems() if p != query.problem_id]
-            src = others[int(query.rng.integers(len(others)))] if others else None
-        if src is None:
+        for kind, dest in (("strategy", "strategies"), ("lesson", "lessons")):
+            for d in self.store.ids(query.problem_id, kind):
+                if self._eligible(d, query):
+                    self._add(ctx, dest, d)
+
+    def fill_control(self, ctx: TeacherContext, real: TeacherContext,
+                     query: ContextQuery) -> None:
+        """Control "random_other_problem": as many strategies and lessons as ``real`` holds,
+        each drawn (without replacement) from the eligible items of other problems."""
+        if not self.enabled or query.rng is None:
             return
-        for kind, dest in (("strategy", ctx.strategies), ("lesson", ctx.lessons)):
-            for d in st.ids(src, kind):
-                it = st.items[d]
-                text = resanitize(it.text, self.memory.extra_tokens)
-                if text:
-                    dest.append(text)
-                    ctx.provenance.append(dict(item=d, **it.provenance.to_json()))
+        st = self.store
+        for kind, dest in (("strategy", "strategies"), ("lesson", "lessons")):
+            want = len(real.section(dest) or ())
+            if not want:
+                continue
+            pool = sorted(d for d, it in st.items.items()
+                          if it.kind == kind and it.problem_id != query.problem_id
+                          and self._eligible(d, query))
+            for i in query.rng.permutation(len(pool))[:want]:
+                self._add(ctx, dest, pool[int(i)])
 
     def stats(self) -> dict[str, Any]:
         items = self.store.items.values()

@@ -9,7 +9,8 @@ this interface:
 - ``fill_context(ctx, query)``: write this level's sections of one teacher context (the
   sections are keyed by level: :data:`pmd_jax.memory.context.SECTIONS`); levels fill in
   increasing ``context_rank``, which fixes the order of the control modes' RNG draws and of
-  the provenance entries;
+  the provenance entries; ``fill_control(ctx, real, query)``: the random-memory control's
+  parts, in the form of the real context ``real`` (same sections and counts);
 - ``stats()`` / ``index_rebalances()``: the level's part of ``ProceduralMemory.stats()``;
 - ``state_dict()`` / ``load_state_dict()``: its part of the checkpoint, under ``state_key``;
 - ``export_rows()``: its rows of ``memory.jsonl`` (each with ``level=...``);
@@ -56,6 +57,9 @@ class ContextQuery:
     problem_text: str
     student_response: str | None
     rng: np.random.Generator | None  # set in control mode "random_other_problem"
+    # Items written from this step's rollouts or later are not shown (None: no limit): a
+    # row's teacher never sees what was written about its own attempt.
+    before_step: int | None = None
 
 
 class MemoryLevel:
@@ -77,6 +81,13 @@ class MemoryLevel:
         return 0.0
 
     def fill_context(self, ctx: TeacherContext, query: ContextQuery) -> None:
+        return None
+
+    def fill_control(self, ctx: TeacherContext, real: TeacherContext,
+                     query: ContextQuery) -> None:
+        """Control "random_other_problem": fill ``ctx`` with this level's parts in the form
+        of ``real`` (the context the mode would show: same sections, as many items) and with
+        other problems' content, drawn with ``query.rng``."""
         return None
 
     def stats(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.memory.schemas import call_token_bounds
 from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
+from pmd_jax.memory.verify import EvidenceStore, evidence_key
 from pmd_jax.sampling.base import TextGenerator
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class ProceduralMemory:
         self.extra_tokens = tuple(c.context.extra_control_tokens)
         self.levels: list[MemoryLevel] = [cls(self) for cls in LEVELS]
         self.problems = ScannIndex(self.dim, c.index)  # problem embeddings, docid = problem id
+        # the check before use (memory/verify.py): each item's replay evidence
+        self.evidence = EvidenceStore(c.verify)
         self.last_update_step = -1
         self.history: list[dict[str, Any]] = []  # stats() per update, for plots
         self._warn_short_budgets()
@@ -172,35 +175,52 @@ class ProceduralMemory:
         feedback: str | None = None,
         *,
         student_response: str | None = None,
+        step: int | None = None,
     ) -> TeacherContext:
         """Memory-conditioned teacher context for one rollout of ``problem_id``.
 
         ``sibling_success``: a successful response of another rollout in the same group (the
         trainer excludes the student's own); preferred over a remembered success.
         ``student_response``: if given, a remembered success with the same text is not used.
-        Each level fills its own parts, in ``context_rank`` order.
+        ``step``: the rollout's training step; with ``context.previous_steps_only`` the levels
+        show only items written from earlier steps' rollouts (None: every item, as an
+        evaluation with memory does). Each level fills its own parts, in ``context_rank``
+        order. In control mode "random_other_problem" the context has the form of the one the
+        mode would show (the same sections with as many items) and other problems' content.
         """
         c = self.config
         cx = c.context
-        toks = self.extra_tokens
+        before = int(step) if step is not None and cx.previous_steps_only else None
+        query = ContextQuery(problem_id=problem_id, problem_text=problem_text,
+                             student_response=student_response, rng=None, before_step=before)
+        ranked = sorted(self.levels, key=lambda lv: lv.context_rank)
+        ctx = self._base_context(problem_text, sibling_success)
+        for lvl in ranked:
+            lvl.fill_context(ctx, query)
+        if c.control_mode == "random_other_problem":
+            real, ctx = ctx, self._base_context(problem_text, sibling_success)
+            query.rng = self._rng(problem_id)
+            for lvl in ranked:
+                lvl.fill_control(ctx, real, query)
+        fb = sanitize_text(feedback or "", cx.max_feedback_chars, self.extra_tokens)
+        if fb and not (cx.feedback_only_without_solution and ctx.successful_attempt):
+            ctx.feedback = fb
+        return ctx
+
+    def _base_context(self, problem_text: str, sibling_success: str | None) -> TeacherContext:
+        """A context with the problem and the sibling's success (if any), no memory yet."""
+        c = self.config
+        cx = c.context
         ctx = TeacherContext(problem_text=str(problem_text), signal_rule=c.signal_rule,
                              truncation_order=tuple(cx.truncation_order),
                              max_tokens=int(cx.max_tokens),
                              inverted=c.control_mode == "inverted_lessons")
         if sibling_success:
-            succ = sanitize_text(sibling_success, cx.max_attempt_chars, toks,
+            succ = sanitize_text(sibling_success, cx.max_attempt_chars, self.extra_tokens,
                                  drop_thinking=cx.strip_thinking)
             if succ:
                 ctx.successful_attempt = succ
                 ctx.successful_attempt_source = "sibling"
-        rng = self._rng(problem_id) if c.control_mode == "random_other_problem" else None
-        query = ContextQuery(problem_id=problem_id, problem_text=problem_text,
-                             student_response=student_response, rng=rng)
-        for lvl in sorted(self.levels, key=lambda lv: lv.context_rank):
-            lvl.fill_context(ctx, query)
-        fb = sanitize_text(feedback or "", cx.max_feedback_chars, toks)
-        if fb and not (cx.feedback_only_without_solution and ctx.successful_attempt):
-            ctx.feedback = fb
         return ctx
 
     def problem_vector(self, problem_id: str, problem_text: str) -> np.ndarray:
@@ -229,7 +249,7 @@ class ProceduralMemory:
         out: dict[str, Any] = dict(version=STATE_VERSION, dim=self.dim,
                                    embedder=self.embedder.model_name)
         out.update((lvl.state_key, lvl.state_dict()) for lvl in self.levels)
-        out.update(problems=self.problems.state_dict(),
+        out.update(problems=self.problems.state_dict(), evidence=self.evidence.state_dict(),
                    last_update_step=self.last_update_step, history=list(self.history))
         return out
 
@@ -242,13 +262,55 @@ class ProceduralMemory:
         for lvl in self.levels:
             lvl.load_state_dict(state[lvl.state_key])
         self.problems.load_state_dict(state["problems"])
+        self.evidence.load_state_dict(state.get("evidence"))  # (absent before issue 35)
         self.last_update_step = int(state["last_update_step"])
         self.history = list(state.get("history", []))
 
     # ------------------------------------------------------------------------ export --
     def _rows(self) -> Iterator[dict[str, Any]]:
+        """The levels' rows; an insight's or behavior's row carries its replay evidence
+        (``evidence``: None when never tested)."""
+        z = self.evidence.z
         for lvl in self.levels:
-            yield from lvl.export_rows()
+            for row in lvl.export_rows():
+                key = self._row_key(row)
+                if key is not None:
+                    ev = self.evidence.items.get(key)
+                    row["evidence"] = ev.to_json(z) if ev is not None else None
+                yield row
+
+    @staticmethod
+    def _row_key(row: dict[str, Any]) -> str | None:
+        if row.get("level") == "insight":
+            return evidence_key(row["docid"], row["text"])
+        if row.get("level") == "behavior":
+            return evidence_key(row["docid"], f"{row['name']}\n{row['instruction']}")
+        return None
+
+    def _html_evidence(self) -> list[str]:
+        """The check before use: admitted items, then the rejected and retired ones apart."""
+        e = html.escape
+        z = self.evidence.z
+        evs = sorted(self.evidence.items.values(), key=lambda v: (v.status, v.key))
+        if not evs:
+            return []
+        out = ["<h2>Check before use (paired replays)</h2>",
+               f"<p>{e(json.dumps(self.evidence.counts()))}</p>"]
+        for title, statuses in (("Admitted (shown to the teacher)", ("admitted",)),
+                                ("Pending (not shown)", ("pending",)),
+                                ("Rejected or retired (never shown)", ("rejected", "retired"))):
+            rows = [v for v in evs if v.status in statuses]
+            if not rows:
+                continue
+            out.append(f"<h3>{e(title)}: {len(rows)}</h3><ul>")
+            for v in rows:
+                est, lo, hi = v.interval(z)
+                out.append(f"<li>{e(v.text[:300])} <span class=prov>[{e(v.level)}, {v.status}"
+                           f", effect {est:+.2f} [{lo:+.2f}, {hi:+.2f}], {v.pairs} pairs "
+                           f"({v.wins} won / {v.losses} lost), last tested step "
+                           f"{v.last_tested_step}]</span></li>")
+            out.append("</ul>")
+        return out
 
     def export_jsonl(self, path: str) -> int:
         from pmd_jax import paths  # a gs:// run dir stays a URL
@@ -267,6 +329,7 @@ class ProceduralMemory:
         sections = [line for lvl in self.levels for line in lvl.html_section()]
         out.append(head + (sections[0] if sections else ""))  # one line, as before issue 16
         out.extend(sections[1:])
+        out.extend(self._html_evidence())
         out.append("<h2>Strategies and lessons per problem</h2>")
         ranked = sorted(self.levels, key=lambda lv: lv.context_rank)
         pids = sorted(set().union(*(lvl.html_problems() for lvl in self.levels)))

@@ -288,6 +288,10 @@ class McqTask(BaseTask):
             return VerifyResult(0.0, "", f"verifier_error: {type(e).__name__}: {e}", False)
 
     def gold_leak_strings(self, problem: Problem) -> list[str]:
+        """The gold answer's forms and, since issue 35, every other option's text too: a
+        memory item that names a distractor steers the teacher toward it as surely as one
+        naming the gold gives the answer away, and dropping only the latter left the memory
+        full of the former."""
         g = str(problem.gold)
         text = str(problem.meta.get("gold_text", ""))
         out = [
@@ -301,6 +305,8 @@ class McqTask(BaseTask):
         ]
         if text.strip():
             out.append(text)
+        out += [o for o in map(str, problem.meta.get("options", ()))
+                if len(o.strip()) >= 2 and o != text]
         return out
 
 
