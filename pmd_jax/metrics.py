@@ -167,6 +167,12 @@ def _fmt(seconds: float) -> str:
 _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     # (file, title, metric keys, record kind)
     ("val_accuracy.png", "Memory-free validation accuracy", ("accuracy",), "eval"),
+    ("memory_check.png", "Check before use: items by state, rows with memory",
+     ("verify_memory_admitted", "verify_memory_pending", "verify_memory_rejected",
+      "verify_memory_retired", "verify_items_tested"), "train"),
+    ("teacher_signal.png", "Rows with a teacher signal, with memory items, memory alone",
+     ("reprompt_sample_fraction", "memory_item_row_fraction", "memory_signal_row_fraction",
+      "format_ok_fraction"), "train"),
     ("retention_accuracy.png", "Off-task retention accuracy (eval.retention)",
      ("retention_accuracy",), "eval"),
     ("reward.png", "Rollout reward (train)", ("reward_mean", "success_group_fraction"), "train"),

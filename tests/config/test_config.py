@@ -409,6 +409,8 @@ def test_command_line_none_reaches_the_trainer(tmp_path):
     ("pmd_no_insight", ("levels", "insight"), False),
     ("pmd_no_behaviors", ("levels", "behavior"), False),
     ("pmd_sdpo_signal", ("signal_rule",), "sdpo"),
+    ("pmd_verified", ("verify", "enabled"), True),
+    ("pmd_verified_random_memory", ("control_mode",), "random_other_problem"),
 ])
 def test_pmd_variants_set_what_they_imply_and_refuse_a_conflict(mode, key, value):
     from pmd_jax.config import MEMORY_MODES, config_errors
@@ -433,3 +435,23 @@ def _variant(mode: str):
     c = base_config()
     c.mode = mode
     return c
+
+
+def test_sdpo_matched_sampling_spends_the_checks_budget_on_demonstrations():
+    """Issue 35.3: SDPO with as many extra samples per problem as pmd_verified's check can
+    spend on one problem in a step; a value the user set is kept."""
+    from pmd_jax.config import config_errors
+
+    c = apply_mode(_variant("sdpo_matched_sampling"))
+    v = c.memory.verify
+    per_problem = min(v.max_items_per_problem,
+                      -(-v.max_items_per_step // c.rollout.problems_per_step))
+    assert c.teacher_prompt.extra_demo_samples == v.replays * (1 + per_problem) > 0
+    assert c.distill.loss.name == "sdpo"
+    assert not [e for e in config_errors(c) if "extra_demo" in e]
+    mine = _variant("sdpo_matched_sampling")
+    mine.teacher_prompt.extra_demo_samples = 3
+    assert apply_mode(mine).teacher_prompt.extra_demo_samples == 3
+    bad = _variant("sdpo")
+    bad.teacher_prompt.extra_demo_samples = -1
+    assert any("extra_demo_samples" in e for e in config_errors(apply_mode(bad)))

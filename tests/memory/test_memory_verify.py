@@ -274,3 +274,57 @@ def key_of(mem, text: str) -> str:
 def teacher_user_texts_with(cfg, model, mem, sb, sampler):  # noqa: F811
     """teacher_user_texts with the scripted sampler and the graded task."""
     return teacher_user_texts(cfg, model, mem, sb, task=GradedTask(), sampler=sampler)
+
+
+def test_matched_sampling_sdpo_shows_an_extra_sample_success_to_an_all_fail_group(model):  # noqa: F811
+    """sdpo_matched_sampling: the extra samples (student prompt, not trained on) give the
+    all-fail group its demonstration; their cost is counted."""
+    cfg = run_config(n=2, **{"mode": "sdpo_matched_sampling",
+                             "teacher_prompt.include_feedback": False})
+    k = cfg.teacher_prompt.extra_demo_samples
+    sb = step_batch(cfg, model, ["pA", "pB"])
+    sampler = ScriptedSampler(model.tokenizer, {})  # sample 0 of each prompt is right
+    plain = run_config(n=2, **{"mode": "sdpo", "teacher_prompt.include_feedback": False})
+    users, batch = teacher_user_texts(plain, model, None, sb)
+    assert batch["sd_mask"].tolist() == [0.0] * 4  # SDPO: no success, no signal
+    users, batch = teacher_user_texts(cfg, model, None, sb, task=GradedTask(), sampler=sampler)
+    assert batch["sd_mask"].tolist() == [1.0] * 4
+    assert all(f"The answer is {RIGHT}." in u for u in users)
+    assert sampler.calls == [(2, k)]
+    _, stats = build(cfg, model, None, sb, sampler)
+    assert stats["extra_demo_sequences"] == 2 * k
+    assert stats["extra_demo_found_fraction"] == 1.0
+
+
+def test_evidence_survives_a_checkpoint_and_is_exported(model, tmp_path):  # noqa: F811
+    """Each item's evidence is in the memory's state (so a resumed run keeps it), in
+    memory.jsonl beside the item, and in memory.html with rejected items shown apart."""
+    import json
+
+    cfg = verified_config()
+    mem, items = make_memory(cfg, model, ["pA"])
+    good, bad = items["pA"]["strategies"][0], items["pA"]["lessons"][0]
+    sampler = ScriptedSampler(model.tokenizer, {good: "right", bad: "wrong"})
+    for step in (1, 2, 3):
+        sb = step_batch(cfg, model, ["pA"])
+        sb.step = step
+        build(cfg, model, mem, sb, sampler)
+    before = {k: v.to_json(mem.evidence.z) for k, v in mem.evidence.items.items()}
+    assert before[key_of(mem, good)]["status"] == "admitted"
+    assert before[key_of(mem, bad)]["status"] == "rejected"
+    fresh, _ = make_memory(cfg, model, ["pA"])
+    fresh.load_state_dict(mem.state_dict())
+    assert {k: v.to_json(fresh.evidence.z) for k, v in fresh.evidence.items.items()} == before
+    mem.export_jsonl(str(tmp_path / "memory.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    by_text = {r["text"]: r for r in rows if r.get("level") == "insight"}
+    ev = by_text[good]["evidence"]
+    assert ev["status"] == "admitted" and ev["low"] > 0 and ev["last_tested_step"] >= 1
+    assert ev["pairs"] == cfg.memory.verify.replays * ev["tests"]
+    assert by_text[bad]["evidence"]["status"] == "rejected"
+    mem.export_html(str(tmp_path / "memory.html"))
+    page = (tmp_path / "memory.html").read_text()
+    admitted_at = page.index("Admitted (shown to the teacher)")
+    rejected_at = page.index("Rejected or retired (never shown)")
+    assert admitted_at < page.index(good, admitted_at) < rejected_at < page.index(bad,
+                                                                                  rejected_at)
