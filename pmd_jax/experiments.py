@@ -32,9 +32,13 @@ Statistics (final evaluation of each cell, memory-free): the unit is a (problem,
 seed) pair, scored as the mean reward over its evaluation samples and evaluation seeds.
 Per mode: mean over pairs (= mean over seeds of the per-seed accuracies when every seed has
 the same problems), 95% percentile bootstrap CI resampling the pairs, and, for reference, a
-95% CI resampling problems (each problem's mean over seeds). Per mode against SDPO and GRPO
-(those in the grid): the paired difference over matched (problem, seed) pairs, its 95% paired
-bootstrap CI and p-value, and the exact two-sided sign test (ties dropped).
+95% CI resampling problems (each problem's mean over seeds). Per mode against each reference
+of ``pmd_jax.grid.report.REFERENCE_MODES`` in the grid (SDPO, GRPO, sdpo_matched_sampling,
+PMD, pmd_verified_random_memory; each pair once): the paired difference over matched
+(problem, seed) pairs, its 95% paired bootstrap CI and p-value, and the exact two-sided sign
+test (ties dropped). Besides accuracy, the report tabulates drift and retention, generated
+tokens by purpose, the answers that are not an option, and the memory's check before use
+(``pmd_jax.grid.diagnostics``).
 
 This module is the command line and the runner; a cell on disk is `pmd_jax.grid.cells`, the
 statistics, table and plot are `pmd_jax.grid.report`.
@@ -65,10 +69,12 @@ from pmd_jax.grid.cells import (
     copy_small_files,
     read_info,
 )
-from pmd_jax.grid.report import write_report
+from pmd_jax.grid.report import REFERENCE_MODES, write_report
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file (as for pmd_jax.main).")
-_MODES = flags.DEFINE_list("modes", ["grpo", "sdpo", "pmd"], "Modes to compare.")
+_MODES = flags.DEFINE_list(
+    "modes", ["grpo", "sdpo", "pmd"],
+    f"Modes to compare; each is compared with those of {', '.join(REFERENCE_MODES)} in the grid.")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Training seeds per mode.")
 _OUT = flags.DEFINE_string("out", "runs/compare", "Folder of the committed results.")
 _SCRATCH = flags.DEFINE_string(
@@ -89,10 +95,6 @@ log = logging.getLogger("pmd_jax")
 
 # Set per cell by the grid; an override of them would break the grid's identical budgets.
 GRID_KEYS: tuple[str, ...] = ("mode", "seed", "run_dir")
-REFERENCE_MODES: tuple[str, ...] = ("sdpo", "grpo")
-N_BOOT = 10_000
-CI = 0.95
-PLOT_FILE = "accuracy_vs_step.png"
 
 
 # ----------------------------------------------------------------------------- command line

@@ -19,7 +19,7 @@ import pytest
 
 from pmd_jax import experiments as ex
 from pmd_jax.experiments import Cell, GridError
-from pmd_jax.grid.report import PLOT_FILE
+from pmd_jax.grid.report import PLOT_FILE, REFERENCE_MODES
 from tests.tiny_runs import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,8 +212,9 @@ def test_drift_and_retention_table(tmp_path):
     assert rows["pmd"]["tokens"] == {"rollouts": 80.0 * STEPS, "memory": 10.0 * STEPS}
     assert rows["pmd"]["tokens_seeds"] == {"rollouts": 2, "memory": 1}
     assert (rows["pmd"]["tokens_total"], rows["pmd"]["tokens_total_seeds"]) == (90.0 * STEPS, 1)
-    assert f"| grpo | {80 * STEPS:,} | - | - | - | {80 * STEPS:,} |" in md
-    assert (f"| pmd | {80 * STEPS:,} | {10 * STEPS:,} (1 of 2 seeds) | - | - | "
+    # columns: rollouts, memory, mel, fast_slow, check replays, extra demos, total
+    assert f"| grpo | {80 * STEPS:,} | - | - | - | - | - | {80 * STEPS:,} |" in md
+    assert (f"| pmd | {80 * STEPS:,} | {10 * STEPS:,} (1 of 2 seeds) | - | - | - | - | "
             f"{90 * STEPS:,} (1 of 2 seeds) |") in md
 
 
@@ -364,3 +365,187 @@ def test_end_to_end_two_tiny_cells(tmp_path):
     assert "| sdpo - grpo |" not in p.stdout and "| grpo - sdpo |" in p.stdout
     p = _cli(*args)
     assert p.returncode == 0 and p.stderr.count("skipped") == 2
+
+
+# ----------------------------------------------------------------------------- diagnostics
+NEW_MODES = ("grpo", "sdpo", "sdpo_matched_sampling", "pmd", "pmd_verified",
+             "pmd_verified_random_memory")
+VERIFY_ITEMS = ("proposed", "tested", "admitted", "rejected", "retired")
+VERIFY_STATES = ("admitted", "pending", "rejected", "retired")
+
+
+def _write_results(path: Path, rewards: np.ndarray, reasons: list[list[str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(
+        json.dumps({"name": path.parent.name, "problem_id": f"q{p}", "seed": 0,
+                    "split": "validation", "rewards": r.tolist(), "reasons": why,
+                    "mean": float(r.mean()), "in_sample": False}) + "\n"
+        for p, (r, why) in enumerate(zip(rewards, reasons, strict=True))))
+
+
+def _new_cell(folder: Path, cell: Cell, rng: np.random.Generator, *, old: bool = False
+              ) -> dict:
+    """A finished cell of the new modes (``old``: as logged before the new counters), with
+    reasons at steps 0 and STEPS, and the per-step counters it logged; step 1 is logged
+    twice (a run resumed from its step-1 checkpoint). Returns the logged arrays."""
+    p = {"grpo": 0.3, "sdpo": 0.45, "sdpo_matched_sampling": 0.5}.get(cell.mode, 0.55)
+    rewards = (rng.random((20, 2)) < p).astype(float)
+    scores = _write_cell(folder, cell, rewards)
+    reasons = {}
+    for step, rw in ((0, (rng.random((20, 2)) < 0.3).astype(float)), (STEPS, rewards)):
+        bad = rng.random(rw.shape) < (0.2 if step == 0 else 0.6)
+        why = [["correct" if x else "invalid_answer" if b else "wrong_answer"
+                for x, b in zip(r, br, strict=True)] for r, br in zip(rw, bad, strict=True)]
+        _write_results(folder / "eval" / f"step_{step:06d}" / "results.jsonl", rw, why)
+        reasons[step] = np.array(why)
+    logged: dict = {"scores": scores, "invalid": {s: float((w == "invalid_answer").mean())
+                                                  for s, w in reasons.items()}}
+    recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    memory = cell.mode.startswith("pmd") and not old
+    verify = cell.mode.startswith("pmd_verified") and not old
+    for key, on, draw in (
+            ("response_tokens_mean", True, lambda: float(rng.integers(5, 15))),
+            *[(f"verify_items_{k}", verify, lambda: int(rng.integers(0, 6)))
+              for k in VERIFY_ITEMS],
+            *[(f"verify_memory_{k}", verify, lambda: int(rng.integers(0, 9)))
+              for k in VERIFY_STATES],
+            ("verify_generated_tokens", verify, lambda: int(rng.integers(50, 100))),
+            ("extra_demo_sequences", cell.mode == "sdpo_matched_sampling", lambda: 16),
+            ("extra_demo_generated_tokens", cell.mode == "sdpo_matched_sampling",
+             lambda: int(rng.integers(30, 60))),
+            ("extra_demo_found_fraction", cell.mode == "sdpo_matched_sampling", rng.random),
+            ("memory_item_row_fraction", memory, rng.random),
+            ("memory_signal_row_fraction", memory, rng.random)):
+        if on:
+            logged[key] = np.array([draw() for _ in range(STEPS)], dtype=float)
+    if verify:  # each step tests at most what it proposed, and admits at most what it tests
+        logged["verify_items_tested"] = np.minimum(logged["verify_items_tested"],
+                                                   logged["verify_items_proposed"])
+        logged["verify_items_admitted"] = np.minimum(logged["verify_items_admitted"],
+                                                     logged["verify_items_tested"])
+    if memory:  # rows whose signal is the memory alone hold memory items
+        logged["memory_signal_row_fraction"] *= logged["memory_item_row_fraction"]
+    for r in recs:
+        if r["kind"] == "train":
+            r.update({k: v[r["step"]].item() for k, v in logged.items()
+                      if isinstance(v, np.ndarray)})
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "train" and r["step"] == 1)
+    recs.insert(at + 1, dict(recs[at]))  # the resumed run logs step 1 again
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (folder / "config.json").write_text(json.dumps(
+        {"mode": cell.mode, "seed": cell.seed, "rollout": {"problems_per_step": 4, "n": 2}}))
+    return logged
+
+
+def test_new_modes_references_and_diagnostics(tmp_path):
+    """pmd_verified and its references: the comparison rows (the old references' first, each
+    pair once), and the tables of answers that are not an option, of the check before use, of
+    the memory's rows, and the generated tokens with the check's and the extra demos'; each
+    against a direct computation from what the cells logged. pmd's seed 1 ran before the row
+    counters existed."""
+    rng = np.random.default_rng(7)
+    out, seeds = tmp_path / "out", [0, 1]
+    logs = {Cell(m, s): _new_cell(out / f"{m}_seed{s}", Cell(m, s), rng,
+                                  old=(m, s) == ("pmd", 1))
+            for m in NEW_MODES for s in seeds}
+    comp = ex.write_report(out, [Cell(m, s) for m in NEW_MODES for s in seeds],
+                           list(NEW_MODES), seeds)
+    md = (out / "comparison.md").read_text()
+    js = json.loads((out / "comparison.json").read_text())
+    # the comparisons: every pair once, the old references first, in REFERENCE_MODES' order
+    got = [(c["mode"], c["reference"]) for c in comp["comparisons"]]
+    smp, pvr = "sdpo_matched_sampling", "pmd_verified_random_memory"
+    assert got == [
+        ("grpo", "sdpo"), (smp, "sdpo"), ("pmd", "sdpo"), ("pmd_verified", "sdpo"),
+        (pvr, "sdpo"), (smp, "grpo"), ("pmd", "grpo"), ("pmd_verified", "grpo"),
+        (pvr, "grpo"), ("pmd", smp), ("pmd_verified", smp), (pvr, smp),
+        ("pmd_verified", "pmd"), (pvr, "pmd"), ("pmd_verified", pvr)]
+    assert ex.REFERENCE_MODES is REFERENCE_MODES  # one definition
+    for c in comp["comparisons"]:
+        d = np.concatenate([logs[Cell(c["mode"], s)]["scores"]
+                            - logs[Cell(c["reference"], s)]["scores"] for s in seeds])
+        assert c["diff"] == pytest.approx(d.mean()) and c["n_pairs"] == 40
+    for mode, ref in (("pmd_verified", "pmd"), ("pmd_verified", pvr), ("pmd_verified", smp)):
+        assert f"| {mode} - {ref} | 40 | 20 | 2 |" in md
+    # answers that are not an option: the share of samples, mean over seeds
+    rows = {r["mode"]: r for r in comp["answers_not_options"]}
+    for mode in NEW_MODES:
+        first, last = ([logs[Cell(mode, s)]["invalid"][k] for s in seeds] for k in (0, STEPS))
+        r = rows[mode]
+        assert r["steps"]["0"]["invalid_fraction"] == {
+            "mean": pytest.approx(np.mean(first)), "n_seeds": 2}
+        assert r["steps"][str(STEPS)]["per_seed"] == {
+            str(s): pytest.approx(v) for s, v in zip(seeds, last, strict=True)}
+        assert r["steps"][str(STEPS)]["n_samples"] == {"0": 40, "1": 40}
+        assert sum(r["steps"][str(STEPS)]["reasons"].values()) == pytest.approx(1.0)
+        assert r["change"]["mean"] == pytest.approx(np.mean(last) - np.mean(first))
+        assert (f"| {mode} | {np.mean(first):.3f} | 2 | {np.mean(last):.3f} | 2 | "
+                f"{np.mean(last) - np.mean(first):+.3f} |") in md
+    # the check before use: only the verify modes; sums over steps (step 1 once), the state
+    # at the last step, the row fractions' means over steps; all means over seeds
+    check = {r["mode"]: r for r in comp["memory"]["check"]}
+    assert set(check) == {"pmd_verified", pvr}
+    for mode, r in check.items():
+        lg = [logs[Cell(mode, s)] for s in seeds]
+        sums = {k: np.mean([x[f"verify_items_{k}"].sum() for x in lg]) for k in VERIFY_ITEMS}
+        for k in VERIFY_ITEMS:
+            assert r[k] == {"mean": pytest.approx(sums[k]), "n_seeds": 2}
+        rate = (sum(x["verify_items_admitted"].sum() for x in lg)
+                / sum(x["verify_items_tested"].sum() for x in lg))
+        assert r["admission_rate"]["mean"] == pytest.approx(rate)
+        state = [np.mean([x[f"verify_memory_{k}"][-1] for x in lg]) for k in VERIFY_STATES]
+        assert [r[f"state_{k}"]["mean"] for k in VERIFY_STATES] == pytest.approx(state)
+        fr = [np.mean([x[k].mean() for x in lg])
+              for k in ("memory_item_row_fraction", "memory_signal_row_fraction")]
+        assert (f"| {mode} | 2 | " + " | ".join(f"{sums[k]:,.1f}" for k in VERIFY_ITEMS)
+                + f" | {rate:.3f} | " + " / ".join(f"{v:,.1f}" for v in state)
+                + f" | {fr[0]:.3f} | {fr[1]:.3f} |") in md
+    assert js["memory"]["check"][0]["mode"] == "pmd_verified"
+    # the memory's rows: every memory mode; pmd's seed 1 never logged them
+    ctx = {r["mode"]: r for r in comp["memory"]["context"]}
+    assert set(ctx) == {"pmd", "pmd_verified", pvr}
+    item = logs[Cell("pmd", 0)]["memory_item_row_fraction"].mean()
+    assert ctx["pmd"]["memory_item_row_fraction"] == {"mean": pytest.approx(item),
+                                                      "n_seeds": 1}
+    sig = logs[Cell("pmd", 0)]["memory_signal_row_fraction"].mean()
+    assert f"| pmd | 2 | {item:.3f} (1 of 2 seeds) | {sig:.3f} (1 of 2 seeds) |" in md
+    # matched sampling's extra demonstrations
+    (smp_row,) = comp["memory"]["sampling"]
+    found = np.mean([logs[Cell(smp, s)]["extra_demo_found_fraction"].mean() for s in seeds])
+    assert smp_row["mode"] == smp
+    assert smp_row["extra_demo_sequences"] == {"mean": 16.0 * STEPS, "n_seeds": 2}
+    assert f"| {smp} | 2 | {16 * STEPS} | " in md
+    assert smp_row["extra_demo_found_fraction"]["mean"] == pytest.approx(found)
+    # generated tokens: rollouts (4 problems x 2 each step), the check's replays and the
+    # extra demos, both in the total; a step logged twice counts once
+    drift = {r["mode"]: r for r in comp["drift"]}
+    for mode in NEW_MODES:
+        lg = [logs[Cell(mode, s)] for s in seeds]
+        want = {"rollouts": np.mean([x["response_tokens_mean"].sum() * 8 for x in lg])}
+        for group, key in (("check", "verify_generated_tokens"),
+                           ("extra_demos", "extra_demo_generated_tokens")):
+            if key in lg[0]:
+                want[group] = np.mean([x[key].sum() for x in lg])
+        assert drift[mode]["tokens"] == pytest.approx(want)
+        assert drift[mode]["tokens_total"] == pytest.approx(sum(want.values()))
+        cols = [want.get(g) for g in ("rollouts", "memory", "mel", "fast_slow", "check",
+                                      "extra_demos")]
+        assert (f"| {mode} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in cols)
+                + f" | {sum(want.values()):,.0f} |") in md
+
+
+def test_old_cells_render_dashes(grid):
+    """Cells of an older grid (no reasons in their records, no check or row counters, no
+    step-0 results) give '-' in the new tables, and no check-before-use table."""
+    out, _ = grid
+    modes, seeds = list(P), [0, 1]
+    comp = ex.write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
+    md = (out / "comparison.md").read_text()
+    for mode in modes:
+        assert f"| {mode} | - | 0 | - | 0 | - |" in md  # answers that are not an option
+    assert comp["memory"]["check"] == [] and "Check before use" not in md
+    assert comp["memory"]["context"] == [{"mode": "pmd", "n_seeds": 2,
+                                          "memory_item_row_fraction": None,
+                                          "memory_signal_row_fraction": None}]
+    assert "| pmd | 2 | - | - |" in md
+    assert "| grpo | 0 | - | - | - | - | - | 0 |" in md  # no rollout lengths logged

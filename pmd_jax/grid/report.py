@@ -1,6 +1,8 @@
 """The grid's comparison: statistics over the finished cells, the markdown table, the
 comparison JSON and the accuracy-vs-step plot. The statistics are described in
-``pmd_jax.experiments``' docstring."""
+``pmd_jax.experiments``' docstring; the tables of what the cells did besides their accuracy
+(tokens, answers that are not an option, the memory's check) are ``pmd_jax.grid.diagnostics``.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +15,18 @@ from pathlib import Path
 
 import numpy as np
 
+from pmd_jax.grid import diagnostics as dg
 from pmd_jax.grid.cells import Cell, GridError, cell_state, eval_dir, read_info
 
 log = logging.getLogger("pmd_jax")
 
-REFERENCE_MODES: tuple[str, ...] = ("sdpo", "grpo")
+# Every mode is compared with each of these that the grid holds, in this order, each pair of
+# modes once (as ``mode - reference``, the reference being the one listed first): the
+# baselines (SDPO, GRPO, SDPO spending pmd_verified's check's samples on extra
+# demonstrations), PMD as the paper describes it, and pmd_verified's control (the check on a
+# random other problem's memory). The grid's command line (pmd_jax.experiments) uses this one.
+REFERENCE_MODES: tuple[str, ...] = (
+    "sdpo", "grpo", "sdpo_matched_sampling", "pmd", "pmd_verified_random_memory")
 N_BOOT = 10_000
 CI = 0.95
 PLOT_FILE = "accuracy_vs_step.png"
@@ -39,43 +48,14 @@ class CellResult:
     tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
     # the last evaluation with the mode's text in the prompt: (metric, accuracy)
     in_prompt: tuple[str, float] | None = None
+    # step (0 and the last) -> the share of evaluation samples per reason (diagnostics)
+    reasons: dict[int, dict] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # diagnostics.run_counters
 
 
 # Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context
 # (pmd_jax.fast_slow), memory_only's memory (pmd_frozen_policy).
 IN_PROMPT_METRICS = ("accuracy_deployed", "accuracy_with_memory")
-
-
-# Train-record metrics that count tokens a mode generated besides its rollouts (summed over
-# steps): the memory's reflection calls (pmd_jax.memory.calls), MEL's reflections and replays
-# (pmd_jax.mel), Fast-Slow's (pmd_jax.fast_slow). Evaluation is left out: every mode spends
-# the same on it.
-TOKEN_METRICS: dict[str, tuple[str, ...]] = {
-    "memory": ("memory_generated_tokens", "memory_behavior/generated_tokens"),
-    "mel": ("mel_generated_tokens",),
-    "fast_slow": ("fast_slow_generated_tokens",),
-}
-
-
-def generated_tokens(recs: Sequence[dict], config: dict) -> dict[str, float]:
-    """Tokens a cell generated outside evaluation, by purpose: ``rollouts`` (each step's mean
-    response length x its rollouts: problems_per_step x rollout.n; a problem skipped for its
-    prompt's length is replaced by the next, and ``skipped_long_prompts`` is the run's running
-    count, not the step's) and each
-    :data:`TOKEN_METRICS` group the run logged (a group it never logged is absent: older
-    runs did not count reflection tokens)."""
-    ro = config.get("rollout", {})
-    per_step, n = int(ro.get("problems_per_step", 0)), int(ro.get("n", 0))
-    out: dict[str, float] = {"rollouts": 0.0}
-    for r in recs:
-        if r.get("kind") != "train":
-            continue
-        out["rollouts"] += float(r.get("response_tokens_mean", 0.0)) * per_step * n
-        for group, keys in TOKEN_METRICS.items():
-            vals = [r[k] for k in keys if isinstance(r.get(k), int | float)]
-            if vals:
-                out[group] = out.get(group, 0.0) + float(sum(vals))
-    return out
 
 
 def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
@@ -107,9 +87,12 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
                       if isinstance(last_eval.get(k), int | float)), None)
     cfg_path = folder / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    reasons = {s: dg.reason_fractions(eval_dir(folder, s) / "results.jsonl")
+               for s in sorted({0, step})}
     return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
                       eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask,
-                      generated_tokens(recs, config), in_prompt)
+                      dg.generated_tokens(recs, config), in_prompt,
+                      {s: v for s, v in reasons.items() if v}, dg.run_counters(recs))
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -223,7 +206,8 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
         lines += [
             "", "Paired differences (mode - reference) over matched (problem, seed) pairs: mean, "
             "95% paired bootstrap CI and p-value (10,000 draws), exact two-sided sign test "
-            "(ties dropped).", "",
+            "(ties dropped). References, in this order, those in the grid: "
+            f"{', '.join(REFERENCE_MODES)}; each pair of modes once.", "",
             "| mode - reference | pairs | problems | seeds | mode | reference | diff | 95% CI | "
             "p (bootstrap) | mode better / reference better / ties | p (sign test) |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -254,16 +238,7 @@ def drift_and_retention(results: Sequence[CellResult], modes: Sequence[str]) -> 
             v = [k for _, k in kls]
             row.update(kl_step=sorted({s for s, _ in kls}), kl_mean=float(np.mean(v)),
                        kl_min=float(np.min(v)), kl_max=float(np.max(v)), kl_n_seeds=len(v))
-        # each kind over the seeds that logged it; the total over the seeds that logged every
-        # kind of this mode (cells run before a counter existed lack it: counting them as 0
-        # would put a total below one of its parts)
-        groups = sorted({g for r in rs for g in r.tokens})
-        row["tokens"] = {g: float(np.mean([r.tokens[g] for r in rs if g in r.tokens]))
-                         for g in groups}
-        row["tokens_seeds"] = {g: sum(g in r.tokens for r in rs) for g in groups}
-        complete = [r for r in rs if all(g in r.tokens for g in groups)]
-        row["tokens_total"] = float(np.mean([sum(r.tokens.values()) for r in complete]))
-        row["tokens_total_seeds"] = len(complete)
+        row.update(dg.token_summary([r.tokens for r in rs]))
         prompted = [r.in_prompt for r in rs if r.in_prompt is not None]
         if prompted:
             row["in_prompt"] = {"metric": prompted[0][0], "n_seeds": len(prompted),
@@ -313,27 +288,6 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
                   "seeds.", "", "| mode | metric | seeds | accuracy |", "|---|---|---|---|"]
         lines += [f"| {r['mode']} | {r['in_prompt']['metric']} | {r['in_prompt']['n_seeds']} | "
                   f"{_f(r['in_prompt']['accuracy'])} |" for r in prompted]
-    lines += [
-        "", "Generated tokens per run outside evaluation, summed over the run's training "
-        "steps, mean over seeds: rollouts (each step's mean response length x its "
-        "rollouts), and what each mode generates besides (the memory's reflection calls, "
-        "MEL's reflections and replays, Fast-Slow's); '-' = the runs did not log that kind. "
-        "A kind that only some seeds logged (cells run before its counter existed) is the "
-        "mean over those, marked '(k of n seeds)'; the total is the mean over the seeds that "
-        "logged every kind of the row.", "",
-        "| mode | rollouts | memory | mel | fast_slow | total |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    def cell(v: float, k: int, n: int) -> str:
-        return f"{v:,.0f}" + (f" ({k} of {n} seeds)" if k < n else "")
-
-    for r in rows:
-        t, k, n = r.get("tokens", {}), r.get("tokens_seeds", {}), r["n_seeds"]
-        cells = [cell(t[g], k.get(g, n), n) if g in t else "-"
-                 for g in ("rollouts", "memory", "mel", "fast_slow")]
-        total = cell(r.get("tokens_total", 0.0), r.get("tokens_total_seeds", n), n)
-        lines.append(f"| {r['mode']} | " + " | ".join(cells) + f" | {total} |")
     return lines
 
 
@@ -474,7 +428,12 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
     if kl_plot is not None:
         header.append(f"Plot: `{KL_PLOT_FILE}` (held-out accuracy against KL to the initial "
                       "policy at each evaluation with a KL measurement).")
-    table = report_markdown(comp, header, seeds) + "\n".join(drift_markdown(comp["drift"]))
+    comp["answers_not_options"] = dg.answers_not_options(finished, modes)
+    comp["memory"] = dg.memory_rows(finished, modes)
+    table = report_markdown(comp, header, seeds) + "\n".join(
+        drift_markdown(comp["drift"]) + dg.tokens_markdown(comp["drift"])
+        + dg.answers_markdown(comp["answers_not_options"])
+        + dg.memory_markdown(comp["memory"], int(budget["train_steps"])))
     table = table.rstrip("\n") + "\n"
     (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(comp, indent=2, default=str) + "\n")
