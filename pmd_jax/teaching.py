@@ -252,7 +252,7 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
                              if k not in ("calls", "arms")}
     out.update({k: float(v) for k, v in cost.items()})
     out.update(verify_generate_calls=float(counts["calls"]), verify_arms=float(counts["arms"]),
-               verify_items_proposed=float(proposed), verify_seconds=seconds,
+               verify_items_proposed=float(proposed), time_verify_replays=seconds,
                verify_token_forwards=float(cost["verify_prompt_tokens"]
                                            + cost["verify_generated_tokens"]),
                **{f"verify_memory_{k}": float(v) for k, v in state.items()})

@@ -11,6 +11,10 @@ a file runs on one worker, so its module fixtures (the vLLM server, the two-proc
 start once; test_trainer_overlap.py joins test_trainer.py's scope, whose clean run it reuses
 (``tiny_runs.run_once``; ``pytest_xdist_make_scheduler`` below). Files go out in the order
 below (``--no-loadscope-reorder``): the longest first, so none starts last.
+What a test needs of the host (a device count, an installed asset, a tolerance that depends on
+the backend's matmul precision) is asked in ``tests/host.py``: a test that builds an n-device
+mesh runs on a GPU or TPU host too when jax finds n devices there, and is skipped with the count
+it needs otherwise (``need_devices(n)``, or the ``devices(n)`` marker below).
 Shared helpers that are not fixtures live next to the tests that use them:
 ``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
 (direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).
@@ -81,10 +85,44 @@ def pytest_configure(config):
     """An xdist worker shares the 2 cores with another: torch's OpenMP threads, spinning
     beside the other worker's, made HF reference runs (generate, forwards) 2-3x slower. One
     intra-op thread per worker (the runs the tests start keep torch's default)."""
+    config.addinivalue_line(
+        "markers", "devices(n): needs n jax devices, else skipped naming n and the count "
+        "found (tests/host.py)")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """``@pytest.mark.devices(n)``: skipped before its fixtures start when jax has fewer than
+    n devices, with ``tests.host.device_shortfall``'s reason at the test's line (as pytest's
+    own skip marks are reported)."""
+    mark = item.get_closest_marker("devices")
+    if mark is not None:
+        from tests.host import device_shortfall
+
+        reason = device_shortfall(*mark.args, **mark.kwargs)
+        if reason is not None:
+            raise pytest.skip.Exception(reason, _use_item_location=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed because the embedded SmolLM2 is not installed (the default config's
+    validation reads its GGUF header; the runs tests start read its tokenizer) is reported as
+    skipped with the install command (``tests.host.failed_for_missing_smollm2``). Where it is
+    installed nothing changes; the tests that load it themselves skip before they start."""
+    report = yield
+    if report.failed and call.excinfo is not None:
+        from tests.host import failed_for_missing_smollm2
+
+        reason = failed_for_missing_smollm2(call.excinfo.value)
+        if reason is not None:
+            path, line = item.reportinfo()[:2]
+            report.outcome, report.longrepr = "skipped", (str(path), (line or 0) + 1, reason)
+    return report
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of xdist's: unknown where it is not installed)

@@ -27,6 +27,7 @@ import pytest
 
 from pmd_jax import sharding as shd
 from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError
+from tests.host import need_devices
 from tests.tiny_runs import child_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,18 +204,18 @@ def test_run_checkpointer_names_the_failed_write_without_blocking_on_one_in_flig
 
 
 def test_restore_onto_mesh_shardings(tmp_path):
-    assert len(jax.devices()) == 8
+    devices = need_devices(8)
     rules = shd.ShardingRules.from_mapping()
     axes = {"embed": ("vocab", "embed"), "mlp": ("embed", "mlp")}
     r = np.random.default_rng(0)
     host = {"embed": r.normal(size=(16, 8)).astype(np.float32),
             "mlp": r.normal(size=(8, 32)).astype(np.float32)}
-    mesh_a = shd.make_mesh({"fsdp": 4, "tensor": 2})
+    mesh_a = shd.make_mesh({"fsdp": 4, "tensor": 2}, devices=devices)
     saved = shd.shard_tree(host, mesh_a, rules, axes)
     ck = Checkpointer(tmp_path)
     ck.save(7, saved)
     ck.wait()
-    mesh_b = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})  # a different layout
+    mesh_b = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=devices)  # relaid
     target_sh = shd.tree_shardings(mesh_b, rules, axes)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           host, target_sh)

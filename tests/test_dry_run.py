@@ -7,9 +7,14 @@ import pytest
 from pmd_jax import sharding as sh
 from pmd_jax.dry_run import forward_backward as dr
 from pmd_jax.models.config import olmo3_7b, qwen3_8b
+from tests.host import need_devices
 from tests.tiny_runs import child_env
 
-needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+needs8 = pytest.mark.devices(8)  # skipped with fewer, naming the count found (tests/host.py)
+# The dry runs started in a child simulate their mesh on fake CPU devices: on a GPU host the
+# child's jax would take its GPUs instead (JAX_PLATFORMS=cuda, or the default), so it is told
+# to use the CPU (what it uses anyway on a CPU-only host).
+SIMULATED = {"JAX_PLATFORMS": "cpu"}
 
 
 def _two_layers(cfg):
@@ -55,7 +60,8 @@ def test_errors_name_the_setting():
         dr.parse_mesh("fsdp=4")
 
 
-def test_cli_reduced_olmo3_in_subprocess():
+def test_cli_reduced_olmo3_in_subprocess(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the child inherits it: SIMULATED
     r = dr.dry_run_subprocess("olmo3-7b", "data:2,fsdp:2,tensor:2", batch=4, seq=128,
                               num_layers=2, timeout=600, count_flops=False)
     assert r["devices"] == 8 and r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
@@ -71,7 +77,8 @@ FULL = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mesh,batch,seq", FULL, ids=[f[0] for f in FULL])
-def test_full_size_dry_run_64_devices(model, mesh, batch, seq):
+def test_full_size_dry_run_64_devices(model, mesh, batch, seq, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the child inherits it: SIMULATED
     r = dr.dry_run_subprocess(model, mesh, batch=batch, seq=seq, timeout=3000)
     print(r)
     assert r["devices"] == 64
@@ -121,7 +128,7 @@ def _small_step_report(impl: str, student: int, teacher: int, response: int):
     mc = ModelConfig(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128,
                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
                      qk_norm="per_head", attention_impl=impl, attention_chunk=256)
-    mesh = sh.make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+    mesh = sh.make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices=need_devices(8))
     return distill_step_report(cfg, mc, mesh, sh.ShardingRules.from_mapping(None), 8,
                                student, teacher, response)
 
@@ -200,7 +207,7 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "    int(cfg.teacher_prompt.max_tokens) + resp, resp)\n"
         "print(json.dumps(r))\n"
     )
-    env = child_env()
+    env = {**child_env(), **SIMULATED}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -252,7 +259,7 @@ def _main(*args, timeout=1500):
     import subprocess
     import sys
 
-    env = child_env()
+    env = {**child_env(), **SIMULATED}
     return subprocess.run(
         [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py", "--dry_run",
          *args], capture_output=True, text=True, timeout=timeout, env=env)

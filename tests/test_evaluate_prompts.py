@@ -35,6 +35,8 @@ class Model:
 
 
 class Memory:
+    config = types.SimpleNamespace(verify=types.SimpleNamespace(enabled=False))
+
     def teacher_context(self, pid: str, question: str):
         return types.SimpleNamespace(
             render=lambda count: f"Lessons for {pid}: read the passage.\n\n{question}")

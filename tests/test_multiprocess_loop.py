@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.host import smollm2_gguf
 from tests.tiny_runs import TINY, cache_flags, child_env
 from tests.tiny_runs import env as _env
 
@@ -113,6 +114,7 @@ def _proc_env(devices: int, extra: dict[str, str]) -> dict[str, str]:
 def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str
            ) -> list[tuple[subprocess.Popen, Path]]:
     """Starts a run as ``nproc`` processes (8 devices in all); returns (process, log) pairs."""
+    smollm2_gguf()  # the runs read SmolLM2's tokenizer: skipped with the install command
     port = _free_port()
     out = []
     for pid in range(nproc):

@@ -12,12 +12,9 @@ import pytest  # noqa: E402
 from pmd_jax import sharding as sh  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from pmd_jax.models.config import ModelConfig, RopeConfig  # noqa: E402
+from tests.host import need_devices  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8,
-    reason="needs 8 devices: jax was initialised before XLA_FLAGS could be set "
-    "(run this file alone or set XLA_FLAGS=--xla_force_host_platform_device_count=8)",
-)
+pytestmark = pytest.mark.devices(8)  # every mesh below has 8 devices (tests/host.py)
 jax.config.update("jax_default_matmul_precision", "highest")
 # Random OLMo-3 (post-norm: each sublayer output is RMS-normalised, which amplifies rounding
 # noise) is ill-conditioned: the *unsharded* fp32 logits already differ from a float64 run by
@@ -48,8 +45,8 @@ MESHES = [
 
 
 def _mesh(shape):
-    n = math.prod(shape.values())
-    return sh.make_mesh(shape, devices=jax.devices()[:n])
+    __tracebackhide__ = True  # a skip for too few devices is reported at the test's line
+    return sh.make_mesh(shape, devices=need_devices(math.prod(shape.values())))
 
 
 def _expected_shard_shape(shape, axes, rules, mesh):

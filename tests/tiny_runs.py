@@ -78,6 +78,12 @@ def cache_flags() -> list[str]:
 
 
 def cmd(run_dir: Path, *extra: str) -> list[str]:
+    """The tiny run's command line; skips the calling test (or fixture) with the install
+    command when SmolLM2, whose tokenizer the run reads, is not installed."""
+    __tracebackhide__ = True  # a skip is reported at the caller's line
+    from tests.host import smollm2_gguf  # (imports jax: not at this module's import)
+
+    smollm2_gguf()
     return [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
             f"--config.run_dir={run_dir}", *TINY, *cache_flags(), *extra]
 

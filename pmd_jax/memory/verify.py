@@ -24,7 +24,14 @@ The two candidates we weighed:
     noise), and the verifier grades both. This measures what the teacher does with the item,
     on the problems it is shown for, with the current policy, and it works on all-fail groups.
     Its cost is generation (``replays`` paired samples per item test, one shared baseline arm
-    per problem), bounded per step and counted.
+    per problem), bounded per step and counted. The replays sample from the sampler's weights
+    (the current policy), of which the EMA teacher is a running average: the check asks
+    whether the item helps the model the teacher is made of, not the teacher's exact weights.
+
+Multiple testing: every step tests several items, each at a one-sided level near 5%, so an
+item with no effect is sometimes admitted by chance; re-testing (``retest_every``) retires
+most such items, and the random-memory control (``pmd_verified_random_memory``: the same check
+on other problems' items) measures how often noise passes.
 
 We chose (b). The statistic, per item, pools all its replay pairs (across steps and target
 problems): a pair is a *win* when the with-item answer is correct and the without-item answer

@@ -20,6 +20,7 @@ from pmd_jax.distill.batch import make_batch  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from tests.distill.test_step import TINY  # noqa: E402
+from tests.host import need_devices  # noqa: E402
 
 B = 8
 
@@ -123,7 +124,7 @@ def test_no_signal_batch_updates_like_the_full_batch(step_fn):
 
 
 def test_mesh_buckets_are_multiples_of_the_batch_axes(step_fn):
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=need_devices(8))
     sharded = st.TrainStep(TINY, _dcfg(), mesh=mesh, rules=shd.ShardingRules.from_mapping())
     assert sharded.batch_divisor() == 4
     sd = [0, 1, 0, 0, 0, 0, 0, 0]

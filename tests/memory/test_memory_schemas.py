@@ -104,7 +104,13 @@ def test_schema_bounds_come_from_the_config():
     s = reflection_schema(cfg.insight)
     for key in ("strategies", "lessons"):
         arr = s["properties"][key]
-        assert (arr["minItems"], arr["maxItems"]) == (1, 3)
+        # 0 by default (issue 35): a reflection with nothing to say may write no item
+        assert (arr["minItems"], arr["maxItems"]) == (0, 3)
+    cfg.insight.min_items_per_reflection = 1
+    arr = reflection_schema(cfg.insight)["properties"]["strategies"]
+    assert (arr["minItems"], arr["maxItems"]) == (1, 3)
+    for key in ("strategies", "lessons"):
+        arr = s["properties"][key]
         assert (arr["items"]["minLength"], arr["items"]["maxLength"]) == (8, 160)
     assert s["required"] == ["strategies", "lessons"] and s["additionalProperties"] is False
     b = cfg.behavior
@@ -159,7 +165,9 @@ BAD = {
 @pytest.mark.parametrize("call", CALLS)
 def test_schema_rejects_too_many_too_long_wrong_typed(call):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = call_schema(call, default_memory_config())
+    cfg = default_memory_config()
+    cfg.insight.min_items_per_reflection = 1  # so that an empty list is too few
+    schema = call_schema(call, cfg)
     v = jsonschema.Draft202012Validator(schema)
     for bad in BAD[call]:
         assert validate(bad, schema), bad
@@ -418,7 +426,7 @@ def test_prompts_state_the_schema_bounds():
     mem.update(0, recs(0), gen)
     mem.update(1, recs(1), gen)
     refl = gen.prompts_of("reflection")[0]
-    assert "Write 1 to 3 items in each list" in refl
+    assert "Write at most 3 items in each list" in refl  # min_items_per_reflection 0
     assert "one sentence of 8 to 160 characters" in refl
     assert '{"strategies": ["..."], "lessons": ["..."]}' in refl
     assert "1 to 300 characters" not in refl

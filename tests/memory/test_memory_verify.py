@@ -25,6 +25,7 @@ from tests.test_teacher_context import (
     LESSONS_HEADER,
     STRATEGIES_HEADER,
     Task,
+    _hash_embedder,  # noqa: F401  (autouse fixture: the hash embedder, no MiniLM)
     make_memory,
     model,  # noqa: F401  (fixture)
     run_config,

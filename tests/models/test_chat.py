@@ -5,6 +5,7 @@ import pytest
 
 from pmd_jax.models import assets, chat
 from pmd_jax.models.tokenizer import Tokenizer
+from tests.host import smollm2_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,10 +21,7 @@ def qwen3():
 
 @pytest.fixture(scope="module")
 def smollm2_template():
-    try:
-        path = assets.smollm2_gguf_path()
-    except assets.AssetError as e:
-        pytest.skip(str(e))
+    path = smollm2_gguf()  # skipped with the install command when absent
     from pmd_jax.models import gguf_io
 
     reader = gguf_io.open_gguf(path)

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from pmd_jax.models import assets, gguf_io, hf_io
+from pmd_jax.models import gguf_io, hf_io
 from pmd_jax.models.config import from_hf_config
+from tests.host import smollm2_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -16,10 +17,7 @@ regex = pytest.importorskip("regex")
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    try:
-        return assets.smollm2_gguf_path()
-    except assets.AssetError as e:
-        pytest.skip(str(e))
+    return smollm2_gguf()  # skipped with the install command when absent
 
 
 @pytest.fixture(scope="module")

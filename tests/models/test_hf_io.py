@@ -12,6 +12,7 @@ from pmd_jax.models import hf_io  # noqa: E402
 from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config  # noqa: E402
 from pmd_jax.models.decoder import param_shapes  # noqa: E402
 from pmd_jax.sharding import ShardingRules, make_mesh  # noqa: E402
+from tests.host import need_devices  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,7 +142,7 @@ def test_layout_matches_hf_projections(case, tmp_path):
 
 @pytest.mark.parametrize("save_dtype", ["bfloat16", "float16", "float32"])
 def test_sharded_load_reads_only_each_devices_slice(save_dtype, tmp_path, monkeypatch):
-    assert jax.device_count() == 8
+    devices = need_devices(8)
     cfg = tiny("qwen3", num_heads=4, num_kv_heads=2, vocab_size=256)
     params = random_params(cfg, seed=3)
     hf_io.save_hf_checkpoint(params, cfg, tmp_path, dtype=save_dtype, max_shard_bytes=100_000)
@@ -158,7 +159,7 @@ def test_sharded_load_reads_only_each_devices_slice(save_dtype, tmp_path, monkey
         return out
 
     monkeypatch.setattr(hf_io, "read_slice", spy)
-    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices=devices)
     rules = ShardingRules.from_mapping(None)
     _, sharded = hf_io.load_hf_checkpoint(tmp_path, mesh=mesh, rules=rules, dtype="float32")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
@@ -240,7 +241,7 @@ def test_unshardable_mesh_names_the_tensor(tmp_path):
     cfg = tiny("llama", num_kv_heads=1, num_heads=3, head_dim=16, hidden_size=48)
     params = random_params(cfg)
     hf_io.save_hf_checkpoint(params, cfg, tmp_path, dtype="float32")
-    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices=need_devices(8))
     with pytest.raises(ValueError, match="layers.*q|heads"):
         hf_io.load_hf_checkpoint(tmp_path, mesh=mesh)
 
@@ -277,7 +278,7 @@ def test_sharded_load_olmo3_full_qk_norm(tmp_path):
     cfg = CASES["olmo3"]
     params = random_params(cfg, seed=5)
     hf_io.save_hf_checkpoint(params, cfg, tmp_path, dtype="bfloat16")
-    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=need_devices(8))
     _, sharded = hf_io.load_hf_checkpoint(tmp_path, mesh=mesh, dtype="bfloat16")
     want = jax.tree.map(lambda p: np.asarray(p.astype(jax.numpy.bfloat16)), params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, want)

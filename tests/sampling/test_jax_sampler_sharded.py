@@ -12,12 +12,9 @@ from pmd_jax.models import decoder  # noqa: E402
 from pmd_jax.models.config import ModelConfig  # noqa: E402
 from pmd_jax.sampling.base import SamplingParams  # noqa: E402
 from pmd_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
+from tests.host import need_devices  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8,
-    reason="needs 8 devices: jax was initialised before XLA_FLAGS could be set "
-    "(run this file alone or set XLA_FLAGS=--xla_force_host_platform_device_count=8)",
-)
+pytestmark = pytest.mark.devices(8)  # every mesh below has 8 devices (tests/host.py)
 
 CFG = ModelConfig(
     family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -42,7 +39,7 @@ def reference():
 @pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 8}])
 def test_sharded_equals_unsharded(reference, shape):
     params, ref = reference
-    mesh = sh.make_mesh(shape)
+    mesh = sh.make_mesh(shape, devices=need_devices(8))
     rules = sh.ShardingRules.from_mapping()
     s = JaxSampler(CFG, params, mesh=mesh, rules=rules, max_len=128)
     # params really are laid out per the rules
@@ -64,7 +61,7 @@ def test_sharded_equals_unsharded(reference, shape):
 @pytest.mark.parametrize("unstack", [False, True])
 def test_set_params_with_sharded_arrays_does_not_copy(reference, unstack):
     params, ref = reference
-    mesh = sh.make_mesh({"fsdp": 8})
+    mesh = sh.make_mesh({"fsdp": 8}, devices=need_devices(8))
     rules = sh.ShardingRules.from_mapping()
     placed = sh.shard_tree(params, mesh, rules, decoder.param_axes(CFG))
     s = JaxSampler(CFG, placed, mesh=mesh, rules=rules, max_len=128, unstack_layers=unstack)

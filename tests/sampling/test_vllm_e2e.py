@@ -88,9 +88,11 @@ def perturb_params(params):
 
 @pytest.fixture(scope="module")
 def hf_dir() -> Path:
-    gguf_io = pytest.importorskip("pmd_jax.models.gguf_io")
+    pytest.importorskip("pmd_jax.models.gguf_io")
+    from tests.host import smollm2_hf_dir
+
     try:
-        return Path(gguf_io.smollm2_hf_dir())
+        return Path(smollm2_hf_dir())  # skipped with the install command when absent
     except (FileNotFoundError, ModuleNotFoundError) as e:
         pytest.skip(f"embedded SmolLM2 not available: {e}")
 

@@ -253,9 +253,11 @@ def test_trainer_run_labels_in_sample_eval(tmp_path):
     """The real entry point, a tiny random model, evaluated at step 0 on SciQ's "all" split
     (no training step): metrics, results files and the log say in-sample. (~1-2 min; the
     fast test above checks the same labels on evaluation.evaluate.)"""
+    from tests.host import smollm2_gguf
     from tests.tiny_runs import TINY, cache_flags
     from tests.tiny_runs import env as _env
 
+    smollm2_gguf()  # the run reads SmolLM2's tokenizer: skipped with the install command
     flags = [f for f in TINY if not f.startswith(("--config.train.steps=",
                                                   "--config.train.eval_at_start=",
                                                   "--config.train.eval_every="))]
