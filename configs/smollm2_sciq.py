@@ -1,4 +1,5 @@
-"""Embedded default: SmolLM2-135M-Instruct on SciQ, PMD, in-process JAX sampler, CPU.
+"""Embedded default: SmolLM2-135M-Instruct on SciQ, PMD with the check before use, in-process
+JAX sampler, CPU.
 
 The 135M model cannot follow the SciKnowEval reasoning format (it almost never closes an
 answer tag) and cannot map an option to its letter. So this config uses the "direct_text"
@@ -19,7 +20,11 @@ from pmd_jax.memory.config import small_model_memory_calls
 def get_config():
     c = base_config()
     c.name = "smollm2_sciq"
-    c.mode = "pmd"
+    # PMD with the check before use (issue 35, README "Memory that earns its place"): at 135M
+    # no reflected item passed it on the grid, and this mode then trains exactly as SDPO does
+    # (plus remembered successes); plain "pmd" lets every item supervise and falls below the
+    # starting accuracy (docs/results/grid_sciq, grid_sciq_verified).
+    c.mode = "pmd_verified"
     c.run_dir = "runs/smollm2_sciq"
     c.model.source = "smollm2"
     c.task.name = "sciq"
