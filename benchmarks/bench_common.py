@@ -122,7 +122,7 @@ def load_into_torch(model, params, mc) -> None:
 
 
 def torch_device(device: str) -> str:
-    return "cuda" if device == "gpu" else "cpu"
+    return {"gpu": "cuda", "meta": "meta"}.get(device, "cpu")
 
 
 # ------------------------------------------------------------------------------ processes

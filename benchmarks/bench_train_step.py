@@ -87,6 +87,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="square GEMM size of the peak (0: 2048 on CPU, 8192 on GPU)")
     p.add_argument("--gemm-shapes", action="store_true",
                    help="also time jnp.dot vs torch.matmul on the step's matmul shapes")
+    p.add_argument("--attention-probe", action="store_true",
+                   help="also time one layer's attention forward+backward at the student's "
+                        "shape in each implementation (cuDNN with and without the padding "
+                        "mask on GPU, its xla twin on CPU, dense, chunked)")
     p.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for our child")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per side")
     p.add_argument("--child", choices=("jax", "torch"), help=argparse.SUPPRESS)
@@ -152,6 +156,46 @@ def _gemms(args, cfg, rate) -> dict:
 
 
 # ------------------------------------------------------------------------------ jax
+def attention_probe(cfg, args) -> dict[str, float | str]:
+    """ms per forward+backward of one layer's attention (B, student T, the model's heads) in
+    each implementation; a variant that fails gives its error instead."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pmd_jax.models import attention as attn
+    from pmd_jax.models import attention_fused as fused
+
+    B, T, hd = args.batch, args.student_len, cfg.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    dt = jnp.dtype(cfg.dtype)
+    q = jax.random.normal(ks[0], (B, T, cfg.num_heads, hd), jnp.float32).astype(dt)
+    k, v = (jax.random.normal(kk, (B, cfg.num_kv_heads, T, hd), jnp.float32).astype(dt)
+            for kk in ks[1:])
+    km = jnp.ones((B, T), jnp.bool_)
+    i = jnp.arange(T)
+    lib = "cudnn" if args.device == "gpu" else "xla"
+    variants = {
+        f"{lib} + padding mask (as the step)": functools.partial(
+            fused.dpa_attention, key_mask=km, implementation=lib),
+        f"{lib} causal only": functools.partial(fused.dpa_attention, implementation=lib),
+        "dense": functools.partial(attn.dense_attention,
+                                   mask=jnp.broadcast_to(i[None, :] <= i[:, None], (B, T, T))),
+        "chunked": functools.partial(attn.chunked_attention, key_mask=km,
+                                     q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk),
+    }
+    out: dict[str, float | str] = {}
+    for name, fn in variants.items():
+        g = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                             argnums=(0, 1, 2)))
+        try:
+            out[name] = 1e3 * bc.best_time(lambda g=g: jax.block_until_ready(g(q, k, v)), 5)
+        except Exception as e:  # noqa: BLE001  (reported, the benchmark goes on)
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return out
+
+
 def child_jax(args) -> dict:
     import jax
 
@@ -169,6 +213,8 @@ def child_jax(args) -> dict:
         side: attend.choose(cfg, impl, T=t, S=t, has_cache=False, key_padding=True,
                             segments=False, shared_prefix=False).__dict__
         for side, t in (("student", args.student_len), ("teacher", args.teacher_len))}
+    if args.attention_probe:
+        res["attention_probe_ms"] = attention_probe(cfg, args)
     params = bc.init_params(cfg)
     data = make_data(args, cfg.vocab_size)
     c = default_distill_config()
@@ -351,6 +397,10 @@ def main() -> None:
             if side == "jax":
                 for s, c in r["attention"].items():
                     print(f"  attention ({s}): {c['impl']} ({c['reason']})")
+                for name, ms in r.get("attention_probe_ms", {}).items():
+                    val = f"{ms:.2f} ms" if isinstance(ms, float) else ms
+                    print(f"  attention probe, one layer fwd+bwd at B={args.batch} "
+                          f"T={args.student_len}: {name}: {val}")
     if not res:
         return
     peak = max(r["gemm_peak_tflops"] for r in res.values())
