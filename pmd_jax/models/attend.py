@@ -126,13 +126,15 @@ def _fused_attend_fn(impl: str, T: int, key_mask: jnp.ndarray | None,
                      segment_ids: jnp.ndarray | None, shared_prefix: bool,
                      windows: np.ndarray | None, shard_ctx: Any) -> Callable:
     all_windows = [BIG_WINDOW] if windows is None else [int(w) for w in windows]
+    # one [B, 1, T, S] mask per forward, shared by the layers (a constant of the layer scan)
+    vis = None if impl == "splash" else fused.visibility_mask(key_mask, segment_ids,
+                                                              shared_prefix)
 
     def make(w: int | None) -> fused.Attend:
         if impl == "splash":
             return _splash_attend(T, key_mask, segment_ids, w, shard_ctx)
-        return functools.partial(
-            fused.dpa_attention, key_mask=key_mask, window=w, segment_ids=segment_ids,
-            shared_prefix=shared_prefix, implementation="xla" if impl == "cudnn_xla" else impl)
+        return functools.partial(fused.dpa_attention, window=w, mask=vis,
+                                 implementation="xla" if impl == "cudnn_xla" else impl)
 
     def attend_fn(window: Any) -> fused.Attend:
         return fused.per_layer_window(window, all_windows, T, BIG_WINDOW, make)

@@ -54,16 +54,20 @@ def visibility_mask(key_mask: jnp.ndarray | None, segment_ids: jnp.ndarray | Non
 def dpa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, *,
                   key_mask: jnp.ndarray | None = None, window: int | None = None,
                   segment_ids: jnp.ndarray | None = None, shared_prefix: bool = False,
-                  implementation: str = "cudnn") -> jnp.ndarray:
+                  implementation: str = "cudnn", mask: jnp.ndarray | None = None
+                  ) -> jnp.ndarray:
     """``jax.nn.dot_product_attention`` (``implementation`` "cudnn" or "xla") with the
     decoder's masks: ``is_causal``, ``local_window_size=(window - 1, 0)``, and key padding /
     segments as a boolean mask (cuDNN receives it as an additive bias). ``key_mask=None``: all
-    keys real (no mask at all when there are no segments either)."""
+    keys real (no mask at all when there are no segments either). ``mask``: the
+    :func:`visibility_mask` computed once by the caller (the decoder: once per forward, not
+    per layer); ``key_mask``, ``segment_ids`` and ``shared_prefix`` are then not read."""
     B, T, H, hd = q.shape
     if k.shape[2] != T:
         raise ValueError(f"dpa_attention runs cache-free passes (T == S), got q {q.shape}, "
                          f"k {k.shape}")
-    mask = visibility_mask(key_mask, segment_ids, shared_prefix)
+    if mask is None:
+        mask = visibility_mask(key_mask, segment_ids, shared_prefix)
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
     out = jax.nn.dot_product_attention(
         q, kt, vt, mask=mask, is_causal=True,

@@ -170,3 +170,15 @@ def test_plan_lines_for_the_start_up_log():
     assert len(lines) == 2
     assert "train step at 2048 slots: chunked" in lines[0]
     assert "sampler (KV cache)" in lines[1]
+
+
+def test_start_up_log_from_the_run_config(caplog):
+    from pmd_jax.build import log_attention_plan
+    from pmd_jax.config import base_config
+
+    c = base_config()
+    c.rollout.max_prompt_tokens, c.rollout.max_tokens = 256, 768
+    with caplog.at_level(logging.INFO, logger="pmd_jax"):
+        log_attention_plan(c, CFG)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "train step at 1024 slots: dense" in lines[0], lines
