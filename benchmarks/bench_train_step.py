@@ -1,97 +1,109 @@
-"""Our jitted distillation step vs the same step in torch + HF transformers, on CPU.
+"""Our jitted distillation step vs the same step in torch + HF transformers, on one CPU or GPU.
 
-Both sides do, on SmolLM2-135M (preset ``smollm2-135m``, random init, fp32 or, with
-``--dtype bfloat16``, bf16 compute over fp32 master weights and optimizer state):
+Both sides do, on a Llama-shaped model with random weights (``--model``: SmolLM2-135M,
+Llama-3-8B, tiny-llama; ``--layers N`` cuts it to N layers), fp32 master weights and AdamW
+state, compute in ``--dtype`` (bfloat16: our activations and weight matmuls in bf16, i.e.
+ModelConfig.dtype and distill precision.param_dtype; torch under ``torch.autocast`` bf16):
 student forward + backward on student prompt + response (length ``--student-len``), teacher
 (EMA copy) forward without gradient on teacher prompt + the same response
 (``--teacher-len``), the same loss on the response tokens (generalized JSD alpha=0.5 over
 the student's top-100 + tail bucket, or full-vocabulary reverse KL: ``--loss``), token-mean,
 global-norm clip 1.0, AdamW (lr 1e-5, wd 0.01), and the EMA teacher update. The torch side
 computes logits only on the response positions too (hidden states of the base model gathered,
-then ``lm_head``), so neither side pays for prompt logits.
+then ``lm_head``), so neither side pays for prompt logits. Both get an all-ones attention mask,
+as a trainer would pass (HF drops an all-ones mask; ours runs the mask it is given).
 
-The same run measures this CPU's GEMM peak in the compute dtype (numpy (fp32 only), torch
-and XLA matmul of large square matrices, best of them) and prints each side's achieved model
-GFLOP/s as a fraction of it. Model FLOPs per step (:func:`model_flops`; remat recompute not
-counted): per token of each sequence ``2 * N_body`` (N_body = the decoder's matmul weights
-without the LM head, 106M here) plus causal attention ``2 * q_size * T`` per layer, plus ``2
-* V * D`` for the LM head on the R response positions only (neither side projects the prompt
-positions); the student (forward + backward) counts 3x, the teacher (forward only) 1x.
+Each side runs in its own process (``python bench_train_step.py --child jax|torch ...``,
+one after the other; see ``benchmarks/bench_common.py``): JAX keeps the GPU memory it took
+until its process ends. Each child also measures its framework's GEMM peak on the device in
+the compute dtype (a large square ``jnp.dot`` / ``torch.matmul``; ``--gemm-n``); the parent
+takes the larger as the peak and prints, per side: s/step (median of ``--steps`` after a
+warm-up step), model TFLOP/s and its fraction of that peak, peak memory (GPU: the device
+allocator's peak; CPU: peak RSS), and the ratio.
 
-It also times ``jnp.dot`` against ``torch.matmul`` on the step's matmul shapes (``--gemm-shapes``),
-which bounds what XLA:CPU can reach against MKL/oneDNN on this machine.
+Model FLOPs per step (:func:`model_flops`; remat recompute not counted): per token of each
+sequence ``2 * N_body`` (the decoder's matmul weights without the LM head) plus causal
+attention ``2 * q_size * T`` per layer (QK^T and PV over the causal half of the T x T
+scores), plus ``2 * V * D`` for the LM head on the R response positions only; the student
+(forward + backward) counts 3x, the teacher (forward only) 1x.
 
-Each side runs in its own child process (``spawn``), one after the other, so the first one's
-memory is released before the second starts and an out-of-memory kill of either is caught
-and reported (with the peak resident memory of each side) instead of ending the script.
+    python benchmarks/bench_train_step.py                       # CPU, SmolLM2-135M, B=16
+    python benchmarks/bench_train_step.py --batch 4 --steps 2   # a quick CPU figure
+    python benchmarks/bench_train_step.py --device gpu --model llama3-8b --layers 8 \\
+        --batch 16 --student-len 1024 --teacher-len 1536 --response-len 512 \\
+        --dtype bfloat16 --steps 5                               # the GPU figure (README)
 
-    python benchmarks/bench_train_step.py                       # B=16, Ts=256, Tt=384
-    python benchmarks/bench_train_step.py --batch 4 --steps 2   # a quick figure
-
-Defaults (chosen for B=16 at 135M on a 24 GiB CPU host): ``--remat dots_no_batch`` (keeps
-every weight matmul's output, recomputes only attention and elementwise ops: ~4% extra
-FLOPs) and no loss-chunk remat (the 49k-vocabulary logits of 192 response tokens fit).
-XLA's own memory analysis of the compiled step at B=16 (temporaries + 2 GiB of state):
-remat none 12.5 + 2 GiB (too close to this host's free memory next to other jobs),
-dots_no_batch 4.6 + 2 GiB, full 2.0 + 2 GiB (+33% FLOPs). The update is the fused
-clip + AdamW + EMA pass of :mod:`pmd_jax.distill.optim`.
-
-Threads: torch uses ``--threads`` (default 2) intra-op threads; XLA's CPU backend uses all
-cores of the machine. The 1-minute load average is printed with each figure (shared hosts).
+``--gemm-shapes`` also times ``jnp.dot`` against ``torch.matmul`` on the step's matmul
+shapes. Threads (CPU): torch uses ``--threads`` intra-op threads; XLA's CPU backend uses all
+cores. The 1-minute load average is printed with each figure (shared hosts).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import copy
 import os
-import resource
+import sys
 import time
 import traceback
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_common as bc  # noqa: E402
 
-def parse() -> argparse.Namespace:
+
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--model", choices=bc.MODELS, default="smollm2-135m")
+    p.add_argument("--layers", type=int, default=0, help="cut the model to N layers (0: all)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--student-len", type=int, default=256)
     p.add_argument("--teacher-len", type=int, default=384)
     p.add_argument("--response-len", type=int, default=192)
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (after warm-up)")
     p.add_argument("--loss", choices=("jsd_top100", "rkl_full"), default="jsd_top100")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"),
-                   default="dots_no_batch",
-                   help="decoder remat policy (none: no recompute, but B=16 Ts=256 Tt=384 "
-                        "then needs 12.5 GiB of XLA temporaries vs 4.6 GiB)")
+                   default="dots_no_batch", help="our decoder's remat policy")
     p.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan",
                    help="distill.precision.layer_loop")
     p.add_argument("--attention", default="auto",
-                   help="model.attention_impl[:chunk], e.g. chunked:64 (auto: dense at these "
-                        "lengths)")
+                   help="model.attention_impl[:chunk], e.g. chunked:64, cudnn (auto: by "
+                        "backend, see pmd_jax/models/attention_select.py)")
     p.add_argument("--chunk", type=int, default=96, help="response tokens per loss chunk")
     p.add_argument("--chunk-remat", action="store_true",
-                   help="recompute each loss chunk's logits in the backward pass (the "
-                        "trainer default; off here: the 135M vocabulary's logits fit)")
+                   help="recompute each loss chunk's logits in the backward pass")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype of both sides: bfloat16 = our "
-                        "precision.param_dtype=bfloat16 (fp32 master weights and AdamW "
-                        "state) vs torch.autocast('cpu', bfloat16) (fp32 weights and AdamW); "
-                        "the peak is then the bf16 GEMM peak")
+                   help="compute dtype of both sides (fp32 master weights and AdamW state)")
     p.add_argument("--matmul-dtype", choices=("", "bfloat16"), default="",
-                   help="our distill.precision.matmul_dtype: bfloat16 = bf16 operands, fp32 "
-                        "accumulation and result for the weight matmuls only (activations, "
-                        "norms, attention, loss in --dtype); the torch side is unchanged")
+                   help="our distill.precision.matmul_dtype (bf16 operands, fp32 results) ")
     p.add_argument("--torch-autocast", action="store_true",
-                   help="run the torch side under torch.autocast('cpu', bfloat16) (its bf16 "
-                        "mixed precision: the like-for-like peer of --matmul-dtype bfloat16)")
+                   help="torch under autocast bf16 even with --dtype float32")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--skip-jax", action="store_true")
-    p.add_argument("--gemm-n", type=int, default=2048)
-    p.add_argument("--no-gemm-shapes", dest="gemm_shapes", action="store_false",
-                   help="skip the jnp.dot vs torch.matmul comparison on the step's shapes")
-    return p.parse_args()
+    p.add_argument("--gemm-n", type=int, default=0,
+                   help="square GEMM size of the peak (0: 2048 on CPU, 8192 on GPU)")
+    p.add_argument("--gemm-shapes", action="store_true",
+                   help="also time jnp.dot vs torch.matmul on the step's matmul shapes")
+    p.add_argument("--attention-probe", action="store_true",
+                   help="also time one layer's attention forward+backward at the student's "
+                        "shape in each implementation (cuDNN with and without the padding "
+                        "mask on GPU, its xla twin on CPU, dense, chunked)")
+    p.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for our child")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per side")
+    p.add_argument("--child", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.gemm_n:
+        args.gemm_n = 8192 if args.device == "gpu" else 2048
+    return args
+
+
+def peak_dtype(args) -> str:
+    """bf16 matmuls on either side: the bf16 GEMM peak is the ceiling."""
+    return ("bfloat16" if args.dtype == "bfloat16" or args.matmul_dtype
+            or args.torch_autocast else "float32")
 
 
 # ------------------------------------------------------------------------------ data
@@ -123,53 +135,6 @@ def model_flops(cfg, args) -> float:
     return b * (3.0 * fwd(ts) + fwd(tt))
 
 
-def load() -> str:
-    return "load avg {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far (fresh pages the allocator maps and the
-    kernel zero-fills: a per-step cost when big buffers are freed and re-mapped)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-# ------------------------------------------------------------------------------ peak
-def _gemm_rates(m: int, k: int, n: int, threads: int, reps: int = 3,
-                dtype: str = "float32") -> dict[str, float]:
-    """GFLOP/s of an [m, k] x [k, n] matmul: numpy (fp32 only), torch.matmul, jitted jnp.dot
-    (bfloat16: bf16 inputs; XLA accumulates in fp32, torch as oneDNN does)."""
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    torch.set_num_threads(threads)
-    a = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
-    bm = np.random.default_rng(1).standard_normal((k, n), dtype=np.float32)
-    tdt = getattr(torch, dtype)
-    ta, tb = torch.from_numpy(a).to(tdt), torch.from_numpy(bm).to(tdt)
-    ja, jb = jnp.asarray(a, dtype), jnp.asarray(bm, dtype)
-    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    fns = {
-        "torch": lambda: torch.matmul(ta, tb),
-        "xla": lambda: mm(ja, jb).block_until_ready(),
-    }
-    if dtype == "float32":
-        fns["numpy"] = lambda: a @ bm
-    out = {}
-    for name, fn in fns.items():
-        fn()
-        out[name] = 2.0 * m * k * n / min(_timeit(fn) for _ in range(reps)) / 1e9
-    return out
-
-
-def gemm_peak(n: int, threads: int, dtype: str = "float32") -> dict[str, float]:
-    return _gemm_rates(n, n, n, threads, dtype=dtype)
-
-
 def step_gemm_shapes(cfg, args) -> list[tuple[str, tuple[int, int, int]]]:
     """The step's matmuls (forward orientation) at the student's token count."""
     m = args.batch * args.student_len
@@ -183,32 +148,75 @@ def step_gemm_shapes(cfg, args) -> list[tuple[str, tuple[int, int, int]]]:
     ]
 
 
-def _timeit(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def _gemms(args, cfg, rate) -> dict:
+    out = {"gemm_peak_tflops": rate(args.gemm_n, args.gemm_n, args.gemm_n)}
+    if args.gemm_shapes:
+        out["gemm_shapes"] = {name: rate(*mkn) for name, mkn in step_gemm_shapes(cfg, args)}
+    return out
 
 
 # ------------------------------------------------------------------------------ jax
-def init_params():
+def attention_probe(cfg, args) -> dict[str, float | str]:
+    """ms per forward+backward of one layer's attention (B, student T, the model's heads) in
+    each implementation; a variant that fails gives its error instead."""
+    import functools
+
     import jax
+    import jax.numpy as jnp
 
-    from pmd_jax.models import decoder
-    from pmd_jax.models.config import preset
+    from pmd_jax.models import attention as attn
+    from pmd_jax.models import attention_fused as fused
 
-    return decoder.init_params(preset("smollm2-135m"), jax.random.PRNGKey(0))
+    B, T, hd = args.batch, args.student_len, cfg.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    dt = jnp.dtype(cfg.dtype)
+    q = jax.random.normal(ks[0], (B, T, cfg.num_heads, hd), jnp.float32).astype(dt)
+    k, v = (jax.random.normal(kk, (B, cfg.num_kv_heads, T, hd), jnp.float32).astype(dt)
+            for kk in ks[1:])
+    km = jnp.ones((B, T), jnp.bool_)
+    i = jnp.arange(T)
+    lib = "cudnn" if args.device == "gpu" else "xla"
+    variants = {
+        f"{lib} + padding mask (as the step)": functools.partial(
+            fused.dpa_attention, key_mask=km, implementation=lib),
+        f"{lib} causal only": functools.partial(fused.dpa_attention, implementation=lib),
+        "dense": functools.partial(attn.dense_attention,
+                                   mask=jnp.broadcast_to(i[None, :] <= i[:, None], (B, T, T))),
+        "chunked": functools.partial(attn.chunked_attention, key_mask=km,
+                                     q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk),
+    }
+    out: dict[str, float | str] = {}
+    for name, fn in variants.items():
+        g = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                             argnums=(0, 1, 2)))
+        try:
+            out[name] = 1e3 * bc.best_time(lambda g=g: jax.block_until_ready(g(q, k, v)), 5)
+        except Exception as e:  # noqa: BLE001  (reported, the benchmark goes on)
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return out
 
 
-def bench_jax(args, data, params) -> tuple[float, float]:
+def child_jax(args) -> dict:
     import jax
 
     from pmd_jax.distill import step as st
     from pmd_jax.distill.config import default_distill_config
-    from pmd_jax.models.config import preset
+    from pmd_jax.models import attend
 
-    cfg = preset("smollm2-135m")
+    cfg = bc.model_config(args.model, args.layers, args.dtype)
     impl, _, blk = args.attention.partition(":")
     cfg = cfg.replace(attention_impl=impl, **({"attention_chunk": int(blk)} if blk else {}))
+    res = _gemms(args, cfg, lambda m, k, n: bc.jax_matmul_tflops(m, k, n, peak_dtype(args)))
+    bc.log(f"jax: {bc.device_name('jax', args.device)}; GEMM peak "
+           f"{res['gemm_peak_tflops']:.3g} TFLOP/s ({peak_dtype(args)})")
+    res["attention"] = {
+        side: attend.choose(cfg, impl, T=t, S=t, has_cache=False, key_padding=True,
+                            segments=False, shared_prefix=False).__dict__
+        for side, t in (("student", args.student_len), ("teacher", args.teacher_len))}
+    if args.attention_probe:
+        res["attention_probe_ms"] = attention_probe(cfg, args)
+    params = bc.init_params(cfg)
+    data = make_data(args, cfg.vocab_size)
     c = default_distill_config()
     c.teacher.rule = "ema"
     c.optim.warmup_steps = 0
@@ -235,89 +243,59 @@ def bench_jax(args, data, params) -> tuple[float, float]:
     batch["sd_mask"] = np.ones((b,), np.float32)
     batch = {k: jax.device_put(v) for k, v in batch.items()}
     state = ts.init(params, 0)
+    del params
     t0 = time.perf_counter()
     state, m = ts.step(state, batch)
     jax.block_until_ready(m)
-    first = time.perf_counter() - t0
-    first_loss = float(m["loss"])
+    res["first_step_s"] = time.perf_counter() - t0
+    res["first_loss"] = float(m["loss"])
     times = []
-    f0 = minor_faults()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         state, m = ts.step(state, batch)
         jax.block_until_ready((state.params, m))
         times.append(time.perf_counter() - t0)
-    faults = (minor_faults() - f0) / max(args.steps, 1)
-    print(f"  jax: compile+first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB, "
-          f"{faults / 1e6:.2f}M minor page faults/step)", flush=True)
-    return float(np.median(times)), first_loss
+    res["steps_s"] = times
+    res["peak_mem_gib"], res["mem_what"] = bc.jax_peak_memory()
+    res["device"] = bc.device_name("jax", args.device)
+    return res
 
 
 # ------------------------------------------------------------------------------ torch
-def load_into_torch(model, params, mc) -> None:
-    """Copy our param pytree (``decoder`` layout) into a HF LlamaForCausalLM."""
+def child_torch(args) -> dict:
+    import jax
     import torch
 
-    d, h, kv, hd = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
-
-    def t(x):
-        return torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
-
-    lp = params["layers"]
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(t(params["embed"]))
-        model.model.norm.weight.copy_(t(params["final_norm"]))
-        for i, layer in enumerate(model.model.layers):
-            a = layer.self_attn
-            a.q_proj.weight.copy_(t(np.asarray(lp["q"][i]).reshape(d, h * hd).T))
-            a.k_proj.weight.copy_(t(np.asarray(lp["k"][i]).reshape(d, kv * hd).T))
-            a.v_proj.weight.copy_(t(np.asarray(lp["v"][i]).reshape(d, kv * hd).T))
-            a.o_proj.weight.copy_(t(np.asarray(lp["o"][i]).reshape(h * hd, d).T))
-            layer.mlp.gate_proj.weight.copy_(t(np.asarray(lp["gate"][i]).T))
-            layer.mlp.up_proj.weight.copy_(t(np.asarray(lp["up"][i]).T))
-            layer.mlp.down_proj.weight.copy_(t(np.asarray(lp["down"][i]).T))
-            layer.input_layernorm.weight.copy_(t(lp["attn_norm"][i]))
-            layer.post_attention_layernorm.weight.copy_(t(lp["mlp_norm"][i]))
-
-
-def bench_torch(args, data, params) -> tuple[float, float]:
-    import copy
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pmd_jax.models.config import preset
-
+    dev = bc.torch_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    mc = preset("smollm2-135m")
-    hf = LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, tie_word_embeddings=True,
-        rope_theta=mc.rope_for("full_attention").theta, max_position_embeddings=8192,
-        attn_implementation="sdpa",
-    )
-    student = LlamaForCausalLM(hf).float()
-    load_into_torch(student, params, mc)
+    cfg = bc.model_config(args.model, args.layers, args.dtype)
+    res = _gemms(args, cfg, lambda m, k, n: bc.torch_matmul_tflops(
+        m, k, n, peak_dtype(args), args.device))
+    bc.log(f"torch: {bc.device_name('torch', args.device)}; GEMM peak "
+           f"{res['gemm_peak_tflops']:.3g} TFLOP/s ({peak_dtype(args)})")
+    params = jax.tree.map(np.asarray, bc.init_params(cfg))  # JAX on the CPU (child_env)
+    data = make_data(args, cfg.vocab_size)
+    student = bc.hf_llama(cfg, args.device)
+    bc.load_into_torch(student, params, cfg)
+    del params
     student.train()
     teacher = copy.deepcopy(student).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.01)
-    s_tok = torch.from_numpy(data["student_tokens"].astype(np.int64))
-    t_tok = torch.from_numpy(data["teacher_tokens"].astype(np.int64))
-    resp = torch.from_numpy(data["responses"].astype(np.int64))
-    s_idx = torch.from_numpy(data["student_index"].astype(np.int64))
-    t_idx = torch.from_numpy(data["teacher_index"].astype(np.int64))
-    mask = torch.ones(resp.shape, dtype=torch.float32)
+
+    def tens(name):
+        return torch.from_numpy(data[name].astype(np.int64)).to(dev)
+
+    s_tok, t_tok, resp = tens("student_tokens"), tens("teacher_tokens"), tens("responses")
+    s_idx, t_idx = tens("student_index"), tens("teacher_index")
+    mask = torch.ones(resp.shape, dtype=torch.float32, device=dev)
     alpha = 0.5 if args.loss == "jsd_top100" else 1.0
 
     def resp_logits(model, tok, idx):
-        h = model.model(input_ids=tok).last_hidden_state
+        h = model.model(input_ids=tok, attention_mask=torch.ones_like(tok)).last_hidden_state
         h = torch.gather(h, 1, idx[..., None].expand(-1, -1, h.shape[-1]))
         return model.lm_head(h).float()
 
@@ -341,7 +319,12 @@ def bench_torch(args, data, params) -> tuple[float, float]:
 
     def autocast():
         on = args.dtype == "bfloat16" or args.torch_autocast
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+        return torch.autocast("cuda" if dev == "cuda" else "cpu", dtype=torch.bfloat16,
+                              enabled=on)
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
 
     def step():
         with torch.no_grad(), autocast():
@@ -356,116 +339,94 @@ def bench_torch(args, data, params) -> tuple[float, float]:
         with torch.no_grad():
             for pt, ps in zip(teacher.parameters(), student.parameters()):
                 pt.lerp_(ps, 0.05)
-        return float(loss.detach())
+        return loss.detach()
 
     t0 = time.perf_counter()
-    first_loss = step()
-    first = time.perf_counter() - t0
+    res["first_loss"] = float(step())
+    sync()
+    res["first_step_s"] = time.perf_counter() - t0
     times = []
-    f0 = minor_faults()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
-    faults = (minor_faults() - f0) / max(args.steps, 1)
-    print(f"  torch: first step {first:.1f}s, first-step loss {first_loss:.6f}, "
-          f"steps {[round(x, 2) for x in times]} ({load()}, peak RSS {peak_rss_gib():.1f} GiB, "
-          f"{faults / 1e6:.2f}M minor page faults/step)", flush=True)
-    return float(np.median(times)), first_loss
+    res["steps_s"] = times
+    res["peak_mem_gib"], res["mem_what"] = bc.torch_peak_memory(args.device)
+    res["device"] = bc.device_name("torch", args.device)
+    return res
 
 
-def _child(side: str, args: argparse.Namespace, q) -> None:
+def child_main(args) -> None:
     try:
-        from pmd_jax.models.config import preset
-
-        data = make_data(args, preset("smollm2-135m").vocab_size)
-        params = init_params()
-        fn = bench_jax if side == "jax" else bench_torch
-        if side == "torch":
-            import jax
-
-            params = jax.tree.map(np.asarray, params)  # host copies for the torch model
-        t, loss = fn(args, data, params)
-        q.put(("ok", t, loss, peak_rss_gib(), load()))
+        res = (child_jax if args.child == "jax" else child_torch)(args)
+        res["load"] = bc.load()
+        bc.emit(res)
     except BaseException as e:  # noqa: BLE001  (reported by the parent)
-        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        bc.emit({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
 
 
-def run_side(side: str, args: argparse.Namespace) -> tuple[float, float, float, str] | None:
-    """Run one side in a spawned child; None (and a printed reason) if it failed or was
-    killed (e.g. by the kernel's OOM killer)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(side, args, q))
-    proc.start()
-    res = None
-    while proc.is_alive() or not q.empty():
-        try:
-            res = q.get(timeout=5)
-            break
-        except Exception:  # noqa: BLE001  (queue.Empty: keep waiting while the child lives)
-            continue
-    proc.join()
-    if res is None:
-        sig = -proc.exitcode if proc.exitcode and proc.exitcode < 0 else None
-        why = f"killed by signal {sig}" + (" (SIGKILL: most likely the OOM killer)"
-                                            if sig == 9 else "") if sig else \
-            f"exit code {proc.exitcode}"
-        print(f"{side}: FAILED, {why}; {load()}", flush=True)
-        return None
-    if res[0] == "error":
-        print(f"{side}: FAILED with {res[1]}", flush=True)
-        return None
-    return res[1], res[2], res[3], res[4]
-
-
+# ------------------------------------------------------------------------------ parent
 def main() -> None:
     args = parse()
-    from pmd_jax.models.config import preset
-
-    cfg = preset("smollm2-135m")
+    if args.child:
+        child_main(args)
+        return
+    cfg = bc.model_config(args.model, args.layers, args.dtype)
     flops = model_flops(cfg, args)
-    print(f"SmolLM2-135M train step: B={args.batch} student T={args.student_len} teacher "
-          f"T={args.teacher_len} response R={args.response_len} loss={args.loss} "
-          f"dtype={args.dtype} matmul_dtype={args.matmul_dtype or 'same'} remat={args.remat} "
-          f"layer_loop={args.layer_loop} "
-          f"attention={args.attention} "
-          f"chunk={args.chunk} "
-          f"chunk_remat={args.chunk_remat}; "
-          f"{flops / 1e12:.3f} model TFLOP/step; {os.cpu_count()} CPUs; {load()}", flush=True)
-    # bf16 matmuls on either side: the bf16 GEMM peak is the ceiling (AMX: ~3.5x fp32's)
-    peak_dtype = ("bfloat16" if args.dtype == "bfloat16" or args.matmul_dtype
-                  or args.torch_autocast else "float32")
-    peak = gemm_peak(args.gemm_n, args.threads, peak_dtype)
-    best_peak = max(peak.values())
-    print(f"{peak_dtype} GEMM peak ({args.gemm_n}^3): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in peak.items())
-          + f" GFLOP/s -> peak {best_peak:.1f} GFLOP/s ({load()})", flush=True)
-    if args.gemm_shapes:
-        print("the step's matmul shapes [m, k] x [k, n], GFLOP/s (jnp.dot vs torch.matmul):")
-        for name, (m, k, n) in step_gemm_shapes(cfg, args):
-            r = _gemm_rates(m, k, n, args.threads, dtype=peak_dtype)
-            print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: "
-                  + "  ".join(f"{k_} {v:6.1f}" for k_, v in r.items()), flush=True)
+    print(f"{args.model} ({cfg.num_layers} layers, {cfg.num_params() / 1e9:.2f}B params, "
+          f"random weights) train step on {args.device}: B={args.batch} student "
+          f"T={args.student_len} teacher T={args.teacher_len} response R={args.response_len} "
+          f"loss={args.loss} dtype={args.dtype} matmul_dtype={args.matmul_dtype or 'same'} "
+          f"remat={args.remat} layer_loop={args.layer_loop} attention={args.attention} "
+          f"chunk={args.chunk} chunk_remat={args.chunk_remat}; {flops / 1e12:.3f} model "
+          f"TFLOP/step; {bc.load()}", flush=True)
     res = {}
     for side in ("jax", "torch"):
         if getattr(args, f"skip_{side}"):
             continue
-        r = run_side(side, args)
-        if r is None:
-            continue
-        res[side] = r
-        t, _, rss, ld = r
-        gf = flops / t / 1e9
+        r = bc.run_child(os.path.abspath(__file__), side, sys.argv[1:],
+                         bc.child_env(side, args.device, args.xla_flags), args.timeout)
+        if r is not None:
+            res[side] = r
+            r["s_per_step"] = float(np.median(r["steps_s"]))
+            first = "compile+first step" if side == "jax" else "first step"
+            print(f"{side}: {r['device']}; {first} {r['first_step_s']:.1f} s, "
+                  f"steps {[round(x, 3) for x in r['steps_s']]}, first-step loss "
+                  f"{r['first_loss']:.6f} ({r['load']})", flush=True)
+            if side == "jax":
+                for s, c in r["attention"].items():
+                    print(f"  attention ({s}): {c['impl']} ({c['reason']})")
+                for name, ms in r.get("attention_probe_ms", {}).items():
+                    val = f"{ms:.2f} ms" if isinstance(ms, float) else ms
+                    print(f"  attention probe, one layer fwd+bwd at B={args.batch} "
+                          f"T={args.student_len}: {name}: {val}")
+    if not res:
+        return
+    peak = max(r["gemm_peak_tflops"] for r in res.values())
+    who = " / ".join(f"{s} {r['gemm_peak_tflops']:.3g}" for s, r in res.items())
+    print(f"{peak_dtype(args)} GEMM peak ({args.gemm_n}^3, same run, same device): {who} "
+          f"TFLOP/s -> peak {peak:.3g} TFLOP/s")
+    if args.gemm_shapes and len(res) == 2:
+        print("the step's matmul shapes [m, k] x [k, n], TFLOP/s (jnp.dot vs torch.matmul):")
+        for name, (m, k, n) in step_gemm_shapes(cfg, args):
+            print(f"  {name:18s} {m:6d} x {k:5d} x {n:6d}: "
+                  f"xla {res['jax']['gemm_shapes'][name]:8.3g}  "
+                  f"torch {res['torch']['gemm_shapes'][name]:8.3g}")
+    for side, r in res.items():
+        tf = flops / r["s_per_step"] / 1e12
         name = "pmd_jax" if side == "jax" else "torch+HF"
-        print(f"{name}: {t:.2f} s/step, {gf:.1f} GFLOP/s = {gf / best_peak:.0%} of the "
-              f"{best_peak:.1f} GFLOP/s GEMM peak; peak RSS {rss:.1f} GiB ({ld})", flush=True)
-    if "jax" in res and "torch" in res:
-        (t_jax, l_jax, *_), (t_torch, l_torch, *_) = res["jax"], res["torch"]
-        print(f"same weights, same batch: first-step loss pmd_jax {l_jax:.6f} vs torch "
-              f"{l_torch:.6f} (rel. diff {abs(l_jax - l_torch) / max(abs(l_torch), 1e-12):.1e})")
-        print(f"speed-up pmd_jax vs torch: {t_torch / t_jax:.2f}x (aim >= 2x); pmd_jax at "
-              f"{flops / t_jax / 1e9 / best_peak:.0%} of the GEMM peak (aim >= 75%)")
+        print(f"{name}: {r['s_per_step']:.3f} s/step, {tf:.3g} model TFLOP/s = "
+              f"{tf / peak:.0%} of the {peak:.3g} TFLOP/s GEMM peak; peak memory "
+              f"{r['peak_mem_gib']:.1f} GiB ({r['mem_what']})", flush=True)
+    if len(res) == 2:
+        j, t = res["jax"], res["torch"]
+        rel = abs(j["first_loss"] - t["first_loss"]) / max(abs(t["first_loss"]), 1e-12)
+        print(f"same weights, same batch: first-step loss pmd_jax {j['first_loss']:.6f} vs "
+              f"torch {t['first_loss']:.6f} (rel. diff {rel:.1e})")
+        print(f"ratio: pmd_jax is {t['s_per_step'] / j['s_per_step']:.2f}x torch+HF's speed "
+              f"(s/step {j['s_per_step']:.3f} vs {t['s_per_step']:.3f}); peak memory "
+              f"{j['peak_mem_gib']:.1f} vs {t['peak_mem_gib']:.1f} GiB")
 
 
 if __name__ == "__main__":

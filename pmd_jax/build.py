@@ -136,6 +136,17 @@ def attention_options(cfg: Any) -> dict[str, Any]:
             "attention_chunk": int(cfg.model.attention_chunk)}
 
 
+def log_attention_plan(cfg: Any, model_cfg: Any) -> None:
+    """Log once, at start-up, which attention implementation model.attention_impl means on
+    this backend for the train step's rows and for the sampler (models/attention_select.py)."""
+    from pmd_jax.models import attend
+
+    train_len = int(cfg.rollout.max_prompt_tokens) + int(cfg.rollout.max_tokens)
+    packed = str(cfg.train.shared_prefix) != "off"
+    for line in attend.plan_lines(model_cfg, train_len=train_len, shared_prefix=packed):
+        log.info(line)
+
+
 def load_model(cfg: Any) -> ModelBundle:
     from pmd_jax.models import hf_io
     from pmd_jax.models.config import from_hf_config
@@ -161,6 +172,7 @@ def load_model(cfg: Any) -> ModelBundle:
         model_cfg.family, cfg.model.source, model_cfg.num_params() / 1e6, src,
         time.perf_counter() - t0, dict(mesh.shape),
     )
+    log_attention_plan(cfg, model_cfg)
     return ModelBundle(model_cfg, params, tok, mesh, rules)
 
 

@@ -61,9 +61,14 @@ class ModelConfigSection(Section):
     param_dtype: str = knob("float32", "Parameter dtype.")
     chat_template: str = knob("auto", "auto | chatml | qwen3 | olmo3.")
     system_prompt: str = knob("", "Extra system prompt ('' = the task's own).")
-    attention_impl: str = knob("auto", "'auto' | 'dense' | 'chunked': chunked (flash-style) "
-                               "attention never builds [T, S] scores or masks; auto uses it "
-                               "when T * S > 1024^2.")
+    attention_impl: str = knob(
+        "auto", "'auto' | 'dense' | 'chunked' | 'cudnn' | 'cudnn_xla' | 'splash'. chunked "
+        "(flash-style, pure JAX) never builds [T, S] scores or masks; cudnn = "
+        "jax.nn.dot_product_attention on cuDNN (GPU, bf16/fp16), cudnn_xla = the same call on "
+        "XLA (any backend, for tests), splash = the Pallas Splash kernel (TPU). auto: cuDNN on "
+        "GPU, Splash on TPU where they can express the pass (no KV cache, >= 128 queries; "
+        "rules and fallbacks in pmd_jax/models/attention_select.py), otherwise and on CPU "
+        "chunked when T * S > 1024^2, else dense. The choice is logged at start-up.")
     attention_chunk: int = knob(512, "Query/key chunk size of chunked attention.")
 
     @staticmethod

@@ -30,22 +30,22 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pmd_jax.models.attention_select import AUTO_CHUNKED_MIN_SCORES, legacy_rule
 from pmd_jax.models.config import ATTENTION_IMPLS, ConfigError
 
-# "auto" picks chunked when one row's score matrix T x S has more entries than this
-# (1024 x 1024). On XLA:CPU (9 heads, hd 64, chunks of 512) chunked was already faster from
-# T = S = 512 (forward 224 vs 291 ms for 8 rows; forward + backward at 1024: 0.4 vs 0.9 s,
-# at 4096: 3.0 vs 21.6 s), and above this size the dense float32 scores dominate memory.
-AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
+__all__ = ["AUTO_CHUNKED_MIN_SCORES", "chunked_attention", "dense_attention", "resolve_impl"]
 _MIN = float(jnp.finfo(jnp.float32).min)
 
 
 def resolve_impl(impl: str, T: int, S: int) -> str:
-    """The implementation ``impl`` ("auto" | "dense" | "chunked") means for T queries, S keys."""
+    """The implementation ``impl`` means for T queries, S keys on CPU: "auto" is
+    :func:`pmd_jax.models.attention_select.legacy_rule` (chunked when T * S > 1024^2);
+    explicit names are returned as they are. Backend-aware choice (cuDNN on GPU, Splash on
+    TPU): :func:`pmd_jax.models.attention_select.select`."""
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
     if impl == "auto":
-        return "chunked" if T * S > AUTO_CHUNKED_MIN_SCORES else "dense"
+        return legacy_rule(T, S)
     return impl
 
 

@@ -49,7 +49,8 @@ from pmd_jax.models import families as families_lib
 Family = str  # a name registered in pmd_jax.models.families.FAMILIES
 LayerType = Literal["full_attention", "sliding_attention"]
 FAMILIES: tuple[str, ...] = tuple(families_lib.FAMILIES)
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked")  # = models.attention's
+# models.attention_select documents each and the rules of "auto"
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "dense", "chunked", "cudnn", "cudnn_xla", "splash")
 
 
 class ConfigError(ValueError):
@@ -121,10 +122,11 @@ class ModelConfig:
     # loss): None = the activations' dtype; "bfloat16" / "float16" = operands rounded to it,
     # float32 accumulation and result, backward matmuls in it too (see pmd_jax.models.matmul).
     matmul_dtype: str | None = None
-    # Attention implementation: "dense" (materialised [B, KV, G, T, S] scores and [B, T, S]
-    # mask), "chunked" (flash-style, O(chunk^2) scores, masks from slot indices; see
-    # pmd_jax.models.attention) or "auto" (chunked when T * S > 1024^2). ``attention_chunk`` is
-    # the query and key chunk size of the chunked version.
+    # Attention implementation: "dense" (materialised scores and mask), "chunked" (flash-style
+    # in pure JAX, pmd_jax.models.attention), "cudnn" / "cudnn_xla" (jax.nn.dot_product_attention
+    # on cuDNN / on XLA), "splash" (Pallas TPU kernel) or "auto" (per backend and call:
+    # pmd_jax.models.attention_select; on CPU chunked when T * S > 1024^2, else dense).
+    # ``attention_chunk`` is the query and key chunk size of the chunked version.
     attention_impl: str = "auto"
     attention_chunk: int = 512
 

@@ -28,7 +28,10 @@ Attention implementations (``cfg.attention_impl`` or ``forward(..., attention_im
 "dense" builds the [B, T, S] mask and [B, KV, G, T, S] float32 scores; "chunked"
 (:func:`pmd_jax.models.attention.chunked_attention`) computes each (query chunk, key chunk)
 tile's mask from slot indices and runs an online softmax, so no array has two sequence axes
-(forward and backward); "auto" picks chunked when T * S > 1024^2.
+(forward and backward); "cudnn" / "cudnn_xla" / "splash" are library kernels
+(:mod:`pmd_jax.models.attention_fused`); "auto" picks per backend and call
+(:mod:`pmd_jax.models.attention_select`: on CPU chunked when T * S > 1024^2, else dense; the
+per-layer closures are built in :mod:`pmd_jax.models.attend`).
 """
 
 from __future__ import annotations
@@ -41,14 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pmd_jax.models import attend, matmul, weights
 from pmd_jax.models import attention as attn_lib
-from pmd_jax.models import matmul, weights
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
 from pmd_jax.models.weights import INIT_STD
 
 Params = dict[str, Any]
-_BIG_WINDOW = 2**30
+_BIG_WINDOW = attend.BIG_WINDOW
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
 
 
@@ -311,7 +314,7 @@ def decoder_layer(
     """One decoder layer: x [B, T, D] -> x [B, T, D]; ``p`` is this layer's weights.
 
     ``cos``/``sin`` are the layer's RoPE tables at the tokens' positions. ``attend(q, k, v)`` is
-    the layer's masked attention (see ``_attend_fn``). ``kv_update(k, v)`` (k/v [B,KV,T,hd])
+    the layer's masked attention (see ``attend.attend_fn``). ``kv_update(k, v)`` (k/v [B,KV,T,hd])
     writes the new keys and values into the cache and returns the layer's full cached k/v; None
     without a cache.
     """
@@ -463,37 +466,6 @@ def _check_inputs(params: Params, tokens: jnp.ndarray, positions: jnp.ndarray,
             "split by unstack_layers, and a stacked cache with stacked params")
 
 
-def _attend_fn(cfg: ModelConfig, impl: str, T: int, S: int, key_mask: jnp.ndarray,
-               idx: jnp.ndarray | None, segment_ids: jnp.ndarray | None,
-               shared_prefix: bool = False) -> Callable:
-    """``window -> attend(q, k, v)``: the masked attention of a layer with that sliding window
-    (_BIG_WINDOW: none), over slots (causal, padding keys and other segments masked)."""
-    if impl == "dense":
-        q_idx = jnp.arange(T, dtype=jnp.int32) + (0 if idx is None else idx)
-        k_idx = jnp.arange(S, dtype=jnp.int32)
-        base = (k_idx[None, :] <= q_idx[:, None])[None] & key_mask[:, None, :]
-        if segment_ids is not None:
-            same = segment_ids[:, :, None] == segment_ids[:, None, :]
-            base = base & ((same | (segment_ids[:, None, :] == 0)) if shared_prefix else same)
-        rel = q_idx[:, None] - k_idx[None, :]  # [T, S]
-
-    def attend_fn(window: Any) -> Callable:
-        if impl == "chunked":
-            return functools.partial(
-                attn_lib.chunked_attention, key_mask=key_mask,
-                q_offset=0 if idx is None else idx, window=window,
-                q_segment_ids=segment_ids, k_segment_ids=segment_ids,
-                q_chunk=cfg.attention_chunk, k_chunk=cfg.attention_chunk,
-                shared_segment_zero=shared_prefix)
-        if isinstance(window, int) and window >= _BIG_WINDOW:
-            mask = base
-        else:
-            mask = base & (rel < window)[None]
-        return functools.partial(attn_lib.dense_attention, mask=mask)
-
-    return attend_fn
-
-
 def forward(
     params: Params,
     tokens: jnp.ndarray,
@@ -518,8 +490,8 @@ def forward(
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
     ``remat`` wraps the layer body in ``jax.checkpoint`` ("none", "full", "dots",
     "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
-    ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` ("auto" | "dense" |
-    "chunked") overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
+    ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` (one of
+    ``ATTENTION_IMPLS``) overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
     mask or score matrix (see :mod:`pmd_jax.models.attention`). ``shared_prefix``: segment 0
     of ``segment_ids`` is seen by every segment of its row (module docstring).
     """
@@ -555,17 +527,21 @@ def forward(
         idx = jnp.asarray(cache["index"] if cache_index is None else cache_index, jnp.int32)
         new_mask = jax.lax.dynamic_update_slice(cache["mask"], kmask_new, (0, idx))
         key_mask = new_mask
-    impl = attn_lib.resolve_impl(
-        cfg.attention_impl if attention_impl is None else attention_impl, T, S)
-    attend_fn = _attend_fn(cfg, impl, T, S, key_mask, idx, segment_ids, shared_prefix)
-
-    # ---- per-layer tables
-    inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
-    cos_all, sin_all = rope_lib.cos_sin(positions, jnp.asarray(inv_freq), jnp.asarray(scaling))
     windows = np.array(
         [cfg.sliding_window if cfg.layer_type(i) == "sliding_attention" else _BIG_WINDOW
          for i in range(cfg.num_layers)], np.int32,
     )
+    choice = attend.choose(
+        cfg, cfg.attention_impl if attention_impl is None else attention_impl, T=T, S=S,
+        has_cache=cache is not None, key_padding=attn_mask is not None or cache is not None,
+        segments=segment_ids is not None, shared_prefix=shared_prefix)
+    attend_fn = attend.attend_fn(cfg, choice.impl, T, S, key_mask, idx, segment_ids,
+                                 shared_prefix, windows=windows,
+                                 key_padding=attn_mask is not None, shard_ctx=shard_ctx)
+
+    # ---- per-layer tables
+    inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
+    cos_all, sin_all = rope_lib.cos_sin(positions, jnp.asarray(inv_freq), jnp.asarray(scaling))
     ls = _Layers(functools.partial(decoder_layer, cfg=cfg, shard_ctx=shard_ctx), attend_fn,
                  cos_all, sin_all, rope_idx, windows, dt)
 

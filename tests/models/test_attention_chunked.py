@@ -128,8 +128,8 @@ def test_resolve_and_validation():
         attn.resolve_impl("flash", 4, 4)
     base = dict(family="llama", vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=1,
                 num_heads=2, num_kv_heads=1, head_dim=4)
-    with pytest.raises(ConfigError, match="model.attention_impl='splash'"):
-        ModelConfig(**base, attention_impl="splash")
+    with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
+        ModelConfig(**base, attention_impl="flash")
     with pytest.raises(ConfigError, match="attention_chunk"):
         ModelConfig(**base, attention_chunk=0)
     q = jnp.zeros((1, 4, 2, 4))
