@@ -63,6 +63,8 @@ def test_train_step_benchmark_on_cpu():
     assert re.search(r"ratio: pmd_jax is [\d.]+x torch\+HF's speed", out), out
 
 
+@pytest.mark.slow  # (the train-step benchmark's run above is CI's end-to-end check of the
+# parent/child protocol they share, benchmarks/bench_common.py)
 def test_sampler_benchmark_on_cpu():
     out = _run("bench_sampler.py", "--device", "cpu", "--model", "tiny-llama", "--batch", "2",
                "--prompt-len", "12", "--new-tokens", "4", "--gemm-n", "256")
