@@ -192,9 +192,12 @@ class MemoryVerify(Section):
                          "only from such items (mode pmd_verified sets it).")
     replays: int = knob(4, "Paired samples per item test (with the item / without it, same "
                         "sampling keys).")
-    z: float = knob(1.645, "Wilson bound's z (one-sided 95%): admitted iff the lower bound "
-                    "of the paired effect on the verified reward is above zero.")
-    max_pairs: int = knob(8, "An item still undecided after this many pairs is rejected.")
+    z: float = knob(2.64, "Wilson bound's z: admitted iff the lower bound of the paired "
+                    "effect on the verified reward is above zero. 2.64 is one-sided 5% over "
+                    "the max_items_per_step=12 tests of a step (Bonferroni): at 1.645 (5% per "
+                    "test) three copies of a nonsense behavior passed on 4 wins at one "
+                    "problem (memory/verify.py). It takes 7 wins and no loss to admit.")
+    max_pairs: int = knob(12, "An item still undecided after this many pairs is rejected.")
     retest_every: int = knob(4, "An admitted item proposed again this many steps after its "
                              "last test is tested again (0: never); retired if its lower "
                              "bound falls to zero or below.")

@@ -38,9 +38,17 @@ problems): a pair is a *win* when the with-item answer is correct and the withou
 is not, a *loss* the reverse, a tie otherwise (McNemar's discordant pairs). With ``n`` pairs,
 ``d = wins + losses`` and a one-sided Wilson bound ``[lo, hi]`` on the share of wins among
 discordant pairs at ``z``, the effect (the change in solve rate) is estimated as
-``(wins - losses) / n`` with the interval ``d / n * (2 lo - 1) .. d / n * (2 hi - 1)``. With
-the default ``z = 1.645`` it takes at least 3 wins and no loss to admit an item (4 wins out of
-5 discordant pairs, and so on); ties alone never admit one. A second paired count tracks the
+``(wins - losses) / n`` with the interval ``d / n * (2 lo - 1) .. d / n * (2 hi - 1)``. Ties
+alone never admit an item.
+
+The level: a step tests up to ``max_items_per_step`` items, so ``z`` is set for a one-sided 5%
+over all of them (Bonferroni: ``z = 2.64`` for 12), not per test. At ``z = 1.645`` (5% per
+test; our first setting) a seed-1 run of the SciQ grid admitted three copies of the behavior
+"Fix this behavior with a specific action" on 4 wins out of 4 pairs at one problem: the item
+arms of a step share one baseline arm, so a baseline that was unlucky on a problem makes every
+item tested there look good at once, and the random-memory control admitted a noise item the
+same way. At 2.64 it takes 7 wins and no loss (10 and 1, ...): at least two tests' worth of
+pairs, so an admission needs the effect to hold at another step (a fresh baseline) too. A second paired count tracks the
 answers that are not answers at all (the task's ``ok`` flag: for multiple choice, a reply that
 names no option): an item whose lower bound on the *rise* in such answers is above zero is
 rejected whatever its reward effect, since a format collapse was what PMD's teacher taught.

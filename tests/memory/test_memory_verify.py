@@ -80,8 +80,11 @@ class ScriptedSampler:
 
 
 def verified_config(**over):
+    """pmd_verified at a per-test level (z 1.645, 8 pairs at most), so that one test of 4
+    pairs can admit and the mechanics show in a few steps; the default level is
+    test_the_default_level_is_bonferroni_over_a_steps_tests's."""
     return run_config(n=2, **{"mode": "pmd_verified", "teacher_prompt.include_feedback": False,
-                              **over})
+                              "memory.verify.z": 1.645, "memory.verify.max_pairs": 8, **over})
 
 
 def build(cfg, model, mem, sb, sampler):  # noqa: F811
@@ -103,6 +106,19 @@ def test_wilson_and_paired_effect_against_direct_formulas():
     assert lo > 0  # 3 wins and no loss admit at z = 1.645
     assert paired_effect(2, 0, 4, z)[1] < 0  # 2 wins do not
     assert paired_effect(0, 0, 4, z) == (0.0, 0.0, 0.0)  # ties alone: no evidence either way
+
+
+def test_the_default_level_is_bonferroni_over_a_steps_tests():
+    """z: one-sided 5% over the max_items_per_step tests of a step; 7 wins and no loss admit
+    (more than one test's 4 pairs), 6 do not; max_pairs leaves room for a third test."""
+    from statistics import NormalDist
+
+    v = run_config().memory.verify
+    alpha = 0.05 / v.max_items_per_step
+    assert v.z == pytest.approx(NormalDist().inv_cdf(1 - alpha), abs=0.005)
+    assert paired_effect(7, 0, 8, v.z)[1] > 0 >= paired_effect(6, 0, 8, v.z)[1]
+    assert paired_effect(6, 0, 6, v.z)[1] <= 0  # never on one test's pairs alone
+    assert v.max_pairs >= 3 * v.replays
 
 
 # ----------------------------------------------------------------------------- admission
