@@ -187,7 +187,11 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
                  sampler: Any) -> dict[str, float]:
     """The check before use (memory/verify.py) on this step's teacher contexts: the items
     proposed for each problem are tested by paired replays where due, then every context
-    keeps only admitted items. Returns the step's counts and costs (``verify_*``)."""
+    keeps only admitted items. The replays are also attempts at the problem, graded by the
+    verifier: with ``memory.verify.replays_as_demonstrations`` a row shown no success (no
+    sibling's, no remembered one) is shown its problem's first successful replay (a baseline
+    arm's before an item arm's), as SDPO shows a sibling's. Returns the step's counts and costs
+    (``verify_*``)."""
     from pmd_jax.memory.context import TeacherContext
     from pmd_jax.memory.verify import Proposal, check_before_use
 
@@ -213,6 +217,8 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
         seed=hash((int(cfg.memory.verify.seed), int(sb.step), "verify")) % (2**31))
     budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
 
+    found: dict[int, str] = {}  # problem index -> its first successful replay's text
+
     def run_arms(arms: list[Any]) -> list[list[tuple[bool, bool]]]:
         prompts, probs = [], []
         for i, section, value in arms:
@@ -236,8 +242,11 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
         results = task.verify_batch(rprobs, texts, "train")
         out: list[list[tuple[bool, bool]]] = [[] for _ in arms]
         thr = float(cfg.teacher_prompt.success_threshold)
-        for ro, res in zip(rollouts, results, strict=True):
-            out[ro.prompt_index].append((float(res.reward) >= thr, bool(res.ok)))
+        for ro, text, res in zip(rollouts, texts, results, strict=True):
+            ok = float(res.reward) >= thr
+            out[ro.prompt_index].append((ok, bool(res.ok)))
+            if ok:  # the baseline arms run first: their successes are found first
+                found.setdefault(arms[ro.prompt_index][0], text)
         return out
 
     t0 = time.perf_counter()
@@ -247,11 +256,26 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
     proposed = sum(len(x) for x in props)
     for ctx in ctxs:
         ctx.keep_items(memory.evidence.visible)
+    demos = 0
+    if cfg.memory.verify.replays_as_demonstrations:
+        from pmd_jax.memory.sanitize import sanitize_text
+
+        cx = cfg.memory.context
+        for idx, ctx in enumerate(ctxs):
+            text = found.get(idx // g)
+            if text and not ctx.successful_attempt:
+                succ = sanitize_text(text, int(cx.max_attempt_chars), memory.extra_tokens,
+                                     drop_thinking=bool(cx.strip_thinking))
+                if succ:
+                    ctx.successful_attempt, ctx.successful_attempt_source = succ, "replay"
+                    demos += 1
     state = memory.evidence.counts()
     out: dict[str, float] = {f"verify_items_{k}": float(v) for k, v in counts.items()
                              if k not in ("calls", "arms")}
     out.update({k: float(v) for k, v in cost.items()})
-    out.update(verify_generate_calls=float(counts["calls"]), verify_arms=float(counts["arms"]),
+    out.update(verify_demo_row_fraction=demos / max(1, len(ctxs)),
+               verify_problems_with_a_replay_success=float(len(found)),
+               verify_generate_calls=float(counts["calls"]), verify_arms=float(counts["arms"]),
                verify_items_proposed=float(proposed), time_verify_replays=seconds,
                verify_token_forwards=float(cost["verify_prompt_tokens"]
                                            + cost["verify_generated_tokens"]),
@@ -287,7 +311,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
         budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens)
                      if memory is not None else cfg.teacher_prompt.max_tokens)
         teachers, sd = [], np.zeros(len(responses), np.float32)
-        src = {"sibling": 0, "memory": 0}
+        src = {"sibling": 0, "memory": 0, "replay": 0}
         with_items = memory_only = 0
         for k, (ctx, r) in enumerate(zip(ctxs, sb.rollouts, strict=True)):
             fitted = ctx.fit(model.count_tokens, budget)
@@ -306,6 +330,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
             "reprompt_sample_fraction": float(sd.mean()),
             "demo_from_sibling_fraction": src["sibling"] / n,
             "demo_from_memory_fraction": src["memory"] / n,
+            "demo_from_replay_fraction": src["replay"] / n,
             "teacher_prompt_tokens_mean": float(np.mean([len(t) for t in teachers])),
             # rows whose teacher context holds memory items (written at earlier steps, with
             # memory.context.previous_steps_only), and those whose signal is the memory alone

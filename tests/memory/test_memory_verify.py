@@ -52,9 +52,10 @@ class ScriptedSampler:
     ("right" / "wrong" / "invalid"); a prompt with no such item (the baseline) is right for
     sample 0 only. Records every call."""
 
-    def __init__(self, tokenizer, effects: dict[str, str]):
+    def __init__(self, tokenizer, effects: dict[str, str], baseline_right: bool = True):
         self.tok = tokenizer
         self.effects = dict(effects)
+        self.baseline_right = baseline_right
         self.calls: list[tuple[int, int]] = []  # (prompts, n) per generate call
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -67,7 +68,7 @@ class ScriptedSampler:
             text = self.tok.decode(list(ids), skip_special=False)
             rule = next((v for k, v in self.effects.items() if k in text), None)
             for j in range(params.n):
-                if rule == "right" or (rule is None and j == 0):
+                if rule == "right" or (rule is None and j == 0 and self.baseline_right):
                     ans = f"The answer is {RIGHT}."
                 elif rule == "invalid":
                     ans = NOT_AN_ANSWER
@@ -192,7 +193,8 @@ def test_an_all_fail_group_with_only_unverified_items_gets_no_memory_signal(mode
     cfg = verified_config()
     mem, items = make_memory(cfg, model, ["pA"])
     del mem.experience.successes["pA"]  # no remembered success: memory items only
-    sampler = ScriptedSampler(model.tokenizer, {})  # no item changes anything: all pending
+    # no item changes anything (all pending), and no replay succeeds: nothing to show
+    sampler = ScriptedSampler(model.tokenizer, {}, baseline_right=False)
     sb = step_batch(cfg, model, ["pA"])
     users, batch = teacher_user_texts_with(cfg, model, mem, sb, sampler)
     assert batch["sd_mask"].tolist() == [0.0, 0.0]
@@ -345,3 +347,32 @@ def test_evidence_survives_a_checkpoint_and_is_exported(model, tmp_path):  # noq
     rejected_at = page.index("Rejected or retired (never shown)")
     assert admitted_at < page.index(good, admitted_at) < rejected_at < page.index(bad,
                                                                                   rejected_at)
+
+
+def test_a_successful_replay_is_the_demonstration_of_a_group_without_one(model):  # noqa: F811
+    """The check's replays are graded attempts at the problem: a row shown no success gets
+    its problem's first successful replay (the baseline arm's), source "replay"; with the
+    option off, none; a row with a sibling's success keeps it."""
+    cfg = verified_config()
+    mem, items = make_memory(cfg, model, ["pA"])
+    del mem.experience.successes["pA"]
+    sampler = ScriptedSampler(model.tokenizer, {})  # the baseline's sample 0 is right
+    sb = step_batch(cfg, model, ["pA"])
+    ctxs = teaching.build_teacher_contexts(cfg, model, GradedTask(), mem, sb, sampler)
+    assert [c.successful_attempt_source for c in ctxs] == ["replay", "replay"]
+    assert all(c.successful_attempt == f"The answer is {RIGHT}." for c in ctxs)
+    users, batch = teacher_user_texts_with(cfg, model, mem, sb, sampler)
+    assert batch["sd_mask"].tolist() == [1.0, 1.0]
+    assert all(f"The answer is {RIGHT}." in u for u in users)
+    off = verified_config(**{"memory.verify.replays_as_demonstrations": False})
+    mem2, _ = make_memory(off, model, ["pA"])
+    del mem2.experience.successes["pA"]
+    ctxs = teaching.build_teacher_contexts(off, model, GradedTask(), mem2, sb, sampler)
+    assert [c.successful_attempt for c in ctxs] == [None, None]
+    # a sibling's success is kept: rollout 1 succeeded, so rollout 0 is shown it
+    sb.rewards[0, 1] = 1.0
+    sb.texts[1] = "Sibling: the answer is carbon dioxide."
+    sb.step = 2  # (replays run where tests are due: the pending items are, at a later step)
+    ctxs = teaching.build_teacher_contexts(cfg, model, GradedTask(), mem, sb, sampler)
+    assert ctxs[0].successful_attempt_source == "sibling"
+    assert ctxs[1].successful_attempt_source == "replay"  # (its own success is never shown)
