@@ -174,6 +174,19 @@ def emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def child_job(args: Any, sides: dict[str, Callable[[Any], dict[str, Any]]]) -> None:
+    """A child process's whole job: measure ``sides[args.child]`` and emit its result, or the
+    error (with a short traceback) for the parent to report."""
+    import traceback
+
+    try:
+        res = sides[args.child](args)
+        res["load"] = load()
+        emit(res)
+    except BaseException as e:  # noqa: BLE001  (reported by the parent)
+        emit({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

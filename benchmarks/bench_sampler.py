@@ -31,7 +31,6 @@ import json
 import os
 import sys
 import time
-import traceback
 import urllib.request
 from pathlib import Path
 
@@ -250,12 +249,7 @@ def bench_vllm(hf_dir: Path, prompts, new_tokens: int) -> tuple[float | None, st
 def main() -> None:
     args = parse()
     if args.child:
-        try:
-            res = (child_jax if args.child == "jax" else child_torch)(args)
-            res["load"] = bc.load()
-            bc.emit(res)
-        except BaseException as e:  # noqa: BLE001  (reported by the parent)
-            bc.emit({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+        bc.child_job(args, {"jax": child_jax, "torch": child_torch})
         return
     cfg = model_cfg(args)
     prompts = prompts_for(args, cfg)

@@ -45,7 +45,6 @@ import copy
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -358,12 +357,7 @@ def child_torch(args) -> dict:
 
 
 def child_main(args) -> None:
-    try:
-        res = (child_jax if args.child == "jax" else child_torch)(args)
-        res["load"] = bc.load()
-        bc.emit(res)
-    except BaseException as e:  # noqa: BLE001  (reported by the parent)
-        bc.emit({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+    bc.child_job(args, {"jax": child_jax, "torch": child_torch})
 
 
 # ------------------------------------------------------------------------------ parent

@@ -13,7 +13,8 @@ import pytest
 
 from pmd_jax.models import attend, decoder
 from pmd_jax.models import attention_select as sel
-from pmd_jax.models.config import ATTENTION_IMPLS, ConfigError, ModelConfig, RopeConfig
+from pmd_jax.models.config import ATTENTION_IMPLS, ConfigError, ModelConfig
+from tests.models.test_attention_fused import OLMO
 
 H100 = "9.0"
 A100 = "8.0"
@@ -103,15 +104,8 @@ def test_cudnn_head_dim_limit_by_compute_capability():
 
 
 # ------------------------------------------------------------------ CPU: the same program
-CFG = ModelConfig(
-    family="olmo3", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="full", norm_placement="post",
-    sliding_window=5,
-    layer_types=("sliding_attention", "sliding_attention", "full_attention",
-                 "sliding_attention"),
-    rope=(("full_attention", RopeConfig(theta=500000.0)),
-          ("sliding_attention", RopeConfig(theta=10000.0))),
-)
+# the fused-attention tests' model: OLMo-3 layers with a sliding window and GQA
+CFG = OLMO
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path of auto")
