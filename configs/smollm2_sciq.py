@@ -1,5 +1,6 @@
-"""Embedded default: SmolLM2-135M-Instruct on SciQ, PMD with the check before use, in-process
-JAX sampler, CPU.
+"""Embedded default: SmolLM2-135M-Instruct on SciQ, SDPO with matched extra sampling (the mode
+the verified-memory grid supports at this scale; PMD is --config.mode=pmd_verified or pmd),
+in-process JAX sampler, CPU.
 
 The 135M model cannot follow the SciKnowEval reasoning format (it almost never closes an
 answer tag) and cannot map an option to its letter. So this config uses the "direct_text"
@@ -20,11 +21,13 @@ from pmd_jax.memory.config import small_model_memory_calls
 def get_config():
     c = base_config()
     c.name = "smollm2_sciq"
-    # PMD with the check before use (issue 35, README "Memory that earns its place"): at 135M
-    # no reflected item passed it on the grid, and this mode then trains exactly as SDPO does
-    # (plus remembered successes); plain "pmd" lets every item supervise and falls below the
-    # starting accuracy (docs/results/grid_sciq, grid_sciq_verified).
-    c.mode = "pmd_verified"
+    # The mode the evidence supports (issue 35; README "Memory that earns its place", the grid
+    # docs/results/grid_sciq_verified): SDPO whose groups without a success get one from 16
+    # more attempts per problem (the samples pmd_verified's check may spend). At 135M no
+    # reflected memory item passed the check, so pmd_verified trains as SDPO does; plain
+    # "pmd" falls at step 6 (0.11) and only SDPO-matched sampling rose clearly above step 0
+    # (paired). --config.mode=pmd_verified / pmd run PMD with / without the check.
+    c.mode = "sdpo_matched_sampling"
     c.run_dir = "runs/smollm2_sciq"
     c.model.source = "smollm2"
     c.task.name = "sciq"

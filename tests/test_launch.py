@@ -160,15 +160,22 @@ def test_gpu_print_vllm_config_starts_the_server_first(sentinel_path):
 
 
 def test_gpu_print_multi_host_jax_sampler(sentinel_path):
-    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py", "--config.train.steps=2"],
+    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py", "--config.mode=pmd",
+                        "--config.train.steps=2"],
              sentinel_path, COORDINATOR="127.0.0.1:12345", NUM_PROCESSES="2", PROCESS_ID="1")
     assert r.returncode == 0, r.stderr
     main = _line(r.stdout, "pmd_jax.main")
     assert main[:5] == ["env", "PMD_COORDINATOR=127.0.0.1:12345", "PMD_NUM_PROCESSES=2",
                         "PMD_PROCESS_ID=1", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"]
-    assert main[-2:] == ["--config=configs/smollm2_sciq.py", "--config.train.steps=2"]
+    assert main[-3:] == ["--config=configs/smollm2_sciq.py", "--config.mode=pmd",
+                         "--config.train.steps=2"]
     assert "vllm_server.sh" not in r.stdout and "gcsfs" not in r.stdout
-    assert _line(r.stdout, "-e")[-1] == ".[embeddings,scann]"
+    assert _line(r.stdout, "-e")[-1] == ".[embeddings,scann]"  # a memory mode's needs
+    # the embedded default's own mode (sdpo_matched_sampling) keeps no memory: no extras
+    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py"], sentinel_path,
+             COORDINATOR="127.0.0.1:12345", NUM_PROCESSES="2", PROCESS_ID="1")
+    assert r.returncode == 0, r.stderr
+    assert _line(r.stdout, "-e")[-1] == "."
 
 
 def test_gpu_remote_vllm_url_is_not_started(sentinel_path):

@@ -472,7 +472,7 @@ EVAL_RUN = textwrap.dedent("""
     memory_module.shared_embedder = lambda cfg: HashEmbedder()
     cfg = load_config_file("configs/smollm2_sciq.py")
     over = {
-        "run_dir": run_dir, "resume": False, "model.random_init": "tiny-llama",
+        "mode": "pmd", "run_dir": run_dir, "resume": False, "model.random_init": "tiny-llama",
         "rollout.problems_per_step": 2, "rollout.n": 1, "rollout.max_tokens": 8,
         "rollout.max_prompt_tokens": 320, "task.max_eval_problems": 2, "eval.n": 1,
         # No training step: Trainer.run still evaluates at the start and at the end, and a

@@ -229,6 +229,7 @@ def test_prompt_budget_must_fit_the_model_context(tmp_path):
         "model.source='smollm2')"]
     # ... and hold a student prompt.
     c = _sciq()
+    c.mode = "pmd"
     c.memory.context.max_tokens = 300  # pmd: min(teacher_prompt, memory.context) = 300 < 384
     errs = _errors(c)
     assert len(errs) == 1 and "= 300 is smaller than rollout.max_prompt_tokens=384" in errs[0]
