@@ -171,9 +171,9 @@ def test_gpu_print_multi_host_jax_sampler(sentinel_path):
                          "--config.train.steps=2"]
     assert "vllm_server.sh" not in r.stdout and "gcsfs" not in r.stdout
     assert _line(r.stdout, "-e")[-1] == ".[embeddings,scann]"  # a memory mode's needs
-    # the embedded default's own mode (sdpo_matched_sampling) keeps no memory: no extras
-    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py"], sentinel_path,
-             COORDINATOR="127.0.0.1:12345", NUM_PROCESSES="2", PROCESS_ID="1")
+    # a mode that keeps no memory needs no memory extras
+    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py", "--config.mode=sdpo"],
+             sentinel_path, COORDINATOR="127.0.0.1:12345", NUM_PROCESSES="2", PROCESS_ID="1")
     assert r.returncode == 0, r.stderr
     assert _line(r.stdout, "-e")[-1] == "."
 

@@ -24,8 +24,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    # the loop with its memory (the embedded default's own mode, sdpo_matched_sampling, has
-    # none); a test's own --config.mode comes later and wins
+    # the loop with its whole memory path, every item supervising (the embedded default's own
+    # mode is pmd_verified); a test's own --config.mode comes later and wins
     "--config.mode=pmd",
     "--config.model.random_init=tiny-llama",
     "--config.rollout.problems_per_step=2",
