@@ -149,13 +149,15 @@ def log_attention_plan(cfg: Any, model_cfg: Any) -> None:
 
 def load_model(cfg: Any) -> ModelBundle:
     from pmd_jax.models import hf_io
+    from pmd_jax.models.assets import EMBEDDED_MODELS
     from pmd_jax.models.config import from_hf_config
-    from pmd_jax.models.gguf_io import smollm2_hf_dir
+    from pmd_jax.models.gguf_io import embedded_hf_dir
     from pmd_jax.models.tokenizer import Tokenizer
 
     mesh, rules = build_mesh(cfg)
     t0 = time.perf_counter()
-    src = smollm2_hf_dir() if cfg.model.source == "smollm2" else Path(cfg.model.source)
+    embedded = EMBEDDED_MODELS.get(cfg.model.source)
+    src = embedded_hf_dir(embedded.name) if embedded else Path(cfg.model.source)
     model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
         dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **attention_options(cfg)
     )
@@ -164,8 +166,8 @@ def load_model(cfg: Any) -> ModelBundle:
     else:
         model_cfg, params = hf_io.load_hf_checkpoint(src, cfg=model_cfg, mesh=mesh, rules=rules)
     fmt = None if cfg.model.chat_template == "auto" else cfg.model.chat_template
-    if cfg.model.source == "smollm2":
-        fmt = fmt or "chatml"
+    if embedded:
+        fmt = fmt or embedded.chat_format
     tok = Tokenizer.from_pretrained(src, chat_format=fmt)
     log.info(
         "model %s (%s, %.1fM params) loaded from %s in %.1fs; mesh %s",

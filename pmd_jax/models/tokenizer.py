@@ -32,6 +32,8 @@ def guess_chat_format(chat_template: str | None) -> str:
         return "qwen3"
     if "function-calling" in t or "environment" in t:
         return "olmo3"
+    if "You are Qwen, created by Alibaba Cloud" in t:
+        return "qwen2.5"
     return "chatml"
 
 

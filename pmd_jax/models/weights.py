@@ -8,7 +8,8 @@
 * its HF tensor name and layout: ``hf_layout`` writes the HF tensor's dims with the same axis
   names, a parenthesised group being one HF dim that splits into those axes, e.g. q's
   ``"(heads head_dim) embed"`` is HF ``q_proj.weight [H*hd, D]``, ours ``[D, H, hd]``;
-* its llama.cpp (GGUF) name and whether llama.cpp permuted its rows (Q and K).
+* its llama.cpp (GGUF) name and whether llama.cpp permuted its rows (Q and K, in GGUF
+  architectures that permute: ``llama``, not ``qwen2``; see ``gguf_io.GGUF_ARCHS``).
 
 Everything else is derived from that list: the param tree of shapes (:func:`shape_tree`), of
 logical axes (:func:`axes_tree`, hence shardings), the random init (:func:`init_tree`), the HF
@@ -191,16 +192,18 @@ def declare(cfg: ModelConfig) -> tuple[Weight, ...]:
         layer("down", (F, D), ("mlp", "embed"), "normal",
               "mlp.down_proj.weight", "embed mlp", "ffn_down.weight"),
     ]
-    if cfg.attention_bias:
+    if cfg.attention_bias or cfg.qkv_bias:
         out += [
             layer("q_bias", (H, hd), ("heads", "head_dim"), "zeros",
-                  "self_attn.q_proj.bias", "(heads head_dim)"),
+                  "self_attn.q_proj.bias", "(heads head_dim)", "attn_q.bias", "num_heads"),
             layer("k_bias", (KV, hd), ("kv_heads", "head_dim"), "zeros",
-                  "self_attn.k_proj.bias", "(kv_heads head_dim)"),
+                  "self_attn.k_proj.bias", "(kv_heads head_dim)", "attn_k.bias", "num_kv_heads"),
             layer("v_bias", (KV, hd), ("kv_heads", "head_dim"), "zeros",
-                  "self_attn.v_proj.bias", "(kv_heads head_dim)"),
-            layer("o_bias", (D,), ("norm",), "zeros", "self_attn.o_proj.bias", "norm"),
+                  "self_attn.v_proj.bias", "(kv_heads head_dim)", "attn_v.bias"),
         ]
+    if cfg.attention_bias:
+        out.append(layer("o_bias", (D,), ("norm",), "zeros", "self_attn.o_proj.bias", "norm",
+                         "attn_output.bias"))
     if cfg.qk_norm == "per_head":  # Qwen3: RMSNorm over head_dim
         out += [
             layer("q_norm", (hd,), ("head_dim",), "ones", "self_attn.q_norm.weight", "head_dim",

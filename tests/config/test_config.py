@@ -8,6 +8,7 @@ import pytest
 from pmd_jax.config import apply_mode, base_config, config_errors, freeze, validate_config
 from pmd_jax.models.config import ConfigError
 from pmd_jax.tasks.registry import task_names
+from tests.host import embedded_missing
 from tests.tiny_runs import child_env
 
 
@@ -79,6 +80,10 @@ def test_full_size_configs_name_missing_files(path):
 
 def test_mbpp_config_validates():
     validate_config(apply_mode(_load("configs/smollm2_mbpp.py")))
+    for qwen in ("configs/qwen25coder05b_mbpp.py", "configs/qwen25coder05b_sciq.py"):
+        assert _load(qwen).model.source == "qwen2.5-coder-0.5b"
+        if embedded_missing("qwen2.5-coder-0.5b") is None:  # validation reads its GGUF header
+            validate_config(apply_mode(_load(qwen)))
 
 
 # ------------------------------------------------------------- bad configs fail before compute
@@ -382,8 +387,8 @@ def test_command_line_reports_every_problem_without_a_traceback(tmp_path):
     p = _main("--config=configs/nope.py")
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "invalid config: config file 'configs/nope.py' (--config) not found; did you mean "
-        "'configs/qwen3.py'? config files in configs/: olmo3.py, qwen3.py, smollm2_mbpp.py, "
-        "smollm2_sciq.py"], p.stderr
+        "'configs/qwen3.py'? config files in configs/: olmo3.py, qwen25coder05b_mbpp.py, "
+        "qwen25coder05b_sciq.py, qwen3.py, smollm2_mbpp.py, smollm2_sciq.py"], p.stderr
 
 
 def test_command_line_none_reaches_the_trainer(tmp_path):

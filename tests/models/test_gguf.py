@@ -178,7 +178,10 @@ def test_bad_gguf_files(tmp_path):
         gguf_io.open_gguf(bad)
     with pytest.raises(gguf_io.GGUFError, match="no such GGUF"):
         gguf_io.open_gguf(tmp_path / "missing.gguf")
-    with pytest.raises(gguf_io.GGUFError, match="architecture 'qwen2'"):
+    with pytest.raises(gguf_io.GGUFError, match=r"architecture 'gemma3' .*supported: "
+                       r"\['llama', 'qwen2'\]"):
+        gguf_io.config_from_gguf({"general.architecture": "gemma3"}, set())
+    with pytest.raises(gguf_io.GGUFError, match="missing key 'qwen2.attention.head_count'"):
         gguf_io.config_from_gguf({"general.architecture": "qwen2"}, set())
     with pytest.raises(gguf_io.GGUFError, match="llama.embedding_length"):
         gguf_io.config_from_gguf(

@@ -25,6 +25,8 @@ def tiny(family: str, **kw) -> ModelConfig:
     )
     if family == "qwen3":
         base.update(qk_norm="per_head", rope=(("full_attention", RopeConfig(theta=1e6)),))
+    if family == "qwen2":
+        base.update(qkv_bias=True, rope=(("full_attention", RopeConfig(theta=1e6)),))
     if family == "olmo3":
         base.update(
             qk_norm="full", norm_placement="post", sliding_window=8,
@@ -51,6 +53,8 @@ def random_params(cfg: ModelConfig, seed: int = 0):
 CASES = {
     "llama_tied": tiny("llama", tie_embeddings=True),
     "llama_bias": tiny("llama", attention_bias=True),
+    "qwen2_untied": tiny("qwen2"),
+    "qwen2_tied": tiny("qwen2", tie_embeddings=True),
     "qwen3_untied": tiny("qwen3"),
     "qwen3_tied": tiny("qwen3", tie_embeddings=True),
     "olmo3": tiny("olmo3"),
@@ -258,7 +262,7 @@ def _hf_model(cfg: ModelConfig):
     return model
 
 
-@pytest.mark.parametrize("case", ["qwen3_untied", "olmo3", "llama_tied"])
+@pytest.mark.parametrize("case", ["qwen2_untied", "qwen3_untied", "olmo3", "llama_tied"])
 @pytest.mark.parametrize("torch_dtype", ["float32", "bfloat16"])
 def test_loads_checkpoints_written_by_transformers(case, torch_dtype, tmp_path):
     cfg = CASES[case]
@@ -297,7 +301,9 @@ def _configs_for_roundtrip():
     )
     qwen_sliding = tiny("qwen3", sliding_window=16, layer_types=(
         "full_attention", "full_attention", "sliding_attention", "sliding_attention"))
-    return {"llama3_rope": llama3, "qwen3_sliding": qwen_sliding,
+    qwen2_sliding = tiny("qwen2", sliding_window=16, layer_types=(
+        "full_attention", "sliding_attention", "sliding_attention", "sliding_attention"))
+    return {"llama3_rope": llama3, "qwen3_sliding": qwen_sliding, "qwen2_sliding": qwen2_sliding,
             **{name: fn() for name, fn in C.PRESETS.items()}}
 
 
@@ -363,7 +369,7 @@ def test_one_declaration_per_weight(name):
         else:
             assert 0.01 < leaf.std() < 0.03, w.path
     assert families.FAMILIES[cfg.family].hf_architecture == hf_io.HF_ARCHITECTURES[cfg.family][0]
-    if cfg.family == "llama" and not cfg.attention_bias:
+    if cfg.family in ("llama", "qwen2") and not cfg.attention_bias:
         g = weights.gguf_names(cfg)
         hf_names = {n for w in decl for n in w.hf_names()}
         assert {hf for hf, _ in g.values()} == hf_names

@@ -52,10 +52,11 @@ def hf_state_to_params(sd: dict, cfg) -> dict:
         if cfg.qk_norm != "none":
             e["q_norm"] = t(pre + "self_attn.q_norm.weight")
             e["k_norm"] = t(pre + "self_attn.k_norm.weight")
-        if cfg.attention_bias:
+        if cfg.attention_bias or cfg.qkv_bias:
             e["q_bias"] = t(pre + "self_attn.q_proj.bias").reshape(H, hd)
             e["k_bias"] = t(pre + "self_attn.k_proj.bias").reshape(KV, hd)
             e["v_bias"] = t(pre + "self_attn.v_proj.bias").reshape(KV, hd)
+        if cfg.attention_bias:
             e["o_bias"] = t(pre + "self_attn.o_proj.bias")
         for name, val in e.items():
             layers.setdefault(name, []).append(val)
@@ -112,6 +113,9 @@ def make_hf(kind: str, **kw):
     if kind == "llama":
         hf_cfg = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":
+        hf_cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
     elif kind == "qwen3":
         hf_cfg = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -148,6 +152,13 @@ CASES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 32})),
+    "qwen2_untied": ("qwen2", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    # Qwen2 with sliding layers from max_window_layers, and YaRN
+    "qwen2_sliding_yarn": ("qwen2", dict(
+        use_sliding_window=True, sliding_window=5, max_window_layers=2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
+                         "original_max_position_embeddings": 64})),
     "qwen3_untied": ("qwen3", dict(head_dim=24, tie_word_embeddings=False)),
     "qwen3_tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo3": ("olmo3", OLMO_KW),
