@@ -21,10 +21,11 @@ def get_config():
     c = base_config()
     c.name = "smollm2_sciq"
     # PMD with the check before use (issue 35; README "Memory that earns its place", the grid
-    # docs/results/grid_sciq_verified): on seeds 0-1 it rose above step 0 (paired +0.105
-    # [+0.035, +0.18]) and was not told apart from SDPO with matched extra sampling, the other
-    # mode that did; plain "pmd" fell to 0.11 at step 6. At 135M no reflected item passed the
-    # check: its gain over SDPO came from successful replays shown as demonstrations.
+    # docs/results/grid_sciq_verified): over seeds 0-2 it rose above step 0 (paired +0.070
+    # [+0.010, +0.133]), ended far above plain "pmd" (+0.110 [+0.053, +0.167]; pmd fell at
+    # step 6 on every seed) and was not told apart from SDPO with matched extra sampling, the
+    # other mode that rose. At 135M no reflected item passed the check: its gain over SDPO came
+    # from successful replays shown as demonstrations.
     c.mode = "pmd_verified"
     c.run_dir = "runs/smollm2_sciq"
     c.model.source = "smollm2"
