@@ -3,6 +3,8 @@ params (``train.kl_initial_every``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,19 +48,49 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
                                           b["responses"], temp)
 
         _KL_FNS[key] = jax.jit(fn)
-    from pmd_jax.multihost import to_host
-
-    params = bundle.initial_params
-    if isinstance(params, DiskParams):  # train.offload_initial_policy: read for this forward
-        params = params.load()
-    # the student side in shared-prefix rows where train.shared_prefix says so
-    keys = ("student_tokens", "student_positions", "student_attn_mask", "student_index",
-            "student_segments", "student_row", "responses")
-    from pmd_jax.distill.shared_prefix import share_prefixes
-
-    packed = share_prefixes(batch, mc, mode=cfg.train.shared_prefix, sides=("student",))[0]
-    lp0 = to_host(_KL_FNS[key](  # (gathered when sharded over several processes)
-        params, {k: packed[k] for k in keys if k in packed}))
+    with _optimizer_set_aside(bundle, cfg):
+        params = bundle.initial_params
+        if isinstance(params, DiskParams):  # train.offload_initial_policy: read for it
+            params = params.load()
+        lp0 = _initial_logprobs(cfg, mc, _KL_FNS[key], params, batch)
+        del params
     m = batch["response_mask"].astype(np.float64)
     diff = (batch["sampler_logp"] - lp0) * m
     return float(diff.sum() / max(m.sum(), 1.0))
+
+
+def _initial_logprobs(cfg: Any, mc: Any, fn: Any, params: Any,
+                      batch: dict[str, np.ndarray]) -> np.ndarray:
+    """The initial model's log-probs of the rollouts' response tokens, on the host."""
+    from pmd_jax.distill.shared_prefix import share_prefixes
+    from pmd_jax.multihost import to_host
+
+    # the student side in shared-prefix rows where train.shared_prefix says so
+    keys = ("student_tokens", "student_positions", "student_attn_mask", "student_index",
+            "student_segments", "student_row", "responses")
+    packed = share_prefixes(batch, mc, mode=cfg.train.shared_prefix, sides=("student",))[0]
+    return to_host(fn(  # (gathered when sharded over several processes)
+        params, {k: packed[k] for k in keys if k in packed}))
+
+
+@contextlib.contextmanager
+def _optimizer_set_aside(bundle: Any, cfg: Any) -> Iterator[None]:
+    """``train.offload_optimizer_during_kl``: the optimizer state waits in a file (its own,
+    named by the run directory and the process) while the block runs, and comes back bit for
+    bit with its shardings after it, even when the block raises. Nothing reads the moments
+    between one update and the next, so the forward cannot see the difference."""
+    if not cfg.train.offload_optimizer_during_kl:
+        yield
+        return
+    from pmd_jax import footprint
+    from pmd_jax.distill.offload import DiskParams
+
+    disk = DiskParams.write_temp(bundle.state.opt_state, f"{cfg.run_dir}#optimizer",
+                                 kind="optimizer")
+    bundle.state = bundle.state.replace(opt_state=None)
+    footprint.release_free_memory()
+    try:
+        yield
+    finally:
+        bundle.state = bundle.state.replace(opt_state=disk.load())
+        disk.remove()

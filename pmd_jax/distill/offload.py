@@ -88,16 +88,16 @@ class DiskParams:
         return cls(path, treedef, tuple(leaves), offset)
 
     @classmethod
-    def write_temp(cls, tree: Any, key: str) -> DiskParams:
+    def write_temp(cls, tree: Any, key: str, kind: str = "initial_policy") -> DiskParams:
         """:meth:`write` to the system temp directory, removed at exit. The file is named by
         ``key`` (the run directory), so a run restarted after a kill overwrites the file its
         killed attempt left instead of adding one."""
         import jax
 
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        name = f"pmd_jax_initial_policy_{digest}_p{jax.process_index()}.bin"
+        name = f"pmd_jax_{kind}_{digest}_p{jax.process_index()}.bin"
         out = cls.write(tree, Path(tempfile.gettempdir()) / name)
-        atexit.register(out.remove)
+        atexit.register(out.remove)  # (a second registration of a removed file is a no-op)
         return out
 
     def load(self) -> Any:

@@ -80,15 +80,18 @@ def test_write_temp_names_the_file_by_run_and_remove_cleans_up(tmp_path, monkeyp
     assert not list(tmp_path.iterdir())
 
 
-def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
-    """The KL to the initial policy from its file equals the KL from the arrays in memory
-    (the same forward on the same bits), and differs once the policy moved."""
-    cfg = tiny_llama().replace(vocab_size=256)
-    init = decoder.init_params(cfg, jax.random.PRNGKey(0))
+def _run_cfg(run_dir, offload_optimizer: bool):
+    return types.SimpleNamespace(
+        run_dir=str(run_dir),
+        distill=types.SimpleNamespace(loss=types.SimpleNamespace(temperature=1.0)),
+        train=types.SimpleNamespace(shared_prefix="auto",
+                                    offload_optimizer_during_kl=offload_optimizer))
+
+
+def _kl_batch(b: int = 3, s: int = 12, r: int = 5) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
-    b, s, r = 3, 12, 5
     tokens = rng.integers(0, 256, (b, s)).astype(np.int32)
-    batch = {
+    return {
         "student_tokens": tokens,
         "student_positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
         "student_attn_mask": np.ones((b, s), np.int32),
@@ -98,9 +101,72 @@ def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
         "response_mask": np.ones((b, r), np.int32),
         "sampler_logp": rng.normal(-2.0, 0.5, (b, r)).astype(np.float32),
     }
-    run_cfg = types.SimpleNamespace(distill=types.SimpleNamespace(
-        loss=types.SimpleNamespace(temperature=1.0)),
-        train=types.SimpleNamespace(shared_prefix="auto"))
+
+
+def test_optimizer_waits_in_a_file_during_the_kl_forward(tmp_path, monkeypatch):
+    """train.offload_optimizer_during_kl: while the initial policy's forward runs, the
+    optimizer state is in a file and not in the train state; after it (and after a forward
+    that raised) it is back bit for bit with its shardings, the file gone; the KL is the
+    same as without."""
+    from pmd_jax.distill.step import TrainState
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    cfg = tiny_llama().replace(vocab_size=256)
+    init = decoder.init_params(cfg, jax.random.PRNGKey(0))
+    mu = jax.tree.map(lambda x: x * 0.5, init)
+    if jax.device_count() >= 8:
+        mesh = sh.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, devices=jax.devices()[:8])
+        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+        mu["embed"] = jax.device_put(mu["embed"], spec)
+    opt = {"mu": mu, "nu": jax.tree.map(jnp.square, init), "count": jnp.int32(7)}
+    state = TrainState(step=jnp.int32(7), params=init, opt_state=opt, teacher={},
+                       rng=jnp.zeros((2,), jnp.uint32))
+    bundle = types.SimpleNamespace(state=state, initial_params=init)
+    batch = _kl_batch()
+    plain = kl.kl_to_initial(_run_cfg(tmp_path, False), types.SimpleNamespace(cfg=cfg),
+                             types.SimpleNamespace(initial_params=init), batch)
+    seen = []
+    real = kl._initial_logprobs
+
+    def spy(*a, **k):
+        seen.append((bundle.state.opt_state, sorted(p.name for p in tmp_path.iterdir())))
+        return real(*a, **k)
+
+    monkeypatch.setattr(kl, "_initial_logprobs", spy)
+    run_cfg = _run_cfg(tmp_path / "run", True)
+    assert kl.kl_to_initial(run_cfg, types.SimpleNamespace(cfg=cfg), bundle, batch) == plain
+    ((during, files),) = seen
+    assert during is None and len(files) == 1 and files[0].startswith("pmd_jax_optimizer_")
+
+    def same(a, b):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert x.sharding == y.sharding and x.dtype == y.dtype
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    same(bundle.state.opt_state, opt)
+    assert bundle.state.params is init and not list(tmp_path.iterdir())
+
+    def boom(*a, **k):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(kl, "_initial_logprobs", boom)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        kl.kl_to_initial(run_cfg, types.SimpleNamespace(cfg=cfg), bundle, batch)
+    same(bundle.state.opt_state, opt)
+    assert not list(tmp_path.iterdir())
+
+
+def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
+    """The KL to the initial policy from its file equals the KL from the arrays in memory
+    (the same forward on the same bits), and differs once the policy moved."""
+    cfg = tiny_llama().replace(vocab_size=256)
+    init = decoder.init_params(cfg, jax.random.PRNGKey(0))
+    batch = _kl_batch()
+    run_cfg = _run_cfg(tmp_path, offload_optimizer=False)
     model = types.SimpleNamespace(cfg=cfg)
     in_memory = kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=init),
                                  batch)
