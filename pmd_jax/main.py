@@ -6,7 +6,10 @@
 
 The config is validated (unknown keys, impossible combinations, missing files) before any
 model is loaded or any array is allocated: every problem is printed, one line each, and the
-exit status is 2. ``--config.a.b=none`` sets a nullable field (e.g. distill.loss.topk) to None.
+exit status is 2. A valid config this machine cannot run is one ``cannot start:`` line and
+exit 2 as well: no vLLM server answering at rollout.vllm_url (asked before the model loads),
+no room for two checkpoints on run_dir's disk (found once the train state exists, before the
+first step). ``--config.a.b=none`` sets a nullable field (e.g. distill.loss.topk) to None.
 The trainer gets the frozen, typed ``RunConfig`` (``pmd_jax.config.freeze``). Every knob
 with its default and help text: ``python -m pmd_jax.config [prefix, e.g. distill.loss]``.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -58,6 +61,22 @@ def _report(errs: list[str]) -> int:
 
     print(format_errors(errs), file=sys.stderr, flush=True)
     return CONFIG_ERROR_EXIT
+
+
+def _refuse(msg: str) -> int:
+    """A valid config this machine cannot run (no sampler server, no disk): one line, exit 2."""
+    print(f"cannot start: {msg}", file=sys.stderr, flush=True)
+    return CONFIG_ERROR_EXIT
+
+
+def _start_refusal(cfg: Any) -> str | None:
+    """What stops a valid config from starting here, found before the model loads: the vLLM
+    server it samples from does not answer."""
+    if cfg.rollout.sampler == "vllm":
+        from pmd_jax.sampling.vllm_client import unreachable_message
+
+        return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -104,6 +123,9 @@ def main(argv: list[str]) -> int:
     if errs:
         return _report(errs)
     run_cfg = freeze(cfg)
+    refusal = _start_refusal(run_cfg)
+    if refusal:
+        return _refuse(refusal)
     # Before the big allocations: freed blocks of this size leave the heap (footprint).
     from pmd_jax import footprint
 
@@ -119,9 +141,20 @@ def main(argv: list[str]) -> int:
     from pmd_jax.distributed import maybe_initialize
 
     maybe_initialize()
+    from pmd_jax.checkpoint import DiskSpaceError
+    from pmd_jax.models.config import ConfigError
+    from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
+    from pmd_jax.models.tokenizer import TokenizerError
+    from pmd_jax.sharding import ShardingError
     from pmd_jax.trainer import Trainer
 
-    Trainer(run_cfg).run()
+    try:  # set-up finds what validation could not see without loading: one line, exit 2
+        trainer = Trainer(run_cfg)
+    except DiskSpaceError as e:
+        return _refuse(str(e))
+    except (ConfigError, ModelFolderError, TokenizerError, ShardingError) as e:
+        return _report([str(e)])  # (e.g. a mesh the devices here cannot hold)
+    trainer.run()
     return 0
 
 

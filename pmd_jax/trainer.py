@@ -124,6 +124,10 @@ class Trainer:
             "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
+        # the disk the checkpoints need; no room for two raises DiskSpaceError (main: exit 2)
+        log.info(self.ckpt.check_disk(self.state, {"memory": self.memory.state_dict()} if
+                                      self.memory is not None else None,
+                                      export_hf=cfg.train.export_hf))
         placed = train.place_initial_policy(cfg, self.state, self.model, str(self.run_dir))
         if placed:
             log.info("initial policy %s; process RSS %.2f GiB", placed, footprint.rss_gib())

@@ -83,6 +83,7 @@ FLAGS = [
     "--config.rollout.sampler=jax",
     *(a for a in TINY if not a.startswith("--config.train.steps=")),
     f"--config.train.steps={STEPS}",
+    "--config.train.keep_checkpoints=2",  # _assert_state_equal reads the step before the last
 ]
 EVAL_AT_END = ("--config.train.eval_every=0",)  # evaluate once, after the last step
 # Per-process measurements (wall clock, durations, this process's memory), not compared.

@@ -154,9 +154,11 @@ def config_errors(c: Any) -> list[str]:
     errs.extend(batch_plan_errors(c))
     errs.extend(_loss_errors(c))
     errs.extend(_task_errors(c))
+    if not model_errs:  # a HF folder as model.source: what set-up reads from it is there
+        errs.extend(_model_folder_errors(c))
     if not any(e.startswith(("model.source=", "model.random_init=")) for e in model_errs):
         errs.extend(_prompt_budget_errors(c))
-    errs.extend(_run_dir_errors(c.run_dir))
+    errs.extend(_run_dir_errors(c.run_dir) or _run_dir_try_errors(c.run_dir))
     if c.rollout.overlap is True:
         need(
             c.distill.loss.rollout_is_threshold is not None,
@@ -392,3 +394,91 @@ def _run_dir_errors(run_dir: Any) -> list[str]:
         return [f"run_dir={run_dir!r} cannot be created: {str(parent)!r} is not writable"]
     return []
 
+
+def _run_dir_try_errors(run_dir: Any) -> list[str]:
+    """Tries a local run_dir, which os.access cannot vouch for (root passes every mode bit;
+    /proc, sysfs or a full disk refuse anyway): creates it with its missing parents and a
+    marker file in it, then removes the marker and the folders it created, nothing else.
+    The error names the folder and the OS's reason. Remote URLs are not tried."""
+    import tempfile
+
+    from pmd_jax.paths import is_remote
+
+    if not isinstance(run_dir, str) or not run_dir.strip() or is_remote(run_dir) \
+            or "://" in run_dir:
+        return []
+    path = Path(os.path.abspath(os.path.expanduser(run_dir)))
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    made: list[Path] = []
+    doing = ""
+    try:
+        for d in reversed(missing):
+            doing = f"creating {d}"
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # made meanwhile (another process of the run): not ours
+                continue
+            made.append(d)
+        doing = f"writing a file in {path}"
+        fd, marker = tempfile.mkstemp(prefix=".pmd_jax_write_test.", dir=path)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.unlink(marker)
+    except OSError as e:
+        return [f"run_dir={run_dir!r} cannot be used: {doing} failed: "
+                f"{e.strerror or type(e).__name__} (errno {e.errno})"]
+    finally:
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # something else wrote there meanwhile: left as it is
+    return []
+
+
+def _model_folder_errors(c: Any) -> list[str]:
+    """A HF checkpoint folder as model.source: what set-up reads from it is there and usable,
+    read without loading a weight: its config.json of a supported architecture (read for a
+    random_init run too; a missing one is named by the prompt-budget check, which reads it),
+    tokenizer.json, and unless model.random_init the safetensors file or the index and every
+    shard it names."""
+    import json
+
+    from pmd_jax.models import hf_io
+    from pmd_jax.models.assets import EMBEDDED_MODELS
+    from pmd_jax.models.config import from_hf_config
+
+    src = c.model.source
+    if not isinstance(src, str) or src in EMBEDDED_MODELS or not os.path.isdir(src):
+        return []  # embedded, or named by the model section's own check
+    errs: list[str] = []
+    if (Path(src) / "config.json").is_file():
+        try:
+            from_hf_config(hf_io.read_hf_config(src))
+        except (ConfigError, hf_io.CheckpointError) as e:
+            errs.append(f"model.source={src!r}: {e}")
+    if not (Path(src) / "tokenizer.json").is_file():
+        errs.append(f"model.source={src!r} has no tokenizer.json")
+    if c.model.random_init:
+        return errs
+    index, single = Path(src) / hf_io.SAFE_INDEX, Path(src) / hf_io.SAFE_SINGLE
+    if index.is_file():
+        try:
+            shards = sorted(set(dict(json.loads(index.read_text())["weight_map"]).values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return errs + [f"model.source={src!r}: {index.name} is not a valid safetensors "
+                           f"index: {e!r}"]
+        gone = [f for f in shards if not (Path(src) / f).is_file()]
+        if gone:
+            errs.append(f"model.source={src!r}: {len(gone)} shard(s) {index.name} lists are "
+                        f"missing: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
+    elif not single.is_file():
+        errs.append(f"model.source={src!r} has no {hf_io.SAFE_SINGLE} or {hf_io.SAFE_INDEX} "
+                    "(the weights; model.random_init needs neither)")
+    return errs

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import time
 import urllib.error
@@ -367,6 +368,37 @@ class VLLMSampler:
                 )
         self.weights_version = int(version)
         self.last_reload = dict(results[0], client_s=time.perf_counter() - t0)
+
+
+def unreachable_message(base_url: str, model_source: str = "", *, timeout_s: float = 5.0,
+                        retries: int = 2, backoff_s: float = 0.5) -> str | None:
+    """None when a server answers ``GET <base_url>/health``; else one line naming the URL, why
+    not, and the command that starts a server for ``model_source`` (``launch/vllm_server.sh``,
+    on the URL's port). ``pmd_jax.main`` asks before the model loads; ``retries`` with
+    ``backoff_s`` doubling (1.5 s at the defaults) cover a server that is just coming up."""
+    from urllib.parse import urlsplit
+
+    probe = VLLMSampler(base_url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+    try:
+        probe._request("GET", "/health")
+        return None
+    except SamplerServerError as e:
+        why = str(e)
+    try:
+        parts = urlsplit(base_url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:
+        host, port = "", None
+    env, where = "", ""
+    if host not in ("127.0.0.1", "localhost", "::1", ""):  # started on that host
+        env, where = f"PMD_VLLM_HOST={host} ", f" on {host}"
+    if port not in (None, 8000):  # the script's default port
+        env += f"PMD_VLLM_PORT={port} "
+    model = (model_source if model_source and os.path.isdir(model_source)
+             else f"<HF folder of model.source={model_source!r}>")
+    return (f"rollout.sampler=vllm: no vLLM server answers at {probe.base_url} ({why}); start "
+            f"one{where} with `{env}bash launch/vllm_server.sh {model}` (its venv once: `bash "
+            "launch/setup_vllm_venv.sh`), or set rollout.vllm_url to a running one")
 
 
 def _version_tuple(version: str) -> tuple[int, ...] | None:
