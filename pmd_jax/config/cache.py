@@ -63,4 +63,6 @@ def setup_compilation_cache(train: Any) -> str | None:
     for name, value in wanted.items():
         if os.environ.get(_CACHE_ENV[name]) is None:
             jax.config.update(name, value)
-    return jax.config.jax_compilation_cache_dir or None
+    # read through .values: jax.config sets its options as attributes at run time, which
+    # its class does not declare to a type checker
+    return jax.config.values["jax_compilation_cache_dir"] or None

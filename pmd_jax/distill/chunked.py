@@ -28,6 +28,8 @@ stop-gradiented.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -174,13 +176,15 @@ def chunked_distill_stats(
     chunk = min(chunk, max(t_len, 1))
     sg = lax.stop_gradient
     w_t = sg(teacher_unembed)
-    w_r = sg(ref_teacher_unembed) if has_ref else None
+    # has_ref: both ref_teacher_* are given (checked above), so each is None exactly without it
+    w_r = sg(ref_teacher_unembed) if ref_teacher_unembed is not None else None
 
     def body(carry: None, xs: tuple) -> tuple[None, dict[str, Array]]:
         hs, ht, hr, tok = xs
         s_logits = project(hs, student_unembed, vocab_major, matmul_dtype)
         t_logits = project(ht, w_t, vocab_major, matmul_dtype)
         if hr is not None:
+            assert w_r is not None  # hr is scanned only with a reference teacher
             r_logits = project(hr, w_r, vocab_major, matmul_dtype)
             t_logits = r_logits + tr_alpha * (t_logits - r_logits)
         return carry, losses.token_distill_stats(s_logits, sg(t_logits), tok, cfg, topk_indices)
@@ -190,11 +194,27 @@ def chunked_distill_stats(
     xs = (
         _split(student_hidden, chunk),
         _split(sg(teacher_hidden), chunk),
-        _split(sg(ref_teacher_hidden), chunk) if has_ref else None,
+        _split(sg(ref_teacher_hidden), chunk) if ref_teacher_hidden is not None else None,
         _split(tokens.astype(jnp.int32), chunk),
     )
     _, out = lax.scan(body, None, xs)
     return {k: _merge(v, t_len) for k, v in out.items()}
+
+
+@overload
+def chunked_token_logprobs(
+    hidden: Array, unembed: Array, tokens: Array, temperature: float = ...,
+    chunk: int = ..., *, return_entropy: Literal[False] = ..., vocab_major: bool = ...,
+    remat: bool = ..., matmul_dtype: str | None = ...,
+) -> Array: ...
+
+
+@overload
+def chunked_token_logprobs(
+    hidden: Array, unembed: Array, tokens: Array, temperature: float = ...,
+    chunk: int = ..., *, return_entropy: Literal[True], vocab_major: bool = ...,
+    remat: bool = ..., matmul_dtype: str | None = ...,
+) -> tuple[Array, Array]: ...
 
 
 def chunked_token_logprobs(

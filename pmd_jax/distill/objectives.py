@@ -52,13 +52,22 @@ _PG_KINDS = {
 _DISTILL_METRIC_KINDS = {"kl": "loss_mask", "top1_agree": "loss_mask", "entropy": "response"}
 
 
+def _teacher_stats(x: LossInputs, loss: str) -> dict[str, Array]:
+    """``x.stats`` for a loss registered with ``needs_teacher=True``: the step runs the teacher
+    forward for every such loss, so None here is a wiring bug, named rather than indexed."""
+    if x.stats is None:
+        raise ValueError(f"loss {loss!r} needs the teacher's distillation stats (its LossSpec "
+                         "has needs_teacher=True) but the step passed none")
+    return x.stats
+
+
 def sdpo(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
     """Self-distillation (METHOD.md 1.2-1.3): the divergence to the teacher over the loss mask
     ``response_mask * sd_mask``, times the detached IS ratio to ``old_logp``."""
     lc = opts.loss
     metrics: dict[str, Array] = {}
     loss, m = losses.finalize_distill(
-        x.stats, x.response_mask, x.sd_mask, lc, old_token_logp=x.old_logp,
+        _teacher_stats(x, "sdpo"), x.response_mask, x.sd_mask, lc, old_token_logp=x.old_logp,
         rollout_is_weights=x.rollout_is_weights,
     )
     metrics.update(m)
@@ -125,11 +134,12 @@ def hybrid(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
     """GRPO + SDPO (Eq. 3): PPO-clip with ``lam * A_GRPO + (1 - lam) * A_SDPO`` per token, plus
     the distillation metrics (kl, top1_agree, entropy) of the teacher forward."""
     adv, common = _pg_common(x, opts)
+    stats = _teacher_stats(x, "hybrid")
     loss, m = pg.hybrid_loss(
-        x.token_logp, x.stats["teacher_logp"], x.response_mask, adv, opts.hybrid_lambda,
+        x.token_logp, stats["teacher_logp"], x.response_mask, adv, opts.hybrid_lambda,
         sd_mask=x.sd_mask, **common,
     )
-    _, dm = losses.finalize_distill(x.stats, x.response_mask, x.sd_mask, opts.loss)
+    _, dm = losses.finalize_distill(stats, x.response_mask, x.sd_mask, opts.loss)
     metrics = {k: dm[k] for k in ("kl", "top1_agree", "entropy")}
     return loss, _pg_metrics(metrics, loss, m, x)
 

@@ -114,7 +114,7 @@ class DiskParams:
             view = mm[shard.offset: shard.offset + size].view(leaf.dtype).reshape(shard.shape)
             return np.array(view)  # a copy: nothing keeps the mapping once loaded
 
-        out = []
+        out: list[np.ndarray | jax.Array] = []
         for leaf in self.leaves:
             if leaf.sharding is None:  # a host value stays one
                 out.append(read(leaf, leaf.shards[0]))

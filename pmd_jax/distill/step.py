@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from typing_extensions import TypeVar
 
 from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate
@@ -59,14 +60,19 @@ from pmd_jax.models.config import ModelConfig
 
 Array = jax.Array
 
+# The leaf type of a TrainState tree: the arrays of a state (the default), or, for a tree of
+# the same structure, their NamedShardings (state_shardings) or ShapeDtypeStructs
+# (abstract_state). typing_extensions: TypeVar defaults are Python 3.13 typing.
+Leaf = TypeVar("Leaf", default=Array)
+
 
 @struct.dataclass
-class TrainState:
-    step: Array  # int32 scalar: number of steps taken
+class TrainState(Generic[Leaf]):
+    step: Leaf  # int32 scalar: number of steps taken
     params: Any  # master weights (fp32) or params in param_dtype
     opt_state: Any
     teacher: Any  # EMA / frozen / trust-region reference params; {} for the live teacher
-    rng: Array  # uint32[2] raw PRNG key data
+    rng: Leaf  # uint32[2] raw PRNG key data
 
 
 def apply_update(o: StepOptions, state: TrainState, loss: Array, metrics: Mapping[str, Array],
@@ -135,7 +141,7 @@ class TrainStep:
                                                  loss_chunk_remat=loss_chunk_remat)
                               if self.opts.loss_spec.lesson_nll else None)
         self._compiled: dict[tuple, Any] = {}
-        self._state_shardings: Any = None
+        self._state_shardings: TrainState[NamedSharding] | None = None
         # gradient accumulation (train.microbatch_rows; 0 = off): checked against the mesh now
         self.microbatch_rows = int(microbatch_rows)
         accumulate.check_microbatch_rows(self.microbatch_rows, self.microbatch_unit())
@@ -172,10 +178,13 @@ class TrainStep:
         assert self.mesh is not None
         return NamedSharding(self.mesh, spec)
 
-    def state_shardings(self) -> Any:
+    def state_shardings(self) -> TrainState[NamedSharding] | None:
         """NamedShardings for every TrainState leaf (None without a mesh)."""
-        if self.mesh is None:
-            return None
+        return None if self.mesh is None else self._mesh_state_shardings()
+
+    def _mesh_state_shardings(self) -> TrainState[NamedSharding]:
+        """:meth:`state_shardings` of a step with a mesh (built once)."""
+        assert self.mesh is not None
         if self._state_shardings is None:
             p_sh = shd.tree_shardings(self.mesh, self.rules, decoder.param_axes(self.model_cfg))
             abstract = jax.eval_shape(self._init_host, self._abstract_params(),
@@ -228,7 +237,7 @@ class TrainStep:
             rng = jax.random.key_data(rng)
         if self.mesh is None:
             return jax.jit(self._init_host)(params, rng)
-        p_sh = self.state_shardings().params
+        p_sh = self._mesh_state_shardings().params
         shd.check_divisible(self.mesh, self.rules, params, decoder.param_axes(self.model_cfg))
         params = jax.device_put(params, p_sh)
         return jax.jit(self._init_host, out_shardings=self.state_shardings())(params, rng)
@@ -271,7 +280,7 @@ class TrainStep:
         if self.mesh is not None:
             s2, s1 = self.rules.spec(("batch", "seq")), self.rules.spec(("batch",))
             sharding = lambda nd: self._named(accumulate.mesh_spec(s2, s1, nd))  # noqa: E731
-            grad_sh = self.state_shardings().params
+            grad_sh = self._mesh_state_shardings().params
         return accumulate.accumulated_value_and_grad(
             self.loss_fn, state.params, state.teacher, batch, loss_name=self.opts.loss_name, n=n,
             sharding=sharding, grad_sharding=grad_sh)
@@ -337,7 +346,7 @@ class TrainStep:
         check_batch(batch, self.opts.loss_spec)
         return self._get_compiled(batch).lower(state, dict(batch))
 
-    def abstract_state(self) -> TrainState:
+    def abstract_state(self) -> TrainState[jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs (with shardings on a mesh) of the TrainState, no allocation."""
         abstract = jax.eval_shape(self._init_host, self._abstract_params(),
                                   jax.ShapeDtypeStruct((2,), jnp.uint32))
