@@ -36,18 +36,9 @@ CONTROL_STRINGS: dict[str, tuple[str, ...]] = {
               "</function_calls>"),
 }
 
-_FAMILY_FORMAT = {"llama": "chatml", "qwen2": "qwen2.5", "qwen3": "qwen3", "olmo3": "olmo3"}
-
 
 class ChatError(ValueError):
     """Malformed chat messages; the message names the offending entry."""
-
-
-def format_for_family(family: str) -> str:
-    if family not in _FAMILY_FORMAT:
-        known = sorted(_FAMILY_FORMAT)
-        raise ChatError(f"no chat format for model family {family!r}; known {known}")
-    return _FAMILY_FORMAT[family]
 
 
 def _check(messages: Sequence[Message], roles: Sequence[str]) -> list[dict[str, Any]]:
