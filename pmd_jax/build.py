@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pmd_jax.config import MEMORY_MODES
+from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages
 
 log = logging.getLogger("pmd_jax")
@@ -49,16 +49,9 @@ def build_task(cfg: Any, check_heldout: bool = True, check_sandbox: bool = False
     a working sandbox backend; without one this raises SandboxError naming each backend's
     reason, before any compute. Config validation calls this without it (it runs before
     ``jax.distributed`` is initialised, so nothing here may touch a jax backend)."""
-    from pmd_jax.tasks.registry import get_task
-    from pmd_jax.tasks.splits import TransferTask
+    from pmd_jax.tasks.loader import load_task
 
-    kw = task_kwargs(cfg, cfg.task.name)
-    if cfg.task.path:
-        kw["path"] = cfg.task.path
-    task = get_task(cfg.task.name, **kw)
-    eval_name = str(cfg.task.eval_task or "")
-    if eval_name and eval_name != cfg.task.name:
-        task = TransferTask(task, get_task(eval_name, **task_kwargs(cfg, eval_name)))
+    task = load_task(cfg)
     if check_sandbox and runs_code(task):
         # a machine where no sandbox works fails here, not with every program graded as
         # failed (detect_backend raises and says why)
@@ -254,7 +247,7 @@ def memory_config(cfg: Any, tokenizer: Any) -> Any:
 
 def build_memory(cfg: Any, model: Any):
     """The run's ProceduralMemory (None for the modes without one: grpo, sdpo)."""
-    if cfg.mode not in MEMORY_MODES:
+    if not get_mode(cfg.mode).uses_memory:
         return None
     from pmd_jax.memory.memory import ProceduralMemory
 

@@ -507,7 +507,7 @@ class RunCheckpointer:
     def __init__(self, run_dir: Path, keep: int) -> None:
         self.ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=keep,
                                  slots=("memory", "data_cursor", "trainer", "prefetch",
-                                        "fast_slow"))
+                                        "mode_state", "fast_slow"))
         self.inflight: int | None = None  # the step of the background write, until it ends
 
     def save(self, step: int, bundle: Any, extras: dict[str, Any]) -> None:
@@ -521,9 +521,9 @@ class RunCheckpointer:
             "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
             # rollout.overlap: the next step's rollouts, already sampled (pickled bytes)
             "prefetch": extras.get("prefetch"),
-            # mode=fast_slow: the context pool (pmd_jax/fast_slow), pickled like the memory
-            "fast_slow": (pickle.dumps(extras["fast_slow"], protocol=5)
-                          if extras.get("fast_slow") is not None else None),
+            # the mode runtime's state (pmd_jax/modes; fast_slow: its context pool), pickled
+            "mode_state": (pickle.dumps(extras["mode_state"], protocol=5)
+                           if extras.get("mode_state") is not None else None),
         }
         self.wait()  # a failed background write of the previous save stops here
         try:
@@ -554,8 +554,10 @@ class RunCheckpointer:
             "memory": pickle.loads(mem) if mem else None,
             "prefetch": r.slots.get("prefetch"),
         }
-        if r.slots.get("fast_slow"):
-            extras["fast_slow"] = pickle.loads(r.slots["fast_slow"])
+        # ("fast_slow": the slot's name in checkpoints written before the mode registry)
+        state = r.slots.get("mode_state") or r.slots.get("fast_slow")
+        if state:
+            extras["mode_state"] = pickle.loads(state)
         return bundle, extras
 
     def wait(self, block: bool = True) -> None:

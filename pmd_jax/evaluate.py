@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 from pmd_jax.teaching import response_prefix, teacher_messages, user_text
 
@@ -97,7 +98,7 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
         out["in_sample"] = "in-sample"
     if cfg.eval.retention:
         out.update(_retention(cfg, model, task, textgen, problems, out_dir))
-    if memory is not None and cfg.mode == "pmd_frozen_policy":
+    if memory is not None and get_mode(cfg.mode).eval_with_memory:
         rm = evaluation.evaluate(
             task,
             make_generate_fn(cfg, model, textgen, memory,

@@ -218,12 +218,12 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
         raise GridError(f"--scratch {scratch} lies inside --out {out}: the run directories "
                         "(checkpoints, HF export) must stay out of the committed folder")
     cells = list(cells) if cells else [Cell(m, s) for m in modes for s in seeds]
-    from pmd_jax.config import MODE_ALIASES, MODES
+    from pmd_jax.modes import aliases, canonical, mode_names
 
-    bad = [m for m in modes if m not in MODES and m not in MODE_ALIASES]
+    bad = [m for m in modes if canonical(m) not in mode_names()]
     if bad:
-        raise GridError(f"unknown mode(s) {bad}; modes: {MODES}, aliases: "
-                        f"{tuple(MODE_ALIASES)}")
+        raise GridError(f"unknown mode(s) {bad}; modes: {mode_names()}, aliases: "
+                        f"{tuple(aliases())}")
     cfgs = {m: grid_config(config, overrides, m) for m in dict.fromkeys(c.mode for c in cells)}
     steps = int(next(iter(cfgs.values())).train.steps)
     budget = {"config": config, "overrides": list(overrides), "train_steps": steps}

@@ -39,13 +39,13 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def needs(cfg: Any) -> dict[str, str]:
     """The host needs of a (mode-applied) run config, as strings."""
-    from pmd_jax.config import MEMORY_MODES
     from pmd_jax.memory.embedder import DEFAULT_MODEL
     from pmd_jax.models.assets import EMBEDDED_MODELS
+    from pmd_jax.modes import get_mode
     from pmd_jax.paths import is_remote
     from pmd_jax.tasks.registry import get_spec, task_names
 
-    memory = cfg.mode in MEMORY_MODES
+    memory = get_mode(cfg.mode).uses_memory
     extras: list[str] = []
     assets: list[str] = []
     if memory:

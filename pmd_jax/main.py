@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
             kept = [f for f in flags_env.split() if "xla_force_host_platform_device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
-        from pmd_jax.dry_run.distill_step import dry_run_from_config
+        from pmd_jax.dry_run.entry import dry_run_from_config
 
         report = dry_run_from_config(freeze(cfg))
         # exit 1 when the train step or the decode step does not fit the target's HBM

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pmd_jax.distill.update_rows import round_up
+from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 
 
@@ -303,7 +304,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
     sampler_logp = [r.logprobs for r in sb.rollouts]
     stats: dict[str, float] = {}
     # no teacher (mel's lesson rows: pmd_jax/mel; fast_slow's student prompts carry the context)
-    if student_only or cfg.mode in ("grpo", "mel", "fast_slow"):
+    if student_only or not get_mode(cfg.mode).has_teacher:
         teachers = students
         sd = np.ones(len(responses), np.float32)
     else:

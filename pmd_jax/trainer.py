@@ -2,9 +2,9 @@
 
 1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch)
 2. verify        reward each rollout (``tasks/``)
-3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``);
-                 mode=mel instead reflects on right/wrong pairs and replays (``mel/``);
-                 mode=fast_slow also updates its context pool (``fast_slow/``)
+3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``),
+                 then the mode's own host work (mel: lessons from right/wrong pairs,
+                 ``mel/``; fast_slow: its context pool, ``fast_slow/``)
 4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
 5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
                  ``distill/kl.py`` for the KL to the initial model)
@@ -17,8 +17,9 @@
 The parts are built once at start-up (``build.py``). This file reads in that order.
 
 No math lives here: the numbers come from ``distill/``, the memory from ``memory/``, rewards
-from ``tasks/``. Every mode (grpo, sdpo, pmd, frozen variants, level ablations, controls) runs
-through this one code path; a mode only changes config values.
+from ``tasks/``. Every mode (grpo, sdpo, pmd, frozen variants, level ablations, controls, mel,
+fast_slow) runs through this one code path; the loop asks the mode's spec (``pmd_jax/modes``:
+memory or not, policy trained or not) and calls its runtime's hooks, never its name.
 
 ``rollout.overlap``: once step k has its rollouts, step k+1's problems are drawn (main thread)
 and their generate() call starts in a background thread, with the weights the sampler holds
@@ -41,11 +42,11 @@ import numpy as np
 
 from pmd_jax import build, footprint, multihost, paths, teaching
 from pmd_jax.checkpoint import build_checkpointer
-from pmd_jax.config import MEMORY_MODES, freeze, to_dict
+from pmd_jax.config import freeze, to_dict
 from pmd_jax.distill import kl, offload, train
 from pmd_jax.distill.update_rows import rows_for_update
-from pmd_jax.fast_slow import pool as fast_slow
 from pmd_jax.metrics import MetricsWriter, NoMetrics, Progress, write_plots
+from pmd_jax.modes import get_mode
 from pmd_jax.phases import TrainingError, retry, timed
 from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
@@ -99,14 +100,16 @@ class Trainer:
         self.leader_sampler = multihost.LeaderSampler(self.reflect_sampler)
         self.textgen = TextGenerator(self.leader_sampler, self.model.encode_chat,
                                      self.model.decode)
+        # What the mode means (pmd_jax.modes): the loop asks it, never the mode's name.
+        self.mode = get_mode(cfg.mode)
         # The memory lives on process 0 only (one owner; the others never read it).
-        self.uses_memory = cfg.mode in MEMORY_MODES
+        self.uses_memory = self.mode.uses_memory
         self.memory = build.build_memory(cfg, self.model) if self.is_main else None
         self.state = train.init_train_state(cfg, self.model)
-        # mode=fast_slow: the context pool (fast weights) and its held-out validation problems
-        self.fast_slow = fast_slow.build_pool(cfg, self.model, self.task, self.train_problems,
-                                              self.eval_problems)
-        self.stream = ProblemStream(fast_slow.train_items(self.fast_slow, self.train_problems),
+        # the mode's per-run state and hooks (mel's lessons, fast_slow's context pool)
+        self.mode_rt = self.mode.runtime(cfg, self.model, self.task, self.train_problems,
+                                         self.eval_problems)
+        self.stream = ProblemStream(self.mode_rt.train_items(self.train_problems),
                                     seed=cfg.seed)
         self.ckpt = build_checkpointer(cfg, self.run_dir)
         self.nonfinite_in_a_row = self.skipped_long_prompts = 0
@@ -241,7 +244,7 @@ class Trainer:
         if self.overlap:
             with timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
                 self._finish_prefetch()
-        if cfg.mode != "pmd_frozen_policy":
+        if self.mode.trains_policy:
             with timed(times, "publish"):
                 self._publish(step + 1)
         times["time_step"] = time.perf_counter() - t_step
@@ -283,23 +286,16 @@ class Trainer:
                 )
             times["time_reflect"] = float(mem_stats.pop("reflect_seconds", 0.0))
             times["time_memory"] -= times["time_reflect"]
-        mel_step = None
-        if cfg.mode == "mel":  # 3'. MEL: reflections on right/wrong pairs, replay filter
-            from pmd_jax.mel import lessons as mel
-
-            with timed(times, "mel"):
-                mel_step = mel.run_step(cfg, self.model, self.task, self.textgen.sampler, sb)
-            mem_stats = mel_step.stats
-        if self.fast_slow is not None:  # 3''. fast_slow: new contexts, scored, Pareto front
-            with timed(times, "fast_slow"):
-                mem_stats.update(self.fast_slow.update(step, sb, self.memory, self.textgen))
+        rt = self.mode_rt
+        if rt.work_name:  # 3'. the mode's own (mel: lessons; fast_slow: the context pool)
+            with timed(times, rt.work_name):
+                mem_stats.update(rt.host_work(step, sb, self.memory, self.textgen))
         with timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
             batch, prompt_stats = teaching.build_train_batch(
                 cfg, self.model, self.task, self.memory, sb, sampler=self.leader_sampler
             )
-            if mel_step is not None:  # + the kept lessons' rows (their NLL joins the loss)
-                batch.update(mel.lesson_rows(cfg, self.model, self.task, sb, mel_step.kept,
-                                             self.state.step_fn.batch_divisor()))
+            # + the mode's rows (mel: the kept lessons, whose NLL joins the loss)
+            batch.update(rt.extra_rows(sb, self.state.step_fn.batch_divisor()))
         return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
 
     # ------------------------------------------------------------------ 1. rollout
@@ -326,8 +322,8 @@ class Trainer:
         while len(problems) < cfg.rollout.problems_per_step:
             for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
                 pre = teaching.response_prefix(self.task, p)
-                msgs = fast_slow.student_messages(self.fast_slow, step, len(problems),
-                                                  self.task.prompt(p))  # (+ its context)
+                msgs = self.mode_rt.student_messages(step, len(problems),
+                                                     self.task.prompt(p))  # (+ a context)
                 ids = self.model.encode_prompt(msgs, pre)
                 if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
                     skipped += 1
@@ -413,7 +409,7 @@ class Trainer:
         updates and stops the run after train.max_nonfinite_in_a_row of them."""
         cfg = self.cfg
         train_metrics: dict[str, Any] = {}
-        if cfg.mode != "pmd_frozen_policy":
+        if self.mode.trains_policy:
             with timed(times, "train"):
                 update, row_stats = rows_for_update(
                     cfg, batch, self.state.step_fn.batch_divisor())
@@ -430,7 +426,7 @@ class Trainer:
         """Whether the sampler's weights go unused from the train step to the publish after
         it: not with rollout.overlap (the next batch is sampled meanwhile), nor without a
         publish (pmd_frozen_policy), nor for a sampler that keeps no weights in process."""
-        return (not self.overlap and self.cfg.mode != "pmd_frozen_policy"
+        return (not self.overlap and self.mode.trains_policy
                 and self.sampler.share_weights() == "in_process")
 
     def _kl_due(self, step: int) -> bool:
@@ -467,7 +463,7 @@ class Trainer:
             "skipped_long_prompts": self.skipped_long_prompts,
             # rollout.overlap: the next step's rollouts (the cursor above is already past them)
             "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
-            "fast_slow": self.fast_slow.state_dict() if self.fast_slow is not None else None,
+            "mode_state": self.mode_rt.state_dict(),
         }
         self.ckpt.save(self.step, self.state, extras)  # (names the step of a failed write)
 
@@ -489,8 +485,8 @@ class Trainer:
             self.memory.load_state_dict(extras["memory"])
         self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
         self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
-        if self.fast_slow is not None and extras.get("fast_slow") is not None:
-            self.fast_slow.load_state_dict(extras["fast_slow"])
+        if extras.get("mode_state") is not None:
+            self.mode_rt.load_state_dict(extras["mode_state"])
         nxt = extras.get("prefetch")
         if nxt is not None:
             # The batch for this step was sampled (one version stale) before the checkpoint
@@ -503,7 +499,7 @@ class Trainer:
             self._next = sb
         self.metrics.truncate_after(self.step - 1, keep=("eval", self.step))
         self._restored_eval = multihost.broadcast_object(self.metrics.last("eval", self.step))
-        if self.cfg.mode != "pmd_frozen_policy":  # (that mode never changes the weights)
+        if self.mode.trains_policy:  # (else the weights never change)
             self._publish(self.step)
         log.info("resumed from checkpoint at step %d%s%s", self.step,
                  " (with its prefetched rollouts)" if nxt is not None else "",
@@ -524,7 +520,7 @@ class Trainer:
             lambda: evaluation.evaluate(self.cfg, self.model, self.task, self.textgen,
                                         self.eval_problems,
                                         self.run_dir / "eval" / f"step_{step:06d}", self.memory,
-                                        context=fast_slow.deployed_context(self.fast_slow)),
+                                        context=self.mode_rt.eval_context()),
             self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
         if self._final_kl_due(step):
@@ -549,7 +545,7 @@ class Trainer:
     def _final_kl_due(self, step: int) -> bool:
         cfg = self.cfg
         return (cfg.eval.kl_final and step == cfg.train.steps and step > 0
-                and cfg.train.kl_initial_every > 0 and cfg.mode != "pmd_frozen_policy")
+                and cfg.train.kl_initial_every > 0 and self.mode.trains_policy)
 
     def _final_kl(self, step: int) -> float:
         """KL(policy || initial) of the final weights (eval.kl_final): the rollouts of a step

@@ -119,11 +119,11 @@ def test_chunked_next_token_loss_equals_full_logits_loss():
 
 
 def _small_step_report(impl: str, student: int, teacher: int, response: int):
-    from pmd_jax.config import base_config
+    from pmd_jax.config import apply_mode, base_config
     from pmd_jax.dry_run.distill_step import distill_step_report
     from pmd_jax.models.config import ModelConfig
 
-    cfg = base_config()
+    cfg = apply_mode(base_config())  # (the mode's loss, as every run gets it)
     cfg.distill.loss.chunk_size = 256
     mc = ModelConfig(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128,
                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
@@ -191,16 +191,17 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "import os, json, importlib.util\n"
         "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=64'\n"
         "import jax\n"
-        "from pmd_jax.dry_run.distill_step import distill_step_report, _mesh_shape\n"
+        "from pmd_jax.dry_run.distill_step import distill_step_report, mesh_shape\n"
         "from pmd_jax.models.config import preset\n"
         "from pmd_jax.sharding import ShardingRules, make_mesh\n"
         "from pmd_jax.build import attention_options\n"
         "spec = importlib.util.spec_from_file_location('c', 'configs/qwen3.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "cfg = m.get_config()\n"
+        "from pmd_jax.config import apply_mode\n"
+        "cfg = apply_mode(m.get_config())\n"
         "mc = preset('qwen3-8b').replace(dtype=cfg.model.dtype,\n"
         "    param_dtype=cfg.model.param_dtype, **attention_options(cfg))\n"
-        "shape = _mesh_shape(cfg, jax.device_count())\n"
+        "shape = mesh_shape(cfg, jax.device_count())\n"
         "resp = int(cfg.rollout.max_tokens)\n"
         "r = distill_step_report(cfg, mc, make_mesh(shape), ShardingRules.from_mapping(None),\n"
         "    shape['data'] * shape['fsdp'], int(cfg.rollout.max_prompt_tokens) + resp,\n"

@@ -18,6 +18,8 @@ from pmd_jax.fast_slow import pareto_front
 from pmd_jax.fast_slow import pool as fsp
 from pmd_jax.fast_slow.config import FastSlowConfig
 from pmd_jax.fast_slow.contexts import render_memory, with_context
+from pmd_jax.fast_slow.mode import FastSlowRuntime
+from pmd_jax.modes import ModeRuntime
 from pmd_jax.rollout import ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator
 from tests.fakes import FakeSampler
@@ -122,8 +124,9 @@ def _rollout_and_update(mode: str):
 
     cfg = _cfg(mode)
     pool = _pool(cfg, CONTEXTS) if mode == "fast_slow" else None
+    rt = FastSlowRuntime(pool) if pool is not None else ModeRuntime()
     stub = types.SimpleNamespace(cfg=cfg, stream=ProblemStream(_problems(6), seed=0),
-                                 task=FakeTask(), model=FakeModel(), fast_slow=pool)
+                                 task=FakeTask(), model=FakeModel(), mode_rt=rt)
     drawn = Trainer._draw(stub, 5)
     g = cfg.rollout.n
     rollouts = Rollouts([Rollout(i, s, np.asarray([65 + s], np.int32),
@@ -157,7 +160,7 @@ def test_rollout_update_and_deployed_prompts_carry_the_drawn_context_grpo_none()
     assert len(used) >= 2  # the draws differ between problems (seeded, see below)
     # the deployed evaluation: the pool's best context in the prompt; memory-free without it
     pool.candidates[1].scores, pool.candidates[0].scores = [1.0, 1.0], [0.0, 1.0]
-    best = fsp.deployed_context(pool)
+    best = FastSlowRuntime(pool).eval_context()
     assert best == CONTEXTS[1]
     sampler = types.SimpleNamespace(seen=[])
 
@@ -307,9 +310,9 @@ def test_validation_problems_skip_evaluation_problems_and_are_held_out():
     val = fsp.validation_problems(cfg, FakeModel(), FakeTask(), train, ev)
     assert len(val) == 3 and train[0] not in val
     pool = fsp.ContextPool(cfg, FakeModel(), FakeTask(), val)
-    items = fsp.train_items(pool, train)
+    items = FastSlowRuntime(pool).train_items(train)
     assert len(items) == 5 and not set(map(id, items)) & set(map(id, val))
-    assert fsp.train_items(None, train) is train
+    assert ModeRuntime().train_items(train) is train  # every other mode
     with pytest.raises(ValueError, match="fast_slow.val_size=9"):
         fsp.validation_problems(_cfg(val_size=9), FakeModel(), FakeTask(), train, ev)
 
@@ -425,7 +428,7 @@ def test_one_step_fast_slow_run_logs_the_pool_and_the_deployed_accuracy(tmp_path
     assert (run_dir / "eval" / "step_000001" / "deployed_context.txt").read_text().strip()
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["mode"] == "fast_slow" and cfg["distill"]["loss"]["name"] == "grpo"
-    assert list((run_dir / "checkpoints").glob("*/fast_slow"))
+    assert list((run_dir / "checkpoints").glob("*/mode_state"))  # the pool
 
 
 @pytest.mark.slow  # ~60 s for 2 steps + ~35 s for the resumed third, on 2 loaded cores
@@ -446,9 +449,9 @@ def test_a_resumed_fast_slow_run_continues_with_the_checkpoints_pool(tmp_path):
 
 
 def test_the_run_checkpoint_stores_and_restores_the_pool(tmp_path):
-    """The trainer's checkpoint (RunCheckpointer) has a fast_slow slot: the pool saved with a
-    step comes back with it (a resumed run continues with the same pool); other modes save
-    none."""
+    """The trainer's checkpoint (RunCheckpointer) keeps the mode runtime's state (its
+    mode_state slot; fast_slow: the pool): the pool saved with a step comes back with it (a
+    resumed run continues with the same pool); other modes save none."""
     import jax
     import jax.numpy as jnp
 
@@ -465,13 +468,13 @@ def test_the_run_checkpoint_stores_and_restores_the_pool(tmp_path):
                                           jax.devices()[0]))}))
     extras = {"data_cursor": {"epoch": 0, "position": 2}, "memory": None, "prefetch": None}
     ck = RunCheckpointer(tmp_path / "a", keep=2)
-    ck.save(5, bundle, {**extras, "fast_slow": pool.state_dict()})
+    ck.save(5, bundle, {**extras, "mode_state": FastSlowRuntime(pool).state_dict()})
     ck.wait()
     _, got = RunCheckpointer(tmp_path / "a", keep=2).restore_latest(bundle)
     back = fsp.ContextPool(_cfg(), FakeModel(), FakeTask(), _problems(2))
-    back.load_state_dict(got["fast_slow"])
+    FastSlowRuntime(back).load_state_dict(got["mode_state"])
     assert back.state_dict() == pool.state_dict() and back.draws == {4: {0: pool.draws[4][0]}}
     ck = RunCheckpointer(tmp_path / "b", keep=2)
-    ck.save(5, bundle, {**extras, "fast_slow": None})
+    ck.save(5, bundle, {**extras, "mode_state": ModeRuntime().state_dict()})
     ck.wait()
-    assert "fast_slow" not in RunCheckpointer(tmp_path / "b", keep=2).restore_latest(bundle)[1]
+    assert "mode_state" not in RunCheckpointer(tmp_path / "b", keep=2).restore_latest(bundle)[1]

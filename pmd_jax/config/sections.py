@@ -25,7 +25,7 @@ from pmd_jax.sampling.backends import BACKENDS
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
 SAMPLERS: tuple[str, ...] = tuple(BACKENDS)  # sampling/backends.py registers them
-# train.malloc_mmap_threshold_mib (measured on the embedded default: README, "Host memory")
+# train.malloc_mmap_threshold_mib (measured on the embedded default: docs/benchmarks.md)
 MMAP_THRESHOLD_DEFAULT_MIB = 4.0
 
 
@@ -131,7 +131,7 @@ class TaskConfig(Section):
                                  "fraction (0.1 = the SDPO test_ratio).")
     include_support: bool = knob(False, "Whether the question's support passage opens the "
                                  "prompt (SciQ; jsonl_mcq: its 'passage').")
-    valid_size: int = knob(0, "jsonl_* kinds (README 'Bring your own data'): held-out size "
+    valid_size: int = knob(0, "jsonl_* kinds (docs/tasks.md, 'Bring your own data'): held-out size "
                            "(0 = valid_fraction).")
     split_seed: int = knob(42, "Seed of the held-out split.")
     shuffle_options: bool = knob(True, "Multiple choice: seeded per-problem option order.")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pmd_jax.config.context_length import model_context_length
-from pmd_jax.config.modes import MEMORY_MODES, MODE_ALIASES, MODES, loss_spec, mode_errors
+from pmd_jax.config.modes import loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.models.config import ConfigError
@@ -82,8 +82,8 @@ def batch_plan_errors(c: Any) -> list[str]:
         if rows % mb:
             errs.append(f"train.microbatch_rows={mb} does not divide the update batch of "
                         f"rollout.problems_per_step x rollout.n = {rows} rows")
-        spec = loss_spec(c.distill.loss.name)
-        if spec is not None and spec.needs_rewards and mb % int(c.rollout.n):
+        loss = loss_spec(c.distill.loss.name)
+        if loss is not None and loss.needs_rewards and mb % int(c.rollout.n):
             errs.append(f"train.microbatch_rows={mb} is not a multiple of the GRPO group, "
                         f"rollout.n={c.rollout.n} (groups must not be split across "
                         "microbatches)")
@@ -140,9 +140,7 @@ def config_errors(c: Any) -> list[str]:
         if not cond:
             errs.append(msg)
 
-    need(c.mode in MODES or c.mode in MODE_ALIASES,
-         f"mode={c.mode!r} is not one of {MODES} or an alias {tuple(MODE_ALIASES)}")
-    errs.extend(mode_errors(c))
+    errs.extend(mode_errors(c))  # the registry's: name, loss, groups, the mode's own
     model_errs: list[str] = []
     for f in dataclasses.fields(RunConfig):
         cls = f.metadata.get("section")
@@ -178,51 +176,23 @@ def config_errors(c: Any) -> list[str]:
 
 
 def _loss_errors(c: Any) -> list[str]:
-    """The run mode and the loss agree: the loss registry (pmd_jax.distill.registry) says
-    what each loss needs; grpo runs without a teacher, every other mode but
-    pmd_frozen_policy trains with one. GRPO groups are the rollouts of one problem."""
-    errs: list[str] = []
-    spec = loss_spec(c.distill.loss.name)
-    if c.mode != "mel" and spec is not None and spec.lesson_nll:
-        return [f"distill.loss.name={c.distill.loss.name!r} reads the lesson rows only "
-                f"mode=mel builds; mode={c.mode!r}"]
-    if c.mode in ("grpo", "fast_slow"):
-        if spec is None or spec.needs_teacher:
-            errs.append(f"mode={c.mode} needs a loss without a teacher as distill.loss.name, "
-                        f"got {c.distill.loss.name!r}")
-        if c.rollout.n < 2:
-            errs.append(f"mode={c.mode} with rollout.n=1 has zero advantages: use n >= 2")
-        mct = c.fast_slow.max_context_tokens
-        if (c.mode == "fast_slow" and isinstance(mct, int)
-                and mct >= c.rollout.max_prompt_tokens):
-            errs.append(f"fast_slow.max_context_tokens={mct} must be "
-                        f"below rollout.max_prompt_tokens={c.rollout.max_prompt_tokens} (the "
-                        "context is part of the student prompt)")
-        vmt = c.fast_slow.val_max_tokens
-        if (c.mode == "fast_slow" and isinstance(vmt, int)
-                and vmt > max(c.rollout.max_tokens, c.eval.max_tokens)):
-            errs.append(f"fast_slow.val_max_tokens={vmt} exceeds max(rollout.max_tokens, "
-                        "eval.max_tokens), the generation budget the sampler's context is "
-                        "checked for")
-        if c.mode == "fast_slow" and env_process_count() != 1:
-            errs.append("mode=fast_slow runs in a single JAX process only (the context pool "
-                        f"lives in one), but the environment asks for "
-                        f"{_describe_processes(env_process_count())}")
-    elif c.mode == "mel":
-        if spec is None or not spec.lesson_nll:
-            errs.append(f"mode=mel needs distill.loss.name='mel' (GRPO + the lessons' NLL), "
-                        f"got {c.distill.loss.name!r}")
-        if c.rollout.n < 2:
-            errs.append("mode=mel with rollout.n=1 has no right and wrong rollouts of one "
-                        "problem (and zero GRPO advantages): use rollout.n >= 2")
-    elif c.mode != "pmd_frozen_policy" and spec is not None and not spec.needs_teacher:
-        from pmd_jax.distill.registry import loss_names
+    """What spans the mode registry and the run: a mode whose state lives in one JAX process
+    (``ModeSpec.single_process``) in an environment that starts several."""
+    spec = _mode_spec(c.mode)
+    if spec is None or not spec.single_process or env_process_count() == 1:
+        return []
+    return [f"mode={c.mode} runs in a single JAX process only (its state lives in one), but "
+            f"the environment asks for {_describe_processes(env_process_count())}"]
 
-        with_teacher = [n for n in loss_names() if loss_spec(n).needs_teacher]
-        errs.append(f"mode={c.mode!r} needs a loss with a teacher as distill.loss.name "
-                    f"({' or '.join(repr(n) for n in with_teacher)}), got "
-                    f"{c.distill.loss.name!r}")
-    return errs
+
+def _mode_spec(name: Any) -> Any:
+    """The registered mode ``name``, or None (mode_errors names an unknown one)."""
+    from pmd_jax.modes import get_mode
+
+    try:
+        return get_mode(str(name))
+    except ValueError:
+        return None
 
 
 def env_process_count(environ: Any = None) -> int | None:
@@ -316,7 +286,8 @@ def _path_task_errors(c: Any) -> list[str]:
 def teacher_prompt_budget(c: Any) -> int:
     """Token budget of the rendered teacher user message (as the trainer applies it)."""
     budget = int(c.teacher_prompt.max_tokens)
-    if c.mode in MEMORY_MODES:
+    spec = _mode_spec(c.mode)
+    if spec is not None and spec.uses_memory:
         budget = min(budget, int(c.memory.context.max_tokens))
     return budget
 
@@ -350,10 +321,11 @@ def _prompt_budget_errors(c: Any) -> list[str]:
         errs.append(
             f"rollout.max_prompt_tokens + max(rollout.max_tokens, eval.max_tokens) = "
             f"{r.max_prompt_tokens} + {gen} = {r.max_prompt_tokens + gen} exceeds {limit_what}")
-    if c.mode not in ("grpo", "mel", "fast_slow"):  # these have no teacher
+    spec = _mode_spec(c.mode)
+    if spec is None or spec.has_teacher:
         tb = teacher_prompt_budget(c)
         tname = ("min(teacher_prompt.max_tokens, memory.context.max_tokens)"
-                 if c.mode in MEMORY_MODES else "teacher_prompt.max_tokens")
+                 if spec is not None and spec.uses_memory else "teacher_prompt.max_tokens")
         if tb + r.max_tokens > ctx:
             errs.append(f"the teacher's prompt budget {tname} + rollout.max_tokens = {tb} + "
                         f"{r.max_tokens} = {tb + r.max_tokens} exceeds {what}")

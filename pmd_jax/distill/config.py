@@ -44,7 +44,10 @@ def _loss_temperature(rollout_temperature: Any) -> float:
 class DistillLoss(Section):
     """The divergence and policy-gradient settings of the update."""
 
-    name: str = knob("sdpo", "Which loss (distill/registry.py): 'sdpo' pure self-distillation "
+    name: str = knob("", "Which loss (distill/registry.py); empty: the mode's default "
+                     "(pmd_jax/modes: grpo and fast_slow 'grpo', mel 'mel', the others "
+                     "'sdpo'); a loss the mode cannot train with is refused. 'sdpo' pure "
+                     "self-distillation "
                      "(verl loss_mode=sdpo); 'grpo' the baseline, no teacher; 'hybrid' PPO-clip "
                      "with A = lambda * A_GRPO + (1 - lambda) * A_SDPO (Eq. 3), where A_SDPO is "
                      "the sampled token's teacher/student log-ratio (a reverse-KL advantage): "
@@ -119,12 +122,12 @@ class DistillPrecision(Section):
     layer_loop: str = knob("scan", "How the step runs the decoder layers (ours): 'scan' "
                            "(lax.scan over the stacked weights) or 'unrolled' (weights split per "
                            "layer inside the step, a Python loop over layers: more memory and a "
-                           "longer compile; README has the measured trade-off).")
+                           "longer compile; docs/scale.md has the measured trade-off).")
     matmul_dtype: str = knob("", "Operand dtype of the step's weight matmuls (ours): '' = the "
                              "compute dtype; 'bfloat16' = bf16 operands with float32 accumulation "
                              "and result in the forward and both backward matmuls, everything "
                              "else in param_dtype (pmd_jax.models.matmul). The fast path on TPU, "
-                             "GPU and CPUs with AMX-BF16 (README has the measurements).")
+                             "GPU and CPUs with AMX-BF16 (measured in docs/benchmarks.md).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +149,11 @@ class DistillConfig(Section):
 
 
 def default_distill_config() -> ml_collections.ConfigDict:
-    """The editable ConfigDict of :class:`DistillConfig`'s defaults."""
-    return to_config_dict(DistillConfig())
+    """The editable ConfigDict of :class:`DistillConfig`'s defaults, for a distill section
+    used on its own (a train step outside a run: no mode chooses the loss, so SDPO's)."""
+    c = to_config_dict(DistillConfig())
+    c.loss.name = "sdpo"
+    return c
 
 
 def freeze_distill_config(c: Any) -> DistillConfig:
@@ -204,7 +210,9 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
     registry (:mod:`pmd_jax.distill.registry`)."""
     from pmd_jax.distill.registry import loss_names
 
-    if c.loss.name not in loss_names():
+    # (empty: the run mode's default, set by apply_mode; left empty only when the mode is
+    # unknown, which the mode check names)
+    if c.loss.name and c.loss.name not in loss_names():
         raise _err("loss.name", f"{c.loss.name!r} is not one of {loss_names()}")
     if c.teacher.rule not in TEACHER_RULES:
         raise _err("teacher.rule", f"{c.teacher.rule!r} is not one of {TEACHER_RULES}")

@@ -83,6 +83,7 @@ def sdpo(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
 
 register_loss(LossSpec(
     name="sdpo", fn=sdpo, needs_teacher=True, needs_rewards=False, needs_old_logprobs=False,
+    drops_unsignaled_rows=True,
     batch_keys=TEACHER_KEYS,
     doc="pure self-distillation (verl loss_mode=sdpo): divergence to the feedback-conditioned "
         "teacher on reprompted samples",

@@ -18,6 +18,10 @@ config validation ask the registry; nothing else branches on loss names.
   ``check_batch`` requires them.
 * ``metric_kinds``: how each metric ``fn`` returns combines over microbatches (see
   :mod:`pmd_jax.distill.accumulate`); ``"loss"`` names the mask that normalises the loss.
+* ``drops_unsignaled_rows``: the loss and its gradient do not depend on the rows whose
+  teacher got no signal (``sd_mask == 0``: out of the loss mask, a token mean over it), so
+  ``train.drop_unsignaled_rows`` may leave them out of the update batch
+  (:func:`pmd_jax.distill.update_rows.rows_for_update`); a loss with advantages uses every row.
 * ``lesson_nll``: the batch also carries lesson rows (:data:`LESSON_KEYS`, ``mode=mel``,
   :mod:`pmd_jax.mel`); the step adds ``nll_weight`` x their token-mean NLL to the loss, from
   a second forward in the same jitted step (:func:`pmd_jax.distill.loss_fn.make_lesson_nll_fn`).
@@ -56,6 +60,7 @@ class LossSpec:
     doc: str
     metric_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     lesson_nll: bool = False
+    drops_unsignaled_rows: bool = False
 
     def required_keys(self) -> tuple[str, ...]:
         """The arrays this loss reads beyond the base keys, including ``old_logp`` if needed."""
@@ -112,6 +117,10 @@ def get_loss(name: str) -> LossSpec:
     """The spec registered under ``name``; an unknown name is a ValueError listing the known."""
     _load_builtin()
     spec = _LOSSES.get(name)
+    if spec is None and not name:
+        raise ValueError("no loss named: an empty distill.loss.name means the run mode's "
+                         "default, which pmd_jax.config.apply_mode fills in (as the command "
+                         f"line does); known losses: {loss_names()}")
     if spec is None:
         raise ValueError(f"unknown loss {name!r}; known losses: {loss_names()}")
     return spec

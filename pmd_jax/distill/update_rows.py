@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax.distill.registry import get_loss
+
 
 def round_up(n: int, m: int) -> int:
     """``n`` rounded up to a multiple of ``m``."""
@@ -57,11 +59,12 @@ def rows_for_update(cfg: Any, batch: dict[str, np.ndarray],
     masked copies up to a bucket size (``row_multiple`` x a power of two, or the full batch)
     so a run compiles a handful of step shapes. A batch without any signal keeps one masked
     row: the optimizer still takes its (zero-gradient) step, exactly as with the full batch.
-    GRPO and hybrid losses use every row (advantages), so they get the batch unchanged.
+    Losses with advantages (GRPO, hybrid) use every row, so they get the batch unchanged
+    (``LossSpec.drops_unsignaled_rows``).
     """
     b = int(batch["sd_mask"].shape[0])
-    if (not cfg.train.drop_unsignaled_rows or cfg.mode == "grpo"
-            or cfg.distill.loss.name != "sdpo"):
+    if not cfg.train.drop_unsignaled_rows or not get_loss(
+            cfg.distill.loss.name).drops_unsignaled_rows:
         return batch, {"train_rows": float(b)}
     sig = np.flatnonzero(batch["sd_mask"] > 0)
     m = max(1, int(row_multiple))

@@ -1,7 +1,7 @@
 """Full-size compiles on abstract arrays, no weights (``python -m pmd_jax.main --dry_run``).
 
-* ``distill_step``: the entry point from a run config (``dry_run_from_config``): the model's
-  forward + backward and the config's real distillation step on a simulated mesh.
+* ``entry``: the entry point from a run config (``dry_run_from_config``); ``distill_step``:
+  the model's forward + backward and the config's real distillation step on a simulated mesh.
 * ``forward_backward``: forward + backward + AdamW of a model preset (next-token loss);
   ``python -m pmd_jax.dry_run`` runs it from the command line.
 * ``target``: ``--config.dry_run.target=NAME``: does the step fit that hardware, and a

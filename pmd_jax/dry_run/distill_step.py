@@ -14,7 +14,6 @@ Two compiles on abstract arrays for a simulated mesh (``--dry_run_devices`` fake
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -24,7 +23,7 @@ log = logging.getLogger("pmd_jax")
 GiB = 1024**3
 
 
-def _mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
+def mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
     shape = {"data": int(cfg.mesh.data), "fsdp": int(cfg.mesh.fsdp),
              "tensor": int(cfg.mesh.tensor)}
     known = 1
@@ -175,7 +174,7 @@ def format_step_memory(r: dict[str, Any]) -> str:
             + f"; arrays with two sequence axes: {r.get('seq_x_seq_shapes') or 'none'}")
 
 
-def _model_config(cfg: Any) -> Any:
+def model_config(cfg: Any) -> Any:
     from pmd_jax.build import attention_options
     from pmd_jax.models.config import ConfigError, preset
 
@@ -184,46 +183,3 @@ def _model_config(cfg: Any) -> Any:
     return preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
                                             param_dtype=cfg.model.param_dtype,
                                             **attention_options(cfg))
-
-
-def dry_run_from_config(cfg: Any) -> dict[str, Any]:
-    """The dry run of a run config (a RunConfig, or a ConfigDict that is frozen here: the
-    derived knobs, e.g. the loss's group size, come from the rollout section)."""
-    from pmd_jax.config import freeze
-
-    cfg = freeze(cfg)
-    target = cfg.dry_run.target
-    if target:
-        from pmd_jax.dry_run.target import target_report
-
-        return target_report(cfg, target, count_cost=bool(cfg.dry_run.roofline))
-    import jax
-
-    from pmd_jax.dry_run.forward_backward import dry_run
-    from pmd_jax.sharding import ShardingRules, make_mesh
-
-    mc = _model_config(cfg)
-    n = jax.device_count()
-    shape = _mesh_shape(cfg, n)
-    rules_map = cfg.mesh.rules.to_dict() if cfg.mesh.rules else None
-    rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
-    seq = int(cfg.rollout.max_prompt_tokens) + int(cfg.rollout.max_tokens)
-    per_dev = max(1, shape["data"] * shape["fsdp"])
-    log.info("dry run: %s on %d simulated devices %s", cfg.model.preset, n, shape)
-    report: dict[str, Any] = {"model": cfg.model.preset, "mesh": shape,
-                              "params": mc.num_params(),
-                              "flops_per_token_fwd": mc.flops_per_token(seq)}
-    t0 = time.perf_counter()
-    report["forward_backward"] = dry_run(mc, shape, per_dev, seq, rules=rules_map)
-    log.info("forward+backward compiled in %.0fs", time.perf_counter() - t0)
-    mesh = make_mesh(shape)
-    rules = ShardingRules.from_mapping(rules_map)
-    response = int(cfg.rollout.max_tokens)
-    report["distill_step"] = distill_step_report(
-        cfg, mc, mesh, rules, per_dev, seq,
-        int(cfg.teacher_prompt.max_tokens) + response, response,
-    )
-    report["rollout_rows_per_step"] = rows
-    print(json.dumps(report, indent=2, default=str))
-    print(format_step_memory(report["distill_step"]))
-    return report

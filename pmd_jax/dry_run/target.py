@@ -276,7 +276,7 @@ def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, A
     import jax
 
     from pmd_jax.config import freeze
-    from pmd_jax.dry_run.distill_step import _mesh_shape, _model_config
+    from pmd_jax.dry_run.distill_step import mesh_shape, model_config
     from pmd_jax.sharding import ShardingRules, make_mesh
 
     cfg = freeze(cfg)  # (a RunConfig is kept as it is)
@@ -286,8 +286,8 @@ def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, A
         raise RuntimeError(f"target {t.name} needs {t.chips} simulated devices, jax has {n}; "
                            f"run through `python -m pmd_jax.main --dry_run`, which sets "
                            "XLA_FLAGS=--xla_force_host_platform_device_count before jax starts")
-    mc = _model_config(cfg)
-    shape = _mesh_shape(cfg, n)
+    mc = model_config(cfg)
+    shape = mesh_shape(cfg, n)
     if math.prod(shape.values()) != n:
         raise ValueError(f"mesh {shape} (cfg.mesh) does not use the {n} chips of {t.name}")
     mesh = make_mesh(shape)

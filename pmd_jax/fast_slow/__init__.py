@@ -11,14 +11,14 @@ the pool "maintained as a Pareto-frontier population" (review, Figure 1); the fa
 cycle length T (c) and a light vs full GEPA recipe (d); the RL side samples G = 8 rollouts per
 problem (Appendix, training details).
 
-Here, step by step (the trainer calls this package at three points):
+Here, step by step (the trainer calls the mode's hooks, ``fast_slow/mode.py``, at each point):
 
 1. rollout: each problem's prompt carries one context of the pool, drawn uniformly with a seed
    of (run seed, step, position) (:meth:`ContextPool.draw`), at the end of the task's system
    message (:func:`contexts.with_context`); the G rollouts of that problem share it, and the
    train batch's student prompt is that same prompt (the weights are updated on what the
    policy saw while sampling);
-2. slow weights: the GRPO loss on those prompts (``apply_mode`` sets ``distill.loss.name``);
+2. slow weights: the GRPO loss on those prompts (the mode's default loss, ``fast_slow/mode.py``);
 3. memory: updated from the rollouts as in pmd (fast_slow is a memory mode);
 4. fast weights, after every ``fast_slow.update_every``-th step (:meth:`ContextPool.update`):
    new candidates are renderings of the memory's insight and behavior levels
@@ -32,7 +32,7 @@ Here, step by step (the trainer calls this package at three points):
 5. evaluation: ``accuracy`` is the weights alone (memory-free, as every mode) and
    ``accuracy_deployed`` the weights with the pool's best context (mean validation reward) in
    the prompt;
-6. checkpoint: the pool (contexts, scores, recent draws) is the checkpoint's ``fast_slow`` slot;
+6. checkpoint: the pool (contexts, scores, recent draws) is the checkpoint's ``mode_state`` slot;
    a resumed run continues with the same pool.
 
 Where ours differs from FST (as far as the review says; each a config value where it can be):

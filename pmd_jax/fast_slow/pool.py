@@ -287,10 +287,8 @@ def validation_problems(cfg: Any, model: Any, task: Any, train_problems: Sequenc
 
 
 def build_pool(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
-               eval_problems: Sequence[Any]) -> ContextPool | None:
-    """The run's pool (None unless mode=fast_slow)."""
-    if cfg.mode != "fast_slow":
-        return None
+               eval_problems: Sequence[Any]) -> ContextPool:
+    """The run's pool (mode=fast_slow; its hooks into the loop: ``fast_slow/mode.py``)."""
     from pmd_jax import multihost
 
     if multihost.process_count() > 1:
@@ -300,22 +298,3 @@ def build_pool(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
     log.info("fast_slow: %d validation problems, pool of at most %d contexts", len(val),
              cfg.fast_slow.pool_size)
     return ContextPool(cfg, model, task, val)
-
-
-def train_items(pool: ContextPool | None, train_problems: Sequence[Any]) -> Sequence[Any]:
-    """The training stream's problems: without the validation ones unless fast_slow.val_in_train
-    (unchanged for every other mode)."""
-    if pool is None or pool.fs.val_in_train:
-        return train_problems
-    val = {id(p) for p in pool.val_problems}
-    return [p for p in train_problems if id(p) not in val]
-
-
-def student_messages(pool: ContextPool | None, step: int, position: int,
-                     messages: Messages) -> Messages:
-    """The rollout prompt's messages: the task's, with the drawn context in fast_slow mode."""
-    return messages if pool is None else pool.messages(step, position, messages)
-
-
-def deployed_context(pool: ContextPool | None) -> str | None:
-    return None if pool is None else pool.deployed().text

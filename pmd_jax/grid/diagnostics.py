@@ -224,9 +224,9 @@ def answers_markdown(rows: Sequence[dict]) -> list[str]:
 
 # ----------------------------------------------------------------------------- memory
 def _is_memory_mode(mode: str) -> bool:
-    from pmd_jax.config.modes import MEMORY_MODES, MODE_ALIASES
+    from pmd_jax.modes import get_mode
 
-    return MODE_ALIASES.get(mode, mode) in MEMORY_MODES
+    return get_mode(mode).uses_memory
 
 
 def memory_rows(results: Sequence[CellResult], modes: Sequence[str]) -> dict[str, list[dict]]:

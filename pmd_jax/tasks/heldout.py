@@ -103,12 +103,12 @@ def _task_key(c: Any) -> str:
 def _cached_overlap(key: str) -> tuple[list[str], int]:
     import ml_collections
 
-    from pmd_jax.build import build_task
+    from pmd_jax.tasks.loader import load_task
 
     d = json.loads(key)
     cfg = ml_collections.ConfigDict({"task": d["task"], "seed": d["seed"],
                                      "eval": {"allow_in_sample": True}})
-    task = build_task(cfg, check_heldout=False)
+    task = load_task(cfg)
     try:
         return eval_overlap(cfg, task)
     finally:

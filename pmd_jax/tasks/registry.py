@@ -141,7 +141,7 @@ TASKS: tuple[TaskSpec, ...] = (
              doc="GSM8K grade-school math (numeric answers)"),
     TaskSpec("livecodebench", code.load_livecodebench, needs_path=True, prompt_styles=(),
              is_code=True, doc="LiveCodeBench code problems from a user JSONL file"),
-    # bring your own data (path=...; schemas in jsonl_schema.py and the README)
+    # bring your own data (path=...; schemas in jsonl_schema.py and docs/tasks.md)
     TaskSpec("jsonl_mcq", jsonl_tasks.load_jsonl_mcq, _jsonl_mcq_kwargs, needs_path=True,
              include_support=True, doc="multiple choice from a JSONL file"),
     TaskSpec("jsonl_code", jsonl_tasks.load_jsonl_code, _jsonl_code_kwargs, needs_path=True,

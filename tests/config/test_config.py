@@ -41,15 +41,38 @@ def test_every_problem_is_named_at_once():
 
 
 def test_modes_set_loss_name():
-    c = base_config()
-    c.rollout.max_tokens = 1024  # 2048 + 8192 would not fit SmolLM2's 8192 positions
-    c.mode = "grpo"
-    c = apply_mode(c)
-    assert c.distill.loss.name == "grpo"
+    """An empty distill.loss.name takes the mode's default loss (pmd_jax.modes); a loss the
+    user names is kept when the mode can train with it and refused, naming both, when it
+    cannot: never replaced."""
+    for mode, loss in (("grpo", "grpo"), ("sdpo", "sdpo"), ("pmd", "sdpo"), ("mel", "mel"),
+                       ("fast_slow", "grpo"), ("memory_only", "sdpo")):
+        c = base_config()
+        c.rollout.max_tokens = 1024  # 2048 + 8192 would not fit SmolLM2's 8192 positions
+        c.mode = mode
+        assert apply_mode(c).distill.loss.name == loss, mode
     validate_config(c)
-    c.mode = "sdpo"
-    c = apply_mode(c)
-    assert c.distill.loss.name == "sdpo"
+    c = base_config()
+    c.rollout.max_tokens = 1024
+    c.mode, c.distill.loss.name = "pmd", "hybrid"  # a teacher loss: kept
+    assert apply_mode(c).distill.loss.name == "hybrid"
+    validate_config(c)
+    for mode, loss, why in (
+            ("sdpo", "grpo", "mode='sdpo' needs a loss with a teacher as distill.loss.name "
+                             "('sdpo' or 'hybrid'), got 'grpo'"),
+            ("grpo", "sdpo", "mode=grpo needs a loss without a teacher as distill.loss.name "
+                             "('grpo'), got 'sdpo'"),
+            ("grpo", "mel", "distill.loss.name='mel' reads the lesson rows only mode=mel "
+                            "builds; mode='grpo'"),
+            ("mel", "grpo", "mode=mel needs a loss that reads its lesson rows ('mel'), "
+                            "got 'grpo'")):
+        c = base_config()
+        c.rollout.max_tokens = 1024
+        c.mode, c.distill.loss.name = mode, loss
+        c = apply_mode(c)
+        assert c.distill.loss.name == loss
+        with pytest.raises(ConfigError) as e:
+            validate_config(c)
+        assert why in str(e.value), str(e.value)
 
 
 def test_loss_group_size_and_temperature_are_derived_from_rollout():
@@ -238,7 +261,7 @@ def test_prompt_budget_must_fit_the_model_context(tmp_path):
     c.memory.context.max_tokens = 300  # pmd: min(teacher_prompt, memory.context) = 300 < 384
     errs = _errors(c)
     assert len(errs) == 1 and "= 300 is smaller than rollout.max_prompt_tokens=384" in errs[0]
-    c.mode = "grpo"  # no teacher
+    c.mode, c.distill.loss.name = "grpo", ""  # no teacher (and its default loss)
     assert _errors(c) == []
     # The context of a checkpoint folder comes from its config.json, a random model's from
     # its preset.

@@ -53,6 +53,9 @@ def test_config_dict_is_generated_from_the_declarations():
     assert isinstance(c.memory.stop_token_ids, list) and c.eval.seeds == (0,)
     want = default_distill_config().to_dict()
     del want["loss"]["group_size"], want["loss"]["temperature"]  # derived from rollout
+    # a run's loss is the mode's default (apply_mode); a distill section alone takes SDPO
+    assert c.distill.loss.name == "" and want["loss"]["name"] == "sdpo"
+    want["loss"]["name"] = ""
     assert c.distill.to_dict() == want
 
 
