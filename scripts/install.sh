@@ -40,11 +40,11 @@ if ! command -v bwrap >/dev/null 2>&1 && [[ $(id -u) == 0 ]] && command -v apt-g
   (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) \
     || echo "warning: could not install bubblewrap; the sandbox will use unshare + rlimits"
 fi
-# tests/test_launch.py runs shellcheck on launch/ and scripts/ (skipped without it).
+# tests/launch/test_launch.py runs shellcheck on launch/ and scripts/ (skipped without it).
 if [[ $test == 1 ]] && ! command -v shellcheck >/dev/null 2>&1 \
     && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null) \
-    || echo "warning: could not install shellcheck; tests/test_launch.py skips its check"
+    || echo "warning: could not install shellcheck; tests/launch/test_launch.py skips its check"
 fi
 if [[ $test == 1 && -f launch/setup_vllm_venv.sh ]]; then
   bash launch/setup_vllm_venv.sh

@@ -26,6 +26,7 @@ import os
 
 from tests.tiny_runs import codegen_flags, jax_cache_dir  # (numpy only: jax not started yet)
 
+# Set here once for every module (the distribution tests included), not at a test module's top.
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=8")
@@ -61,16 +62,16 @@ def mbpp():
 # measured with --durations on the 2-core machine: the two-process loop ~270 s, the trainer's
 # e2e runs ~200 s, the vLLM server ~180 s, ...). Files not listed follow in collection order.
 _LONGEST_FIRST = (
-    "tests/test_multiprocess_loop.py",
+    "tests/distributed/test_multiprocess_loop.py",
     "tests/test_trainer.py",
     "tests/sampling/test_vllm_e2e.py",
-    "tests/test_checkpoint.py",
+    "tests/run/test_checkpoint.py",
     "tests/test_fast_slow.py",
     "tests/distill/test_microbatch.py",
-    "tests/test_multiprocess.py",
-    "tests/test_trainer_overlap.py",
-    "tests/test_dry_run.py",
-    "tests/test_retention.py",
+    "tests/distributed/test_multiprocess.py",
+    "tests/loop/test_trainer_overlap.py",
+    "tests/dry_run/test_dry_run.py",
+    "tests/loop/test_retention.py",
     "tests/distill/test_step.py",
     "tests/sampling/test_jax_sampler.py",
     "tests/sampling/test_batching.py",
@@ -78,7 +79,7 @@ _LONGEST_FIRST = (
 
 
 # Files that must share a worker with another file's group: the runs they reuse.
-_SAME_GROUP = {"tests/test_trainer_overlap.py": "tests/test_trainer.py"}
+_SAME_GROUP = {"tests/loop/test_trainer_overlap.py": "tests/test_trainer.py"}
 
 
 def pytest_configure(config):

@@ -62,7 +62,7 @@ from tests.host import smollm2_gguf
 from tests.tiny_runs import TINY, cache_flags, child_env
 from tests.tiny_runs import env as _env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # jax.distributed's heartbeat timeout for the two-process runs: short enough to see a dead
 # peer noticed quickly, long enough that a process starved of CPU on a loaded machine (load
 # 70 on 2 cores was seen; with 15 s both jobs of one run aborted while compiling there, most
@@ -381,7 +381,7 @@ def test_grpo_two_processes_equal_one_process(grpo_runs):
     """GRPO's loop across processes: sampling, verification, checkpoints, export and the
     final evaluation. A random model never answers a SciQ question right, so every reward is
     0, every advantage is 0 and the updates are AdamW's weight decay alone: the cross-process
-    gradient math is what the PMD run (and tests/test_multiprocess.py) checks. Slow: the
+    gradient math is what the PMD run (and tests/distributed/test_multiprocess.py) checks. Slow: the
     default suite's PMD runs cover the same plumbing (evaluation included)."""
     single, multi = grpo_runs["grpo_1"], grpo_runs["grpo_2"]
     _assert_state_equal(single, multi, trained=False)

@@ -22,7 +22,7 @@ from pmd_jax.experiments import Cell, GridError
 from pmd_jax.grid.report import PLOT_FILE, REFERENCE_MODES
 from tests.tiny_runs import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/smollm2_sciq.py"
 STEPS = 4
 OVERRIDES = [f"--config.train.steps={STEPS}", "--config.train.eval_every=2"]

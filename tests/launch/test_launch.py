@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_ENV = ("TPU_NAME", "ZONE", "ACCEL", "VERSION", "PROJECT", "REMOTE_DIR", "RUN_DIR",
               "BUCKET", "COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "TRAIN_GPUS", "VLLM_GPUS",
               "PMD_VLLM_VENV", "PMD_TORCH_INDEX_URL", "PMD_COORDINATOR", "PMD_NUM_PROCESSES",

@@ -1,6 +1,6 @@
 """Two local JAX processes (jax.distributed on CPU) == one process with the same devices.
 
-The test launches ``tests/mp_worker.py`` three times at once:
+The test launches ``tests/distributed/mp_worker.py`` three times at once:
 
 * two processes joined by ``jax.distributed`` (coordinator on 127.0.0.1, a free port, the
   ``PMD_COORDINATOR`` / ``PMD_NUM_PROCESSES`` / ``PMD_PROCESS_ID`` variables read by
@@ -46,7 +46,7 @@ import pytest
 from pmd_jax.sampling.weight_store import WeightStore
 from tests.tiny_runs import child_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 TIMEOUT_S = 480.0  # whole launch; ~1 min on a quiet 2-core machine, ~2 min on a busy one
 RTOL, ATOL = 1e-6, 1e-9

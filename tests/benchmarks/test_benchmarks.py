@@ -14,7 +14,7 @@ import pytest
 from benchmarks import bench_common as bc
 from tests.tiny_runs import child_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

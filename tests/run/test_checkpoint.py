@@ -30,7 +30,7 @@ from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError
 from tests.host import need_devices
 from tests.tiny_runs import child_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _state(seed: int = 0) -> dict:

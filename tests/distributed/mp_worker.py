@@ -1,6 +1,6 @@
-"""One process of the multi-process CPU test (launched by tests/test_multiprocess.py).
+"""One process of the multi-process CPU test (launched by tests/distributed/test_multiprocess.py).
 
-Usage: ``python tests/mp_worker.py OUT_DIR STORE_DIR``. With ``PMD_COORDINATOR``,
+Usage: ``python tests/distributed/mp_worker.py OUT_DIR STORE_DIR``. With ``PMD_COORDINATOR``,
 ``PMD_NUM_PROCESSES`` and ``PMD_PROCESS_ID`` set it joins a ``jax.distributed`` job through
 :func:`pmd_jax.distributed.maybe_initialize`; without them it runs alone. Either way it builds a
 ``(data=1, fsdp=2, tensor=2)`` mesh over *all* global devices (``XLA_FLAGS`` in the caller's
@@ -141,5 +141,5 @@ def main(out_dir: str, store_dir: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        raise SystemExit("usage: python tests/mp_worker.py OUT_DIR STORE_DIR")
+        raise SystemExit("usage: python tests/distributed/mp_worker.py OUT_DIR STORE_DIR")
     main(sys.argv[1], sys.argv[2])

@@ -24,7 +24,7 @@ import pytest
 
 from tests.host import device_shortfall, need_devices
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ONE = "--xla_force_host_platform_device_count=1"
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.tiny_runs import env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCIQ = "configs/smollm2_sciq.py"
 TINY = ["--config.model.random_init=tiny-llama", "--config.train.steps=1",
         "--config.train.eval_at_start=False", "--config.train.eval_every=-1",

@@ -92,7 +92,7 @@ def test_set_mmap_threshold_serves_large_blocks_by_mmap(mib, mapped):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]  # pmd_jax importable from any working directory
+    root = Path(__file__).resolve().parents[2]  # pmd_jax importable from any working directory
     out = subprocess.run([sys.executable, "-c", _MMAP_PROBE, str(mib)], check=True,
                          capture_output=True, text=True, cwd=root).stdout
     r = json.loads(out.strip().splitlines()[-1])
