@@ -2,23 +2,19 @@
 KL to it (pmd_jax/distill/offload.py). Round trip bit for bit with each leaf's sharding, the
 KL equal to the one computed from the arrays in memory, a missing file named in the error."""
 
-import os
+import types
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
 
-import types  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pmd_jax import sharding as sh  # noqa: E402
-from pmd_jax.distill import kl  # noqa: E402
-from pmd_jax.distill.offload import DiskParams  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import tiny_llama  # noqa: E402
+from pmd_jax import sharding as sh
+from pmd_jax.distill import kl
+from pmd_jax.distill.offload import DiskParams
+from pmd_jax.models import decoder
+from pmd_jax.models.config import tiny_llama
 
 
 def test_round_trip_is_bitwise_with_dtypes_and_shardings(tmp_path):

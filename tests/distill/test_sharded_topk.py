@@ -6,17 +6,17 @@ top-K. The memory check compares XLA's own temp-buffer figure for the two versio
 
 from __future__ import annotations
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.distill import losses  # noqa: E402
-from pmd_jax.distill.sharded_topk import dense_topk_indices, make_topk_indices  # noqa: E402
-from tests.distill.reference_losses import chunked_distill_loss  # noqa: E402
-from tests.host import need_devices  # noqa: E402
+from pmd_jax import sharding as shd
+from pmd_jax.distill import losses
+from pmd_jax.distill.sharded_topk import dense_topk_indices, make_topk_indices
+from tests.distill.reference_losses import chunked_distill_loss
+from tests.host import need_devices
 
 MESHES = [
     {"data": 1, "fsdp": 4, "tensor": 2},

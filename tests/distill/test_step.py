@@ -28,8 +28,8 @@ from pmd_jax.distill import policy_gradient as pg
 from pmd_jax.distill import step as st
 from pmd_jax.distill.config import DistillConfigError
 from pmd_jax.models import decoder
-from pmd_jax.models.config import ModelConfig
 from tests.distill import reference_losses
+from tests.fakes import tiny_model_config
 
 B = 4
 GROUP = 2
@@ -272,10 +272,7 @@ def test_tied_embedding_step_matches_full_logit_reference():
     """Tied embeddings take the [V, D] (vocab-major) unembedding path in the chunked loss;
     with and without loss-chunk remat the loss equals the unchunked SDPO loss on full decoder
     logits, and the two give the same update."""
-    tied = ModelConfig(
-        family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-        num_heads=2, num_kv_heads=2, head_dim=8, tie_embeddings=True,
-    )
+    tied = tiny_model_config(tie_embeddings=True)
     cfg = _cfg(loss__rollout_is_threshold=None)
     batch = _batch(5)
     p_s = decoder.init_params(tied, jax.random.PRNGKey(0))

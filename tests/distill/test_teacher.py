@@ -22,13 +22,10 @@ from pmd_jax.distill import loss_fn as lf
 from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
-from pmd_jax.models.config import ModelConfig
 from tests.distill import reference_losses
+from tests.fakes import tiny_model_config
 
-TINY = ModelConfig(
-    family="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2,
-    num_heads=2, num_kv_heads=1, head_dim=8, tie_embeddings=False,
-)
+TINY = tiny_model_config(num_kv_heads=1)
 
 
 def _toy_tree(seed: int, dtype=np.float32) -> dict:

@@ -1,18 +1,16 @@
 """Params are really sharded per the logical-axis rules; sharded forward == unsharded forward."""
 
+import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import math  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pmd_jax import sharding as sh  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ModelConfig, RopeConfig  # noqa: E402
-from tests.host import need_devices  # noqa: E402
+from pmd_jax import sharding as sh
+from pmd_jax.models import decoder
+from pmd_jax.models.config import ModelConfig, RopeConfig
+from tests.host import need_devices
 
 pytestmark = pytest.mark.devices(8)  # every mesh below has 8 devices (tests/host.py)
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -141,7 +141,7 @@ def test_mel_step_compiles_on_the_abstract_batch_with_lesson_rows():
     from pmd_jax.distill.registry import LESSON_KEYS
     from pmd_jax.distill.step import TrainStep
     from pmd_jax.dry_run.distill_step import abstract_batch, lesson_shape
-    from pmd_jax.models.config import ModelConfig
+    from tests.fakes import tiny_model_config
 
     c = base_config()
     c.mode, c.mel.max_pairs, c.mel.lesson_max_tokens = "mel", 5, 16
@@ -149,8 +149,7 @@ def test_mel_step_compiles_on_the_abstract_batch_with_lesson_rows():
     cfg = freeze(apply_mode(c))
     assert lesson_shape(cfg, 1) == (8, 48, 16) and lesson_shape(cfg, 4) == (8, 48, 16)
     assert lesson_shape(cfg, 16) == (16, 48, 16)
-    tiny = ModelConfig(family="llama", vocab_size=48, hidden_size=16, intermediate_size=32,
-                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8)
+    tiny = tiny_model_config(num_layers=1)
     ts = TrainStep(tiny, cfg.distill, lesson_nll_weight=float(cfg.mel.nll_weight))
     ab = abstract_batch(ts, 8, 24, 24, 8, lesson_shape(cfg, ts.batch_divisor()))
     assert set(LESSON_KEYS) <= set(ab) and ab["lesson_tokens"].shape == (8, 48)

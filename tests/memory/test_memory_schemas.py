@@ -5,7 +5,6 @@ Fast: no policy model (scripted replies) and a hashing embedder instead of a sen
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -14,7 +13,6 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
@@ -32,7 +30,7 @@ from pmd_jax.memory.schemas import (
     validate,
 )
 from pmd_jax.sampling.base import SamplingParams, TextGenerator, TextReply
-from tests.fakes import FakeSampler
+from tests.fakes import FakeSampler, HashEmbedder
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTENCE = "Check the units of every quantity and compare each option with the passage. "
@@ -319,21 +317,6 @@ def test_memory_warns_when_a_budget_is_below_the_worst_case(caplog):
 
 
 # ---------------------------------------------------------- the memory's calls --
-class HashEmbedder:
-    """Deterministic unit vectors from a hash of the text (no model)."""
-
-    dim = 16
-    model_name = "hash"
-
-    def embed(self, texts, *, query: bool = False) -> np.ndarray:
-        out = np.zeros((len(texts), self.dim), np.float32)
-        for i, t in enumerate(texts):
-            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
-            v = np.random.default_rng(seed).standard_normal(self.dim)
-            out[i] = v / np.linalg.norm(v)
-        return out
-
-
 def small_config(**kw):
     c = default_memory_config()
     c.insight.dedup = "exact"

@@ -1,18 +1,16 @@
 """HF safetensors <-> pytree: round trip through transformers, sharded loading, bad input."""
 
+import json
 
+import jax
+import numpy as np
+import pytest
 
-import json  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from pmd_jax.models import hf_io  # noqa: E402
-from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config  # noqa: E402
-from pmd_jax.models.decoder import param_shapes  # noqa: E402
-from pmd_jax.sharding import ShardingRules, make_mesh  # noqa: E402
-from tests.host import need_devices  # noqa: E402
+from pmd_jax.models import hf_io
+from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config
+from pmd_jax.models.decoder import param_shapes
+from pmd_jax.sharding import ShardingRules, make_mesh
+from tests.host import need_devices
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

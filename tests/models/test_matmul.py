@@ -5,22 +5,22 @@ unsharded and on 8 fake devices."""
 
 from __future__ import annotations
 
-import re  # noqa: E402
+import re
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
 
-from pmd_jax import sharding as shd  # noqa: E402
-from pmd_jax.distill import step as st  # noqa: E402
-from pmd_jax.distill.config import DistillConfigError  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ConfigError  # noqa: E402
-from pmd_jax.models.matmul import lowp_einsum  # noqa: E402
-from tests.distill.test_step import TINY, _batch, _cfg, _params, _with_teacher  # noqa: E402
-from tests.host import need_devices  # noqa: E402
+from pmd_jax import sharding as shd
+from pmd_jax.distill import step as st
+from pmd_jax.distill.config import DistillConfigError
+from pmd_jax.models import decoder
+from pmd_jax.models.config import ConfigError
+from pmd_jax.models.matmul import lowp_einsum
+from tests.distill.test_step import TINY, _batch, _cfg, _params, _with_teacher
+from tests.host import need_devices
 
 SPECS = [  # the decoder's projections, the MLP, and the LM head (plain and vocab-major)
     ("btd,dhk->bthk", (3, 5, 16), (16, 2, 8)),

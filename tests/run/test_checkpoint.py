@@ -237,10 +237,9 @@ def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
     from pmd_jax.distill.batch import make_batch
     from pmd_jax.distill.config import default_distill_config
     from pmd_jax.models import decoder
-    from pmd_jax.models.config import ModelConfig
+    from tests.fakes import tiny_model_config
 
-    cfg = ModelConfig(family="llama", vocab_size=40, hidden_size=16, intermediate_size=32,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = tiny_model_config(vocab_size=40, num_kv_heads=1)
     c = default_distill_config()
     c.teacher.rule = "ema"
     c.teacher.rate = 0.1

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from pmd_jax.models import decoder
-from pmd_jax.models.config import ModelConfig
 from pmd_jax.sampling.base import SamplingParams
 from pmd_jax.sampling.batching import CostModel, bucket_length, plan_batches, row_bucket
 from pmd_jax.sampling.jax_sampler import JaxSampler
+from tests.fakes import tiny_model_config
 
 
 def _shape(b: int, plen: int) -> tuple[int, int]:
@@ -96,9 +96,7 @@ def test_unsorted_lengths_are_refused():
 
 
 def test_sampled_tokens_do_not_depend_on_the_plan():
-    cfg = ModelConfig(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=256)
+    cfg = tiny_model_config("sampler")
     params = decoder.init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 95, int(n)).tolist() for n in rng.integers(2, 120, 11)]

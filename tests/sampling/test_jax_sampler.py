@@ -10,16 +10,14 @@ import pytest
 import torch
 
 from pmd_jax.models import decoder
-from pmd_jax.models.config import ModelConfig, from_hf_config
+from pmd_jax.models.config import from_hf_config
 from pmd_jax.sampling import sample_ops
 from pmd_jax.sampling.base import Sampler, SamplerError, SamplingParams
 from pmd_jax.sampling.jax_sampler import JaxSampler, bucket_length
+from tests.fakes import tiny_model_config
 from tests.host import matmul_tol, smollm2_gguf, smollm2_hf_dir
 
-TINY = ModelConfig(
-    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-)
+TINY = tiny_model_config("sampler")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11]]
 # Log-prob tolerances. The CPU values are for XLA:CPU, whose float32 matmuls are true fp32
 # (CI's backend; kept as measured). This module leaves jax's default matmul precision, so on

@@ -1,25 +1,20 @@
 """JaxSampler on 8 fake CPU devices (batch over data/fsdp, params per rules) == unsharded."""
 
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
 
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from pmd_jax import sharding as sh  # noqa: E402
-from pmd_jax.models import decoder  # noqa: E402
-from pmd_jax.models.config import ModelConfig  # noqa: E402
-from pmd_jax.sampling.base import SamplingParams  # noqa: E402
-from pmd_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
-from tests.host import need_devices  # noqa: E402
+from pmd_jax import sharding as sh
+from pmd_jax.models import decoder
+from pmd_jax.sampling.base import SamplingParams
+from pmd_jax.sampling.jax_sampler import JaxSampler
+from tests.fakes import tiny_model_config
+from tests.host import need_devices
 
 pytestmark = pytest.mark.devices(8)  # every mesh below has 8 devices (tests/host.py)
 
-CFG = ModelConfig(
-    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-)
+CFG = tiny_model_config("sampler")
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11],
            [30, 31, 32, 33, 34]]
 SAMPLING = [

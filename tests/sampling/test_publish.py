@@ -8,19 +8,15 @@ import numpy as np
 import pytest
 
 from pmd_jax.models import decoder, hf_io
-from pmd_jax.models.config import ModelConfig
 from pmd_jax.sampling import publish as publish_mod
 from pmd_jax.sampling.base import Sampler, SamplerError, SamplingParams
 from pmd_jax.sampling.jax_sampler import JaxSampler
 from pmd_jax.sampling.publish import publish
 from pmd_jax.sampling.vllm_client import VLLMSampler
 from pmd_jax.sampling.weight_store import WeightStore
-from tests.fakes import FakeSampler
+from tests.fakes import FakeSampler, tiny_model_config
 
-TINY = ModelConfig(
-    family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-)
+TINY = tiny_model_config("sampler")
 
 
 @pytest.fixture(autouse=True)

@@ -24,15 +24,13 @@ from pmd_jax.sampling import decode
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling.base import SamplerError, SamplingParams, schema_string
 from pmd_jax.sampling.jax_sampler import JaxSampler
+from tests.fakes import tiny_model_config
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 TOK_VOCAB = 49152  # SmolLM2's tokenizer
-TINY = ModelConfig(
-    family="llama", vocab_size=TOK_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512,
-)
+TINY = tiny_model_config("sampler", vocab_size=TOK_VOCAB, max_position_embeddings=512)
 
 REFLECTION = {
     "type": "object",
