@@ -61,9 +61,23 @@ class ProblemStream(Generic[T]):
 
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdicts:
+    """What verification made of a step's rollouts: one task result per rollout (reward,
+    feedback, ...) in rollout order, and the rewards as ``[B, G]``."""
+
+    results: list[Any]
+    rewards: np.ndarray
+
+
 @dataclasses.dataclass
 class StepBatch:
-    """Host-side record of one step's rollouts (prompt-major, G rollouts per problem)."""
+    """Host-side record of one step's rollouts (prompt-major, G rollouts per problem).
+
+    ``messages``: each problem's prompt as the task writes it (``task.prompt``, computed once
+    when the problems are drawn; the student's rollout prompt may add to it, e.g. fast_slow's
+    context). ``rewards`` / ``results`` are empty until :meth:`verified` gives the verified
+    batch."""
 
     problems: list[Any]
     student_prompts: list[list[int]]
@@ -76,6 +90,11 @@ class StepBatch:
     skipped: int = 0  # problems skipped for over-long prompts while drawing this batch
     sample_seconds: float = 0.0  # wall time of the generate() call (wherever it ran)
     prefetched: bool = False  # sampled during the previous step (rollout.overlap)
+    messages: list[Any] = dataclasses.field(default_factory=list)
+
+    def verified(self, v: Verdicts) -> StepBatch:
+        """This batch with its verdicts (a new record; this one is unchanged)."""
+        return dataclasses.replace(self, results=list(v.results), rewards=v.rewards)
 
 
 @dataclasses.dataclass
@@ -88,3 +107,4 @@ class Drawn:
     prefixes: list[str]
     prompts: list[list[int]]
     skipped: int
+    messages: list[Any]  # each problem's task prompt (StepBatch.messages)

@@ -4,11 +4,11 @@ After the rollouts are verified (``Trainer.verify``) the loop calls, in order:
 
 1. :func:`update_memory`: the rollouts as memory records, one memory update (its reflections
    generate through the sampler); returns the memory's metrics.
-2. :func:`build_train_batch`: each rollout's teacher context (:func:`build_teacher_contexts`:
+2. :func:`train_rows`: each rollout's teacher context (:func:`build_teacher_contexts`:
    the demonstration chosen by :func:`select_demonstrations`, the verifier's feedback, the
-   memory's sections), rendered into the teacher's prompt (:func:`teacher_messages`), aligned
-   with the student's prompt and the response (``distill.align``) into the host-side batch the
-   train step takes (``distill.batch.make_batch``).
+   memory's sections), rendered into the teacher's prompt (:func:`teacher_messages`), beside
+   the student's prompt and the response: the update rows, which ``distill.assemble`` turns
+   into the host-side batch the train step takes.
 
 Nothing numeric happens here beyond host-side bookkeeping.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax.distill.update_rows import round_up
+from pmd_jax.distill.assemble import TrainRows, assemble
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 
@@ -58,7 +58,8 @@ def update_memory(cfg: Any, memory: Any, step: int, sb: Any, task: Any,
     for r, text, res in zip(sb.rollouts, sb.texts, sb.results, strict=True):
         p = sb.problems[r.prompt_index]
         records.append(RolloutRecord(
-            problem_id=str(p.id), problem_text=user_text(task.prompt(p)), step=int(step),
+            problem_id=str(p.id), problem_text=user_text(sb.messages[r.prompt_index]),
+            step=int(step),
             rollout_index=int(r.sample_index), response_text=text, reward=float(res.reward),
             feedback=res.feedback or "", leak_strings=list(task.gold_leak_strings(p)),
         ))
@@ -128,7 +129,7 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
     for idx, r in enumerate(sb.rollouts):
         i, j = r.prompt_index, r.sample_index
         p = sb.problems[i]
-        user = user_text(task.prompt(p))
+        user = user_text(sb.messages[i])
         d = demos[i, j]
         sibling = sb.texts[i * g + d] if d >= 0 else spare[i]
         fb = sb.results[idx].feedback if tp.include_feedback else None
@@ -209,7 +210,7 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
                     seen[i].add(key)
                     props[i].append(Proposal(key, levels.get(section, section), section,
                                              value))
-    users = [user_text(task.prompt(p)) for p in sb.problems]
+    users = [user_text(m) for m in sb.messages]
     cost = {"verify_sequences": 0, "verify_generated_tokens": 0, "verify_prompt_tokens": 0}
     r = cfg.rollout
     params = SamplingParams(
@@ -228,7 +229,7 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
             if section is not None:
                 ctx.add_item(section, value, "replay")
             prob = sb.problems[i]
-            msgs = teacher_messages(task.prompt(prob), ctx.render(model.count_tokens, budget))
+            msgs = teacher_messages(sb.messages[i], ctx.render(model.count_tokens, budget))
             prompts.append(model.encode_prompt(msgs, response_prefix(task, prob)))
             probs.append(prob)
         rollouts = sampler.generate(prompts, params)
@@ -288,17 +289,26 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
 def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
                       student_only: bool = False, sampler: Any = None
                       ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """The host-side train batch of a step's rollouts (``distill.batch.make_batch``'s keys,
-    right padded) and the teacher prompts' metrics. ``student_only``: the teacher side is the
-    student's own prompt (GRPO's batch; what the KL to the initial policy reads). ``sampler``:
-    for the memory's check before use (``memory.verify.enabled``).
+    """:func:`train_rows` assembled into the host-side arrays (``distill.assemble``), with
+    every row: what the KL to the initial policy reads (the update's own batch comes from
+    ``distill.assemble.update_batch``)."""
+    rows, stats = train_rows(cfg, model, task, memory, sb, student_only=student_only,
+                             sampler=sampler)
+    return assemble(rows, model.pad_id), stats
+
+
+def train_rows(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
+               student_only: bool = False, sampler: Any = None
+               ) -> tuple[TrainRows, dict[str, float]]:
+    """A step's rollouts as update rows (``distill.assemble.TrainRows``: each side's prompt,
+    the response, the sampler's log-probs, the teacher signal, the reward) and the teacher
+    prompts' metrics. ``student_only``: the teacher side is the student's own prompt (GRPO's
+    batch; what the KL to the initial policy reads). ``sampler``: for the memory's check
+    before use (``memory.verify.enabled``).
 
     A row's teacher signal (the self-distillation mask) is read from its context *after* the
     token budget has cut it: a row whose memory items were all cut keeps a signal only if its
     demonstration or feedback survived."""
-    from pmd_jax.distill import align
-    from pmd_jax.distill.batch import make_batch
-
     responses = [r.tokens.tolist() for r in sb.rollouts]
     students = [sb.student_prompts[r.prompt_index] for r in sb.rollouts]
     sampler_logp = [r.logprobs for r in sb.rollouts]
@@ -317,7 +327,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
         for k, (ctx, r) in enumerate(zip(ctxs, sb.rollouts, strict=True)):
             fitted = ctx.fit(model.count_tokens, budget)
             prob = sb.problems[r.prompt_index]
-            msgs = teacher_messages(task.prompt(prob), fitted.text())
+            msgs = teacher_messages(sb.messages[r.prompt_index], fitted.text())
             teachers.append(model.encode_prompt(msgs, response_prefix(task, prob)))
             sd[k] = float(fitted.has_signal)
             if fitted.successful_attempt_source in src:
@@ -338,22 +348,8 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
             "memory_item_row_fraction": with_items / n,
             "memory_signal_row_fraction": memory_only / n,
         })
-    r_max = max(1, max(len(x) for x in responses))
-    db = align.build_distill_batch(
-        students, teachers, responses, pad_id=model.pad_id, pad_side="right",
-        pad_to_multiple=16, max_response_len=round_up(r_max, 16),
-    )
-    rl = db.responses.shape[1]
-    logp = np.zeros((len(responses), rl), np.float32)
-    for k, lp in enumerate(sampler_logp):
-        logp[k, : len(lp)] = lp
-    # One update per rollout batch (METHOD 1.3): the old policy is the current one, so no
-    # old_logp (the step takes logp.detach(), ratio 1); the sampler/trainer gap is corrected
-    # by the truncated rollout IS weights from sampler_logp alone (passing the sampler's
-    # log-probs as old_logp too would apply that ratio twice).
-    batch = make_batch(db, sd_mask=sd, sampler_logp=logp,
-                       rewards=sb.rewards.reshape(-1).astype(np.float32))
     stats["student_tokens_mean"] = float(np.mean([len(s) + len(x)
                                                   for s, x in zip(students, responses,
                                                                   strict=True)]))
-    return batch, stats
+    return TrainRows(students, teachers, responses, sampler_logp, sd,
+                     sb.rewards.reshape(-1).astype(np.float32)), stats

@@ -5,9 +5,11 @@
 3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``),
                  then the mode's own host work (mel: lessons from right/wrong pairs,
                  ``mel/``; fast_slow: its context pool, ``fast_slow/``)
-4. train batch   each rollout's teacher context and prompt (``teaching.build_train_batch``)
-5. train step    one jitted distillation update (``distill/train.py``, ``distill/update_rows.py``;
-                 ``distill/kl.py`` for the KL to the initial model)
+4. train batch   each rollout's teacher context and prompt (``teaching.train_rows``), then
+                 the step's arrays, the mode's extra rows and the rows the update keeps
+                 (``distill/assemble.py``: one call)
+5. train step    one jitted distillation update (``distill/train.py``; ``distill/kl.py`` for
+                 the KL to the initial model)
 6. publish       hand the new weights to the sampler (``sampling/publish.py``)
 7. checkpoint    train state, memory, data cursor (``checkpoint.RunCheckpointer``)
 8. evaluate      memory-free, on held-out problems (``evaluate.py``); a restart at an
@@ -43,12 +45,11 @@ import numpy as np
 from pmd_jax import build, footprint, multihost, paths, teaching
 from pmd_jax.checkpoint import build_checkpointer
 from pmd_jax.config import freeze, to_dict
-from pmd_jax.distill import kl, offload, train
-from pmd_jax.distill.update_rows import rows_for_update
+from pmd_jax.distill import assemble, kl, offload, train
 from pmd_jax.metrics import MetricsWriter, NoMetrics, Progress, write_plots
 from pmd_jax.modes import get_mode
 from pmd_jax.phases import TrainingError, retry, timed
-from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch
+from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
 from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
 
@@ -226,8 +227,9 @@ class Trainer:
         # 2-4. Verification, the memory update and the teacher prompts: process 0's work with
         # several processes (its reflections' generate calls are served by all of them), the
         # others receive the results (pmd_jax.multihost).
-        batch, prompt_stats, mem_stats, sb.rewards, sb.results, lead_times = multihost.lead(
+        arrays, prompt_stats, mem_stats, verdicts, lead_times = multihost.lead(
             lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
+        sb = sb.verified(verdicts)  # (every process: the rewards go into the step's metrics)
         times.update(lead_times)
         if self._sampler_weights_dead():
             # The sampler's weights are those the train step is about to replace, and nothing
@@ -235,11 +237,11 @@ class Trainer:
             # step and the KL forward (its per-layer copy, 0.40 GiB on the embedded default).
             self.sampler.release_params()
             footprint.release_free_memory()
-        train_metrics = self._train(batch, step, times)
-        if self._kl_due(step):
+        train_metrics = self._train(arrays, step, times)
+        if self._kl_due(step):  # (on every rollout's row)
             with timed(times, "kl_initial"):
                 train_metrics["kl_policy_initial"] = kl.kl_to_initial(
-                    cfg, self.model, self.state, batch)
+                    cfg, self.model, self.state, arrays.full)
         # 6. publish (after the background batch: it is sampled with one weights version)
         if self.overlap:
             with timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
@@ -272,12 +274,14 @@ class Trainer:
         return out
 
     def _host_work(self, sb: StepBatch, times: dict[str, float]) -> tuple[Any, ...]:
-        """Verifies, updates the memory, builds the train batch; returns the batch, its
-        stats, the memory's stats and what every process needs of ``sb`` (rewards, verifier
-        results) and of ``times`` (process 0's timings, with several processes)."""
+        """Verifies, updates the memory, builds the step's arrays; returns them
+        (``distill.assemble.StepArrays``), the teacher prompts' and the memory's stats, the
+        verdicts (every process's step metrics read them) and ``times`` (process 0's
+        timings, with several processes)."""
         cfg, step = self.cfg, sb.step
         with timed(times, "verify"):  # 2. verify
-            self.verify(sb)
+            verdicts = self.verify(sb)
+        sb = sb.verified(verdicts)
         mem_stats: dict[str, Any] = {}
         if self.memory is not None:
             with timed(times, "memory"):  # 3. memory update
@@ -291,12 +295,15 @@ class Trainer:
             with timed(times, rt.work_name):
                 mem_stats.update(rt.host_work(step, sb, self.memory, self.textgen))
         with timed(times, "teacher_prompts"):  # 4. teacher prompts, train batch
-            batch, prompt_stats = teaching.build_train_batch(
+            rows, prompt_stats = teaching.train_rows(
                 cfg, self.model, self.task, self.memory, sb, sampler=self.leader_sampler
             )
-            # + the mode's rows (mel: the kept lessons, whose NLL joins the loss)
-            batch.update(rt.extra_rows(sb, self.state.step_fn.batch_divisor()))
-        return batch, prompt_stats, mem_stats, sb.rewards, sb.results, dict(times)
+            divisor = self.state.step_fn.batch_divisor()
+            # + the mode's rows (mel: the kept lessons, whose NLL joins the loss); the rows
+            # the update keeps (drop_unsignaled_rows), padded to the mesh's batch axes
+            arrays = assemble.update_batch(cfg, rows, self.model.pad_id,
+                                           rt.extra_rows(sb, divisor), divisor)
+        return arrays, prompt_stats, mem_stats, verdicts, dict(times)
 
     # ------------------------------------------------------------------ 1. rollout
     def _sampling_params(self, step: int) -> SamplingParams:
@@ -318,12 +325,14 @@ class Trainer:
         problems: list[Any] = []
         prefixes: list[str] = []
         prompts: list[list[int]] = []
+        messages: list[Any] = []
         skipped = 0
         while len(problems) < cfg.rollout.problems_per_step:
             for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
                 pre = teaching.response_prefix(self.task, p)
+                task_msgs = self.task.prompt(p)  # (the only call: StepBatch.messages)
                 msgs = self.mode_rt.student_messages(step, len(problems),
-                                                     self.task.prompt(p))  # (+ a context)
+                                                     task_msgs)  # (+ a context)
                 ids = self.model.encode_prompt(msgs, pre)
                 if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
                     skipped += 1
@@ -336,7 +345,8 @@ class Trainer:
                 problems.append(p)
                 prefixes.append(pre)
                 prompts.append(ids)
-        return Drawn(step, problems, prefixes, prompts, skipped)
+                messages.append(task_msgs)
+        return Drawn(step, problems, prefixes, prompts, skipped, messages)
 
     def _generate(self, drawn: Drawn) -> tuple[Rollouts, float]:
         """The generate() call alone: the only part that runs in the rollout thread (it
@@ -355,7 +365,8 @@ class Trainer:
         v = rollouts.weights_version
         return StepBatch(drawn.problems, drawn.prompts, rollouts, texts, np.zeros(0), [],
                          step=drawn.step, weights_version=0 if v is None else int(v),
-                         skipped=drawn.skipped, sample_seconds=seconds)
+                         skipped=drawn.skipped, sample_seconds=seconds,
+                         messages=drawn.messages)
 
     # ------------------------------------------------------------------ rollout overlap
     def _take_batch(self, step: int) -> StepBatch:
@@ -396,28 +407,25 @@ class Trainer:
             self._pool = None
 
     # ------------------------------------------------------------------ 2. verify
-    def verify(self, sb: StepBatch) -> None:
+    def verify(self, sb: StepBatch) -> Verdicts:
+        """The task's verdict on each rollout (``sb`` is not changed: ``sb.verified``)."""
         g = self.cfg.rollout.n
         probs = [sb.problems[r.prompt_index] for r in sb.rollouts]
-        sb.results = self.task.verify_batch(probs, sb.texts, "train")
-        sb.rewards = np.array([r.reward for r in sb.results], np.float64).reshape(-1, g)
+        results = self.task.verify_batch(probs, sb.texts, "train")
+        return Verdicts(results, np.array([r.reward for r in results],
+                                          np.float64).reshape(-1, g))
 
     # ------------------------------------------------------------------ 5. train step
-    def _train(self, batch: dict[str, np.ndarray], step: int,
+    def _train(self, arrays: assemble.StepArrays, step: int,
                times: dict[str, float]) -> dict[str, Any]:
-        """One update on the train batch (none in pmd_frozen_policy mode); tracks non-finite
-        updates and stops the run after train.max_nonfinite_in_a_row of them."""
+        """One update on the step's update rows (none when the mode trains no policy); tracks
+        non-finite updates and stops the run after train.max_nonfinite_in_a_row of them."""
         cfg = self.cfg
         train_metrics: dict[str, Any] = {}
         if self.mode.trains_policy:
             with timed(times, "train"):
-                update, row_stats = rows_for_update(
-                    cfg, batch, self.state.step_fn.batch_divisor())
-                train_metrics = train.train_step(self.state, update)
-                if update is not batch:  # the step saw the signal rows only
-                    train_metrics["masked_sample_fraction"] = float(
-                        1.0 - batch["sd_mask"].mean())
-                train_metrics.update(row_stats)
+                train_metrics = train.train_step(self.state, arrays.update)
+                train_metrics.update(arrays.stats)
             self.nonfinite_in_a_row = train.count_nonfinite(
                 train_metrics, self.nonfinite_in_a_row, cfg.train.max_nonfinite_in_a_row, step)
         return train_metrics
@@ -493,6 +501,8 @@ class Trainer:
             # and the data cursor is already past it: train on it exactly as the killed run
             # would have (its stale weights are not in the checkpoint to sample it again).
             sb = pickle.loads(nxt)
+            if "messages" not in vars(sb):  # (pickled before StepBatch carried them)
+                sb.messages = [self.task.prompt(p) for p in sb.problems]
             if sb.step != self.step:
                 raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
                                     f"rollouts of step {sb.step}")
@@ -555,8 +565,8 @@ class Trainer:
         sb = self.sample(step)
 
         def host() -> dict[str, np.ndarray]:
-            self.verify(sb)
-            return teaching.build_train_batch(self.cfg, self.model, self.task, None, sb,
+            return teaching.build_train_batch(self.cfg, self.model, self.task, None,
+                                              sb.verified(self.verify(sb)),
                                               student_only=True)[0]
 
         batch = multihost.lead(host, self.leader_sampler, f"final KL at step {step}")

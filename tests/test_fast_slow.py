@@ -133,7 +133,7 @@ def _rollout_and_update(mode: str):
                                  np.zeros(1, np.float32), "stop")
                          for i in range(len(drawn.problems)) for s in range(g)])
     sb = StepBatch(drawn.problems, drawn.prompts, rollouts, ["A", "B"] * len(drawn.problems),
-                   np.zeros((len(drawn.problems), g)), [], step=5)
+                   np.zeros((len(drawn.problems), g)), [], step=5, messages=drawn.messages)
     batch, _ = teaching.build_train_batch(cfg, FakeModel(), FakeTask(), None, sb)
     return pool, drawn, batch
 
@@ -274,7 +274,8 @@ def test_update_scores_new_candidates_and_keeps_the_front():
                                  "stop") for i in range(2) for s in range(2)])
     sb = StepBatch(probs, [[1]] * 2, rollouts, ["RIGHT", "no", "no", "no"],
                    np.array([[1.0, 0.0], [0.0, 0.0]]),
-                   FakeTask().verify_batch(probs, ["RIGHT", "no", "no", "no"], "train"), step=0)
+                   FakeTask().verify_batch(probs, ["RIGHT", "no", "no", "no"], "train"), step=0,
+                   messages=[FakeTask().prompt(p) for p in probs])
     st = pool.update(0, sb, _memory(), tg)
     assert set(st) == set(fsp.STAT_KEYS)
     assert st["fast_slow_candidates"] == 2 and st["fast_slow_candidates_scored"] == 3

@@ -206,7 +206,8 @@ def _sb(rewards: list[list[float]]) -> types.SimpleNamespace:
     texts = [f"attempt {j} of problem {i}: the area is twice the side"
              for i in range(b) for j in range(GROUP)]
     return types.SimpleNamespace(problems=problems, rewards=np.asarray(rewards), texts=texts,
-                                 step=3)
+                                 step=3, messages=[[{"role": "user", "content": p.text}]
+                                                   for p in problems])
 
 
 def _reflection(lesson: str, quote: str = "is twice the side") -> str:

@@ -238,7 +238,8 @@ def step_batch(cfg, model, pids):
             texts.append(text)
             results.append(SimpleNamespace(reward=0.0, feedback=FEEDBACK, ok=True))
     return StepBatch(problems, students, Rollouts(rollouts, 0), texts,
-                     np.zeros((len(problems), g)), results, step=1)
+                     np.zeros((len(problems), g)), results, step=1,
+                     messages=[task.prompt(p) for p in problems])
 
 
 def teacher_user_texts(cfg, model, mem, sb, task=None, sampler=None

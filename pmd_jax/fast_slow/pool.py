@@ -160,8 +160,7 @@ class ContextPool:
             attempts = []
             for i in (idx[j] for j in pick):
                 r, res = rollouts[i], sb.results[i]
-                prob = sb.problems[r.prompt_index]
-                attempts.append((user_text(self.task.prompt(prob)), sb.texts[i],
+                attempts.append((user_text(sb.messages[r.prompt_index]), sb.texts[i],
                                  float(res.reward), res.feedback or ""))
             conv = rewrite_conversation(parent.text, attempts, int(fs.rewrite_attempt_chars))
             while len(attempts) > 1 and not self._fits(conv):  # fewer attempts, then skip

@@ -193,7 +193,7 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
     limit = context_limit(cfg, model)
     rp = reflection_params(cfg, model, sb.step)
     ids = [model.encode_chat(reflection_messages(
-        mel, user_text(task.prompt(sb.problems[i])), sb.texts[i * g + r], sb.texts[i * g + w]))
+        mel, user_text(sb.messages[i]), sb.texts[i * g + r], sb.texts[i * g + w]))
         for i, r, w in pairs]
     fits = [len(x) + rp.max_tokens <= limit for x in ids]
     stats["mel_reflect_too_long"] = float(len(pairs) - sum(fits))
@@ -245,8 +245,8 @@ def _replay(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any, todo: list[L
     pp = replay_params(cfg, model, sb.step)
     probs = [sb.problems[x.problem_index] for x in todo]
     prefixes = [response_prefix(task, p) for p in probs]
-    ids = [model.encode_prompt(lesson_messages(task.prompt(p), x.text), pre)
-           for x, p, pre in zip(todo, probs, prefixes, strict=True)]
+    ids = [model.encode_prompt(lesson_messages(sb.messages[x.problem_index], x.text), pre)
+           for x, pre in zip(todo, prefixes, strict=True)]
     fits = [len(x) + pp.max_tokens <= limit for x in ids]
     stats["mel_replay_too_long"] = float(len(todo) - sum(fits))
     todo, probs, prefixes, ids = ([v for v, ok in zip(seq, fits, strict=True) if ok]
@@ -273,7 +273,7 @@ def lesson_rows(cfg: Any, model: Any, task: Any, sb: Any, lessons: Sequence[Less
     batch axes) x the next power of two >= the lessons, so a run compiles few shapes."""
     from pmd_jax.distill.batch import make_lesson_rows
 
-    prompts_ = [model.encode_chat(task.prompt(sb.problems[x.problem_index])) for x in lessons]
+    prompts_ = [model.encode_chat(sb.messages[x.problem_index]) for x in lessons]
     toks = [model.tokenizer.encode(x.text)[: int(cfg.mel.lesson_max_tokens)] for x in lessons]
     m = max(1, int(row_multiple))
     rows = m
