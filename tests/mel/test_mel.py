@@ -22,10 +22,10 @@ from pmd_jax.mel.config import MelConfig
 from pmd_jax.models import decoder
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams
 from tests.distill.distill_common import TINY, small_distill_config
-from tests.fakes import FakeSampler
+from tests.fakes import FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GROUP = 2
 
 
@@ -132,31 +132,6 @@ def test_check_batch_wants_the_lesson_rows():
 
 
 # ----------------------------------------------------------------------------- host side
-class CharTokenizer:
-    special_tokens: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class FakeModel:
-    tokenizer = CharTokenizer()
-    stop_token_ids: list[int] = []
-    pad_id = 0
-
-    def encode_chat(self, messages) -> list[int]:
-        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
-
-    def encode_prompt(self, messages, prefix: str = "") -> list[int]:
-        return self.encode_chat(messages) + self.tokenizer.encode(prefix)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
-
-
 class ScriptedSampler(FakeSampler):
     """FakeSampler whose replies are scripted: reflections (requests with a JSON schema) in
     order, replays by the lesson their prompt holds (``n`` texts each)."""
@@ -383,8 +358,9 @@ def test_two_step_mel_run_logs_the_mel_metrics(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_trainer import TINY as TINY_FLAGS
-    from tests.test_trainer import _env, cache_flags
+    from tests.tiny_runs import TINY as TINY_FLAGS
+    from tests.tiny_runs import cache_flags
+    from tests.tiny_runs import env as _env
 
     run_dir = tmp_path / "mel"
     cmd = [sys.executable, "-c", _ENTRY, "--config=configs/smollm2_sciq.py",

@@ -22,41 +22,13 @@ from pmd_jax.fast_slow.mode import FastSlowRuntime
 from pmd_jax.modes import ModeRuntime
 from pmd_jax.rollout import ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator
-from tests.fakes import FakeSampler
+from tests.fakes import CharTokenizer, FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- fakes
-class CharTokenizer:
-    special_tokens: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class FakeModel:
-    tokenizer = CharTokenizer()
-    stop_token_ids: list[int] = []
-    pad_id = 0
-
-    def encode_chat(self, messages) -> list[int]:
-        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
-
-    def encode_prompt(self, messages, prefix: str = "") -> list[int]:
-        return self.encode_chat(messages) + self.tokenizer.encode(prefix)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text)
-
-
 class FakeTask:
     name = "fake"
 
