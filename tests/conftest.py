@@ -63,7 +63,7 @@ def mbpp():
 # e2e runs ~200 s, the vLLM server ~180 s, ...). Files not listed follow in collection order.
 _LONGEST_FIRST = (
     "tests/distributed/test_multiprocess_loop.py",
-    "tests/test_trainer.py",
+    "tests/loop/test_trainer.py",
     "tests/sampling/test_vllm_e2e.py",
     "tests/run/test_checkpoint.py",
     "tests/fast_slow/test_fast_slow.py",
@@ -79,7 +79,7 @@ _LONGEST_FIRST = (
 
 
 # Files that must share a worker with another file's group: the runs they reuse.
-_SAME_GROUP = {"tests/loop/test_trainer_overlap.py": "tests/test_trainer.py"}
+_SAME_GROUP = {"tests/loop/test_trainer_overlap.py": "tests/loop/test_trainer.py"}
 
 
 def pytest_configure(config):

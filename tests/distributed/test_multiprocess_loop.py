@@ -7,7 +7,7 @@
 gradient reductions, the sampler's batch split) crosses the process boundary through gloo.
 A tiny random Llama (``tiny-llama``, SmolLM2's tokenizer, real SciQ problems) runs 2 steps
 with the JAX sampler, in PMD mode (memory with reflections, the default MiniLM embedder, as
-tests/test_trainer.py), evaluating after the last step; the same in GRPO mode is a slow test
+tests/loop/test_trainer.py), evaluating after the last step; the same in GRPO mode is a slow test
 (the default suite runs the PMD jobs alone).
 
 The PMD two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and

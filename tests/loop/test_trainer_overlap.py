@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pmd_jax.config import ConfigError, apply_mode, base_config, validate_config
-from tests.test_trainer import kill9_and_resume
+from tests.loop.test_trainer import kill9_and_resume
 from tests.tiny_runs import run_once
 from tests.tiny_runs import train_records as _train_records
 

@@ -1,6 +1,6 @@
 """The check before use (issue 35; memory/verify.py, teaching.check_memory).
 
-A memory holding known items (tests/test_teacher_context.py's fixtures: SmolLM2's tokenizer,
+A memory holding known items (tests/loop/test_teacher_context.py's fixtures: SmolLM2's tokenizer,
 a hash embedder, items written at step 0, the step batch at step 1 and all its rollouts
 failed) meets a scripted sampler: it reads each replay prompt and answers right or wrong
 depending on which memory item the prompt holds, so an item's effect is known by construction.
@@ -21,7 +21,7 @@ from pmd_jax.memory.verify import (
     wilson_bounds,
 )
 from pmd_jax.sampling.base import Rollout, Rollouts
-from tests.test_teacher_context import (
+from tests.loop.test_teacher_context import (
     LESSONS_HEADER,
     STRATEGIES_HEADER,
     Task,

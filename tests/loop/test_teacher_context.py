@@ -29,7 +29,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,8 +41,9 @@ from pmd_jax.memory import prompts
 from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.types import Provenance, RolloutRecord
 from pmd_jax.sampling.base import Rollout, Rollouts
+from tests.fakes import HashEmbedder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _header(template: str) -> str:
@@ -103,20 +103,6 @@ def memory_texts(items: dict[str, dict]) -> list[str]:
     for it in items.values():
         out += it["strategies"] + it["lessons"] + [it["success"]]
     return out
-
-
-class HashEmbedder:
-    """Deterministic unit vectors from a hash of the text (no model; stands in for MiniLM)."""
-
-    model_name = "test-hash-embedder"
-    dim = 32
-
-    def embed(self, texts, *, query: bool = False) -> np.ndarray:
-        if not texts:
-            return np.zeros((0, self.dim), np.float32)
-        v = np.stack([np.random.default_rng(zlib.crc32(t.encode())).standard_normal(self.dim)
-                      for t in texts]).astype(np.float32)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
 
 
 def install_known(mem, problem_text: dict[str, str], items: dict[str, dict],
@@ -467,7 +453,8 @@ EVAL_RUN = textwrap.dedent("""
     from pmd_jax.config_cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
     import pmd_jax.memory.memory as memory_module
-    from tests.test_teacher_context import HashEmbedder, install_known, known_items
+    from tests.fakes import HashEmbedder
+    from tests.loop.test_teacher_context import install_known, known_items
 
     run_dir, out_path = sys.argv[1], sys.argv[2]
     memory_module.shared_embedder = lambda cfg: HashEmbedder()
