@@ -15,9 +15,11 @@ What a test needs of the host (a device count, an installed asset, a tolerance t
 the backend's matmul precision) is asked in ``tests/host.py``: a test that builds an n-device
 mesh runs on a GPU or TPU host too when jax finds n devices there, and is skipped with the count
 it needs otherwise (``need_devices(n)``, or the ``devices(n)`` marker below).
-Shared helpers that are not fixtures live next to the tests that use them:
-``tests/distill/distill_common.py`` (tiny model, mesh), ``tests/distill/reference_losses.py``
-(direct formulas), ``tests/sampling/local_vllm.py`` (a CPU vLLM server).
+Shared helpers that are not fixtures: ``tests/fakes.py`` (the fakes: sampler, host-side model,
+embedder; the tiny model configs) for every folder, and next to the tests that use them
+``tests/distill/distill_common.py`` (the step tests' model, mesh),
+``tests/distill/reference_losses.py`` (direct formulas), ``tests/sampling/local_vllm.py`` (a
+CPU vLLM server).
 """
 
 from __future__ import annotations

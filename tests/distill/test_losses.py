@@ -1,7 +1,7 @@
 """Losses vs direct references: numpy formulas for values, torch autograd for gradients.
 
-(GRPO and the hybrid: tests/test_policy_gradient.py; the unchunked SDPO loss under test is
-``tests/reference_losses.self_distillation_loss``, itself checked against torch here.)
+(GRPO and the hybrid: tests/distill/test_policy_gradient.py; the unchunked SDPO loss under test is
+``tests/distill/reference_losses.self_distillation_loss``, itself checked against torch here.)
 
 The torch reference follows METHOD.md 1.2-1.3 (verl ``compute_self_distillation_loss``):
 ``F.kl_div(input, target, log_target=True)`` is torch's KL, ``torch.topk`` picks the student

@@ -4,7 +4,7 @@ weight is read), naming the field and value; what is accepted reads like transfo
 Refusals use real checkpoints written by transformers' ``save_pretrained`` (tiny random weights),
 edited where transformers itself would not write the config. Accepted configs are checked
 against transformers' own config classes and rotary modules (RoPE tables, per-layer windows,
-defaults); logit parity of the implemented cases is in tests/test_models_parity.py.
+defaults); logit parity of the implemented cases is in tests/models/test_models_parity.py.
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ CASES = {
     "qwen3_tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo3": ("olmo3", OLMO_KW),
     # cases implemented for issue 14 (anything else is refused at load, see
-    # tests/test_model_config_support.py): attention biases in every family, linear RoPE, YaRN
-    # with mscale / mscale_all_dim, Qwen3 sliding window from use_sliding_window +
+    # tests/models/test_model_config_support.py): attention biases in every family, linear
+    # RoPE, YaRN with mscale / mscale_all_dim, Qwen3 sliding window from use_sliding_window +
     # max_window_layers
     "llama_bias_linear_rope": ("llama", dict(
         tie_word_embeddings=False, attention_bias=True,
