@@ -21,7 +21,7 @@ Conventions (all from verl):
 The memory-bounded path over hidden states lives in :mod:`pmd_jax.distill.chunked`; it calls
 :func:`token_distill_stats` on sequence chunks and :func:`finalize_distill` on the result. The
 GRPO and hybrid policy-gradient losses are in :mod:`pmd_jax.distill.policy_gradient`; the
-unchunked reference ``self_distillation_loss`` is in ``tests/reference_losses.py``.
+unchunked reference ``self_distillation_loss`` is in ``tests/distill/reference_losses.py``.
 """
 
 from __future__ import annotations
