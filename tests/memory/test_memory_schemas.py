@@ -522,7 +522,8 @@ def test_update_memory_logs_the_counts_every_step():
         results = [SimpleNamespace(reward=r, feedback="") for _ in problems for r in rewards]
         return SimpleNamespace(rollouts=rollouts, texts=[f"answer {k}" for k in
                                                          range(len(rollouts))],
-                               results=results, problems=problems)
+                               results=results, problems=problems,
+                               messages=[task.prompt(p) for p in problems])
 
     mem = ProceduralMemory(small_config(**{"behavior.min_problems": 100}),
                            embedder=HashEmbedder())
@@ -533,7 +534,7 @@ def test_update_memory_logs_the_counts_every_step():
         for t in BEHAVIOR_CALLS:
             assert out[f"memory_behavior/{t}/{k}"] == 0.0
     assert out["memory_reflections"] == 4.0 and out["memory_parsed"] == 4.0
-    empty = SimpleNamespace(rollouts=[], texts=[], results=[], problems=[])
+    empty = SimpleNamespace(rollouts=[], texts=[], results=[], problems=[], messages=[])
     out = teaching.update_memory(None, mem, 1, empty, task, gen)
     assert all(out[f"memory_{k}"] == 0.0 for k in CALL_COUNTS)
 
