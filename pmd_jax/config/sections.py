@@ -258,7 +258,7 @@ class TrainConfig(Section):
     checkpoint_every: int = knob(10, "Checkpoint cadence (steps).")
     keep_checkpoints: int = knob(1, "Checkpoints kept in run_dir/checkpoints (>= 1): each "
                                  "holds the params, both AdamW moments and the teacher (1.9 GB "
-                                 "on the embedded default, ~9.4 GB on the 0.5B coder). Orbax "
+                                 "on the embedded default, 6.6 GB on the 0.5B coder). Orbax "
                                  "deletes the oldest only once the next is committed, so N take "
                                  "N + 1 while one is written (the start-up log gives the bytes; "
                                  "no run starts without room for two). A failed or killed save "

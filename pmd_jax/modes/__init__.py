@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -143,11 +144,14 @@ def _names(keep: Callable[[Any], bool]) -> str:
 
 _MODES: dict[str, ModeSpec] = {}
 _ALIASES: dict[str, str] = {}
+_RANK: dict[str, tuple[int, int]] = {}  # name -> (its module's place in _MODULES, order)
 _loaded = False
 
 
 def register_mode(spec: ModeSpec) -> ModeSpec:
-    """Adds ``spec`` (a name or alias taken twice is an error); returns it."""
+    """Adds ``spec`` (a name or alias taken twice is an error); returns it. The modes are
+    listed by their module's place in :data:`_MODULES` (others after), then in the order each
+    module registers them, whatever order the modules were imported in."""
     if spec.teacher not in TEACHERS:
         raise ValueError(f"mode {spec.name!r}: teacher={spec.teacher!r} is not one of "
                          f"{TEACHERS}")
@@ -156,6 +160,9 @@ def register_mode(spec: ModeSpec) -> ModeSpec:
     for name in (spec.name, *spec.aliases):
         if name in _MODES or name in _ALIASES:
             raise ValueError(f"mode name {name!r} is registered twice")
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    rank = _MODULES.index(module) if module in _MODULES else len(_MODULES)
+    _RANK[spec.name] = (rank, len(_RANK))
     _MODES[spec.name] = spec
     _ALIASES.update({a: spec.name for a in spec.aliases})
     return spec
@@ -172,7 +179,7 @@ def _load() -> None:
 def mode_names() -> tuple[str, ...]:
     """The registered modes, in registration order."""
     _load()
-    return tuple(_MODES)
+    return tuple(sorted(_MODES, key=_RANK.__getitem__))
 
 
 def aliases() -> dict[str, str]:
@@ -192,7 +199,7 @@ def get_mode(name: str) -> ModeSpec:
     _load()
     spec = _MODES.get(_ALIASES.get(name, name))
     if spec is None:
-        raise ValueError(f"mode={name!r} is not one of {tuple(_MODES)} or an alias "
+        raise ValueError(f"mode={name!r} is not one of {mode_names()} or an alias "
                          f"{tuple(_ALIASES)}")
     return spec
 

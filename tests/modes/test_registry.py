@@ -3,6 +3,8 @@ name takes the mode's default, a named loss is kept or refused, never replaced),
 added by one registration, and no branch on a mode's name outside the registry."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,16 @@ def test_a_named_loss_is_kept_or_refused_never_replaced(mode):
             assert why in errs, errs
 
 
+@pytest.mark.parametrize("first", ["pmd_jax.fast_slow.mode", "pmd_jax.modes.builtin",
+                                   "pmd_jax.mel.mode"])
+def test_the_order_does_not_depend_on_which_module_is_imported_first(first):
+    code = (f"import {first}\nfrom pmd_jax.modes import mode_names\n"
+            "print(','.join(mode_names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.strip()
+    assert out == ",".join(mode_names())
+
+
 def test_register_refuses_a_taken_name_and_an_unknown_teacher():
     with pytest.raises(ValueError, match="'sdpo' is registered twice"):
         register_mode(ModeSpec(name="sdpo", teacher="feedback", doc="again"))
@@ -69,6 +81,7 @@ def test_a_new_mode_is_one_registration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(modes, "_MODES", dict(modes._MODES))
     monkeypatch.setattr(modes, "_ALIASES", dict(modes._ALIASES))
+    monkeypatch.setattr(modes, "_RANK", dict(modes._RANK))
 
     class Runtime(ModeRuntime):
         work_name = "probe"
