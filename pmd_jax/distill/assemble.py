@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pmd_jax.distill import align
 from pmd_jax.distill.batch import make_batch
 from pmd_jax.distill.update_rows import round_up, rows_for_update
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ class StepArrays:
     stats: dict[str, float]
 
 
-def update_batch(cfg: Any, rows: TrainRows, pad_id: int,
+def update_batch(cfg: RunConfig, rows: TrainRows, pad_id: int,
                  extra: Mapping[str, np.ndarray] | None = None,
                  row_multiple: int = 1) -> StepArrays:
     """The step's arrays: :func:`assemble`, then the rows the update keeps

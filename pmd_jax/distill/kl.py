@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 _KL_FNS: dict[Any, Any] = {}
 
@@ -19,7 +22,7 @@ def kl_due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray]) -> float:
+def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.ndarray]) -> float:
     """KL(policy || initial model) on this step's rollouts, sampled-token estimator.
 
     The rollouts were sampled from the policy, so the mean over response tokens of
@@ -59,7 +62,7 @@ def kl_to_initial(cfg: Any, model: Any, bundle: Any, batch: dict[str, np.ndarray
     return float(diff.sum() / max(m.sum(), 1.0))
 
 
-def _initial_logprobs(cfg: Any, mc: Any, fn: Any, params: Any,
+def _initial_logprobs(cfg: RunConfig, mc: Any, fn: Any, params: Any,
                       batch: dict[str, np.ndarray]) -> np.ndarray:
     """The initial model's log-probs of the rollouts' response tokens, on the host."""
     from pmd_jax.distill.shared_prefix import share_prefixes
@@ -74,7 +77,7 @@ def _initial_logprobs(cfg: Any, mc: Any, fn: Any, params: Any,
 
 
 @contextlib.contextmanager
-def _optimizer_set_aside(bundle: Any, cfg: Any) -> Iterator[None]:
+def _optimizer_set_aside(bundle: Any, cfg: RunConfig) -> Iterator[None]:
     """``train.offload_optimizer_during_kl``: the optimizer state waits in a file (its own,
     named by the run directory and the process) while the block runs, and comes back bit for
     bit with its shardings after it, even when the block raises. Nothing reads the moments

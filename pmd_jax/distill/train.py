@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pmd_jax import footprint
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,7 @@ class TrainBundle:
     initial_params: Any  # for KL(policy || initial) at eval (None to skip)
 
 
-def init_train_state(cfg: Any, model: Any) -> TrainBundle:
+def init_train_state(cfg: RunConfig, model: Any) -> TrainBundle:
     """The train step for ``model`` (a build.ModelBundle) and its initial state."""
     from pmd_jax.distill.step import TrainStep
 
@@ -35,7 +38,7 @@ def init_train_state(cfg: Any, model: Any) -> TrainBundle:
     return TrainBundle(ts, state, model.params)
 
 
-def place_initial_policy(cfg: Any, bundle: TrainBundle, model: Any, run_key: str) -> str:
+def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: str) -> str:
     """The initial policy is read by the KL to it only (``distill/kl.py``): dropped when that
     is never measured (``train.kl_initial_every=0``), written to a file with
     ``train.offload_initial_policy`` (``distill/offload.py``, the file named by ``run_key``);
@@ -91,7 +94,7 @@ def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: in
     return in_a_row
 
 
-def current_params(cfg: Any, bundle: TrainBundle) -> Any:
+def current_params(cfg: RunConfig, bundle: TrainBundle) -> Any:
     """The policy's params in the compute dtype (what the sampler and the export get)."""
     from pmd_jax.distill.step import compute_params
 

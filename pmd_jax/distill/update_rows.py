@@ -5,11 +5,14 @@ Works on the host-side batch dict of :func:`pmd_jax.teaching.build_train_batch` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pmd_jax.distill.registry import get_loss
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 def round_up(n: int, m: int) -> int:
@@ -48,7 +51,7 @@ def select_rows(batch: dict[str, np.ndarray], rows: np.ndarray,
     return out
 
 
-def rows_for_update(cfg: Any, batch: dict[str, np.ndarray],
+def rows_for_update(cfg: RunConfig, batch: dict[str, np.ndarray],
                     row_multiple: int = 1) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Drop the rollouts that cannot move a pure self-distillation update (ours).
 

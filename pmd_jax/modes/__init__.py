@@ -22,7 +22,10 @@ import dataclasses
 import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 # What the teacher's context holds (ModeSpec.teacher).
 TEACHERS = ("none", "feedback", "memory")
@@ -65,7 +68,7 @@ class ModeRuntime:
         """Restores :meth:`state_dict`'s value."""
 
 
-def _no_runtime(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
+def _no_runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
                 eval_problems: Sequence[Any]) -> ModeRuntime:
     return ModeRuntime()
 
