@@ -3,7 +3,7 @@
 The embedded default (configs/smollm2_sciq.py: SmolLM2-135M-Instruct, float32, CPU) evaluates
 its 100 held-out SciQ questions x 1 sample (T=0.6, top-p 0.95, 24 new tokens) at every
 evaluation point. This script runs that evaluation exactly as a run does
-(``pmd_jax.evaluate.evaluate``: prompts, the sampler's batch plan, verification, the results
+(``pmd_jax.loop.evaluate.evaluate``: prompts, the sampler's batch plan, verification, the results
 file) and prints its wall time, warm (after one call that compiles), and the peers' times in
 the same process:
 
@@ -40,10 +40,10 @@ _BATCH_COST = None
 
 
 def _setup(config: str):
-    from pmd_jax import build
+    from pmd_jax.config.cli import load_config_file
     from pmd_jax.config.modes import apply_mode
     from pmd_jax.config.validate import freeze
-    from pmd_jax.config_cli import load_config_file
+    from pmd_jax.loop import build
     from pmd_jax.sampling.base import TextGenerator
 
     cfg = load_config_file(config)
@@ -58,7 +58,7 @@ def _setup(config: str):
 
 
 def _ours(cfg, task, problems, model, textgen, out: Path) -> tuple[float, float, list[float]]:
-    from pmd_jax import evaluate
+    from pmd_jax.loop import evaluate
 
     t = time.perf_counter()
     res = evaluate.evaluate(cfg, model, task, textgen, problems, out)
@@ -105,8 +105,8 @@ def _hf(cfg, task, problems, model, batch: int = 16) -> tuple[float, float]:
     import torch
     import transformers
 
+    from pmd_jax.loop.teaching import response_prefix
     from pmd_jax.models.hf_io import save_hf_checkpoint
-    from pmd_jax.teaching import response_prefix
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:

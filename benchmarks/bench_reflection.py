@@ -35,8 +35,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pmd_jax import build, teaching  # noqa: E402
-from pmd_jax.config_cli import load_config_file  # noqa: E402
+from pmd_jax.config.cli import load_config_file  # noqa: E402
+from pmd_jax.loop import build, teaching  # noqa: E402
 from pmd_jax.memory import calls  # noqa: E402
 from pmd_jax.memory.insight import reflection_conversation, select_attempts  # noqa: E402
 from pmd_jax.memory.parsing import parse_reflection  # noqa: E402

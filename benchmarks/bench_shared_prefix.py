@@ -37,9 +37,9 @@ def parse() -> argparse.Namespace:
 
 
 def batches(cfg, model, task, args, count):
-    from pmd_jax import teaching
     from pmd_jax.distill import align
     from pmd_jax.distill.batch import make_batch
+    from pmd_jax.loop import teaching
 
     probs = task.problems("train")
     rng = np.random.default_rng(0)
@@ -75,12 +75,12 @@ def main() -> None:
     args = parse()
     import jax
 
-    from pmd_jax import build
+    from pmd_jax.config.cli import load_config_file
     from pmd_jax.config.modes import apply_mode
     from pmd_jax.config.validate import freeze
-    from pmd_jax.config_cli import load_config_file
     from pmd_jax.distill import shared_prefix as spx
     from pmd_jax.distill import train
+    from pmd_jax.loop import build
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     c = load_config_file(os.path.join(here, "configs", "smollm2_sciq.py"))

@@ -10,7 +10,7 @@
 #
 # Env: TRAIN_GPUS (CUDA_VISIBLE_DEVICES of the trainer), VLLM_GPUS (of the vLLM server);
 #      COORDINATOR, NUM_PROCESSES, PROCESS_ID (several hosts: exported as PMD_COORDINATOR,
-#      PMD_NUM_PROCESSES, PMD_PROCESS_ID, which pmd_jax/distributed.py reads);
+#      PMD_NUM_PROCESSES, PMD_PROCESS_ID, which pmd_jax/run/distributed.py reads);
 #      PMD_VLLM_VENV (default "system": vllm installed here from the `vllm` extra; or a venv
 #      made by launch/setup_vllm_venv.sh); VLLM_START_TIMEOUT (seconds, default 1800);
 #      PMD_TORCH_INDEX_URL (an index serving the torch build you want for the embedder);

@@ -10,7 +10,7 @@
 # Env: TPU_NAME, ZONE (required); ACCEL (v5p-64), VERSION (v2-alpha-tpuv5), PROJECT;
 #      RUN_DIR (default gs://$BUCKET/pmd_runs/<config name>; a --config.run_dir=... given
 #      after CONFIG wins): a gs:// run dir is passed as the URL it is, every worker writes
-#      it through etils.epath/gcsfs (pmd_jax.paths) and orbax/tensorstore;
+#      it through etils.epath/gcsfs (pmd_jax.run.paths) and orbax/tensorstore;
 #      REMOTE_DIR (code folder on the workers, default pmd_jax); PMD_TORCH_INDEX_URL (an index
 #      that serves the CPU build of torch, for the embedder); PYTHON (local interpreter
 #      that reads the config, default python3).

@@ -164,7 +164,7 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
     from ml_collections import config_flags
 
     from pmd_jax.config import apply_mode, config_errors
-    from pmd_jax.config_cli import check_command_line, set_none
+    from pmd_jax.config.cli import check_command_line, set_none
 
     argv = ["pmd_jax.experiments", f"--config={config}", *overrides]
     if mode is not None:
@@ -192,7 +192,7 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
 
 
 def _fmt(seconds: float) -> str:
-    from pmd_jax.metrics import _fmt as fmt
+    from pmd_jax.run.metrics import _fmt as fmt
 
     return fmt(seconds)
 

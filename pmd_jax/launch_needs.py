@@ -42,7 +42,7 @@ def needs(cfg: Any) -> dict[str, str]:
     from pmd_jax.memory.embedder import DEFAULT_MODEL
     from pmd_jax.models.assets import EMBEDDED_MODELS
     from pmd_jax.modes import get_mode
-    from pmd_jax.paths import is_remote
+    from pmd_jax.run.paths import is_remote
     from pmd_jax.tasks.registry import get_spec, task_names
 
     memory = get_mode(cfg.mode).uses_memory
@@ -85,7 +85,7 @@ def load(argv: Sequence[str]) -> tuple[Any, list[str]]:
     from ml_collections import config_flags
 
     from pmd_jax.config import apply_mode
-    from pmd_jax.config_cli import check_command_line, set_none
+    from pmd_jax.config.cli import check_command_line, set_none
 
     if not argv or argv[0].startswith("-"):
         return None, ["usage: python -m pmd_jax.launch_needs CONFIG [--config.key=value ...]"]

@@ -25,7 +25,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 if TYPE_CHECKING:
-    from pmd_jax.config_cli import CommandLine
+    from pmd_jax.config.cli import CommandLine
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
     from pmd_jax.config import apply_mode, config_errors, freeze, setup_compilation_cache
-    from pmd_jax.config_cli import set_none
+    from pmd_jax.config.cli import set_none
 
     cfg = _CONFIG.value
     if cfg is None:
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
     if refusal:
         return _refuse(refusal)
     # Before the big allocations: freed blocks of this size leave the heap (footprint).
-    from pmd_jax import footprint
+    from pmd_jax.run import footprint
 
     mib = run_cfg.train.malloc_mmap_threshold_mib
     if mib > 0 and not footprint.set_mmap_threshold(mib):
@@ -138,15 +138,15 @@ def main(argv: list[str]) -> int:
     cache_dir = setup_compilation_cache(run_cfg.train)
     logging.getLogger("pmd_jax").info(
         "XLA compilation cache: %s", cache_dir or "off (train.compilation_cache_dir)")
-    from pmd_jax.distributed import maybe_initialize
+    from pmd_jax.run.distributed import maybe_initialize
 
     maybe_initialize()
-    from pmd_jax.checkpoint import DiskSpaceError
+    from pmd_jax.loop.trainer import Trainer
     from pmd_jax.models.config import ConfigError
     from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
     from pmd_jax.models.tokenizer import TokenizerError
-    from pmd_jax.sharding import ShardingError
-    from pmd_jax.trainer import Trainer
+    from pmd_jax.run.checkpoint import DiskSpaceError
+    from pmd_jax.run.sharding import ShardingError
 
     try:  # set-up finds what validation could not see without loading: one line, exit 2
         trainer = Trainer(run_cfg)
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config_cli import check_command_line
+    from pmd_jax.config.cli import check_command_line
 
     try:
         argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)

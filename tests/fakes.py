@@ -61,8 +61,8 @@ class CharTokenizer:
 
 
 class FakeModel:
-    """The host-side model (``pmd_jax.build``'s) over ``CharTokenizer``: a chat is its messages'
-    contents joined by newlines, a token count is a character count."""
+    """The host-side model (``pmd_jax.loop.build``'s) over ``CharTokenizer``: a chat is its
+    messages' contents joined by newlines, a token count is a character count."""
 
     tokenizer = CharTokenizer()
     stop_token_ids: list[int] = []

@@ -171,7 +171,7 @@ def run_env() -> dict[str, str]:
 
 def embedded_default() -> Any:
     """The embedded default's ConfigDict (configs/smollm2_sciq.py), as the entry point loads it."""
-    from pmd_jax.config_cli import load_config_file
+    from pmd_jax.config.cli import load_config_file
 
     return load_config_file(str(ROOT / "configs" / "smollm2_sciq.py"))
 

@@ -4,7 +4,7 @@
   default and help text (``distill`` and ``memory`` next to their packages);
   ``base_config()`` generates the editable ml_collections ConfigDict from them.
 * Config files in ``configs/`` start from ``base_config()``; the command line overrides
-  further (``--config.rollout.n=4``; checked first by :mod:`pmd_jax.config_cli`).
+  further (``--config.rollout.n=4``; checked first by :mod:`pmd_jax.config.cli`).
 * :func:`apply_mode` (:mod:`.modes`) derives what the run mode implies, on the ConfigDict;
   :func:`validate_config` / :func:`config_errors` (:mod:`.validate`) name every problem at
   once; :func:`freeze` then builds the frozen :class:`RunConfig` the run reads, with the same

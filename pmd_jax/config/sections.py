@@ -18,9 +18,9 @@ from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import MATMUL_DTYPES, DistillConfig
 from pmd_jax.fast_slow.config import FastSlowConfig
-from pmd_jax.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
+from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.sampling.backends import BACKENDS
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
@@ -351,7 +351,7 @@ class EvalConfig(Section):
     retention: bool = knob(False, "Forgetting: at every evaluation point also evaluate the "
                            "policy (memory-free) on an off-task retention set, reported beside "
                            "the task accuracy as retention_accuracy with its CI "
-                           "(pmd_jax/retention.py).")
+                           "(pmd_jax/loop/retention.py).")
     retention_task: str = knob("", "The retention set's task; '' = the default for the run's "
                                "task: SciQ for code runs, MMLU (mmlu_science) for the others "
                                "(FST / MEL measure forgetting on an unrelated benchmark).")
@@ -376,7 +376,7 @@ class EvalConfig(Section):
         _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
         _need(errs, e.n >= 1, "eval.n must be >= 1")
         if e.retention:
-            from pmd_jax.retention import retention_config_errors
+            from pmd_jax.loop.retention import retention_config_errors
 
             errs.extend(retention_config_errors(e))
         return errs

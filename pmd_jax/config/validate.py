@@ -196,7 +196,7 @@ def _mode_spec(name: Any) -> Any:
 
 
 def env_process_count(environ: Any = None) -> int | None:
-    """How many JAX processes ``pmd_jax.distributed.maybe_initialize`` will start, read from
+    """How many JAX processes ``pmd_jax.run.distributed.maybe_initialize`` will start, read from
     the same environment variables before anything starts: 1 without PMD_COORDINATOR /
     PMD_DISTRIBUTED, PMD_NUM_PROCESSES with PMD_COORDINATOR (-1 when it is not an integer:
     maybe_initialize then fails), None for PMD_DISTRIBUTED=auto (JAX discovers them)."""
@@ -344,7 +344,7 @@ def _run_dir_errors(run_dir: Any) -> list[str]:
     run reports a problem."""
     if not isinstance(run_dir, str) or not run_dir.strip():
         return [f"run_dir must be a folder path, got {run_dir!r}"]
-    from pmd_jax.paths import REMOTE_PREFIXES, is_remote
+    from pmd_jax.run.paths import REMOTE_PREFIXES, is_remote
 
     if is_remote(run_dir):
         import logging
@@ -382,7 +382,7 @@ def _run_dir_try_errors(run_dir: Any) -> list[str]:
     The error names the folder and the OS's reason. Remote URLs are not tried."""
     import tempfile
 
-    from pmd_jax.paths import is_remote
+    from pmd_jax.run.paths import is_remote
 
     if not isinstance(run_dir, str) or not run_dir.strip() or is_remote(run_dir) \
             or "://" in run_dir:

@@ -66,7 +66,7 @@ def _initial_logprobs(cfg: RunConfig, mc: Any, fn: Any, params: Any,
                       batch: dict[str, np.ndarray]) -> np.ndarray:
     """The initial model's log-probs of the rollouts' response tokens, on the host."""
     from pmd_jax.distill.shared_prefix import share_prefixes
-    from pmd_jax.multihost import to_host
+    from pmd_jax.run.multihost import to_host
 
     # the student side in shared-prefix rows where train.shared_prefix says so
     keys = ("student_tokens", "student_positions", "student_attn_mask", "student_index",
@@ -85,8 +85,8 @@ def _optimizer_set_aside(bundle: Any, cfg: RunConfig) -> Iterator[None]:
     if not cfg.train.offload_optimizer_during_kl:
         yield
         return
-    from pmd_jax import footprint
     from pmd_jax.distill.offload import DiskParams
+    from pmd_jax.run import footprint
 
     disk = DiskParams.write_temp(bundle.state.opt_state, f"{cfg.run_dir}#optimizer",
                                  kind="optimizer")

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from pmd_jax.distill.losses import TopKIndices
-from pmd_jax.sharding import ShardingRules
+from pmd_jax.run.sharding import ShardingRules
 
 Array = jax.Array
 

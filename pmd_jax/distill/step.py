@@ -47,7 +47,6 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from typing_extensions import TypeVar
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import shared_prefix as spx
@@ -57,6 +56,7 @@ from pmd_jax.distill.loss_fn import StepOptions, _cast, make_lesson_nll_fn, make
 from pmd_jax.distill.registry import LESSON_KEYS
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from pmd_jax.run import sharding as shd
 
 Array = jax.Array
 

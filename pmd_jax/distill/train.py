@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pmd_jax import footprint
+from pmd_jax.run import footprint
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -81,7 +81,7 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
 def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: int) -> int:
     """Non-finite updates in a row after this step's ``metrics`` (0 after a finite one); the
     step function skipped a non-finite update. Raises TrainingError at ``limit`` in a row."""
-    from pmd_jax.phases import TrainingError
+    from pmd_jax.loop.phases import TrainingError
 
     if bool(metrics.get("finite", True)) and math.isfinite(float(metrics.get("loss", 0.0))):
         return 0

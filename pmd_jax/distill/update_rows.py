@@ -1,6 +1,6 @@
 """Which rows of a train batch the SDPO/PMD update needs (ours: ``train.drop_unsignaled_rows``).
 
-Works on the host-side batch dict of :func:`pmd_jax.teaching.build_train_batch` (right padded).
+Works on the host-side batch dict of :func:`pmd_jax.loop.teaching.build_train_batch` (right padded).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def format_step_memory(r: dict[str, Any]) -> str:
 
 
 def model_config(cfg: Any) -> Any:
-    from pmd_jax.build import attention_options
+    from pmd_jax.loop.build import attention_options
     from pmd_jax.models.config import ConfigError, preset
 
     if not cfg.model.preset:

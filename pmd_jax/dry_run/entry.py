@@ -32,7 +32,7 @@ def dry_run_from_config(cfg: Any) -> dict[str, Any]:
     import jax
 
     from pmd_jax.dry_run.forward_backward import dry_run
-    from pmd_jax.sharding import ShardingRules, make_mesh
+    from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     mc = model_config(cfg)
     n = jax.device_count()

@@ -156,8 +156,8 @@ def _compile_step(cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll
     import jax.numpy as jnp
     import optax
 
-    from pmd_jax import sharding as sh
     from pmd_jax.models import decoder
+    from pmd_jax.run import sharding as sh
 
     axes = decoder.param_axes(cfg)
     shapes = decoder.param_shapes(cfg)
@@ -223,8 +223,8 @@ def dry_run(
     """
     import jax
 
-    from pmd_jax import sharding as sh
     from pmd_jax.models import decoder
+    from pmd_jax.run import sharding as sh
 
     n_needed = math.prod(int(v) for v in mesh_shape.values())
     devices = jax.devices()

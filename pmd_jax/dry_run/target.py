@@ -277,7 +277,7 @@ def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, A
 
     from pmd_jax.config import freeze
     from pmd_jax.dry_run.distill_step import mesh_shape, model_config
-    from pmd_jax.sharding import ShardingRules, make_mesh
+    from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     cfg = freeze(cfg)  # (a RunConfig is kept as it is)
     t = tg.get_target(target)

@@ -141,8 +141,8 @@ class ContextPool:
         """GEPA-style reflective mutations: a parent drawn from the pool (by how many validation
         problems it is best on, GEPA's rule; uniform before any score), shown this step's
         rollouts made with it (else any), rewritten by the policy."""
+        from pmd_jax.loop.teaching import user_text
         from pmd_jax.memory.sanitize import sanitize_text
-        from pmd_jax.teaching import user_text
 
         fs = self.fs
         n = int(fs.rewrite_candidates)
@@ -208,7 +208,7 @@ class ContextPool:
                st: dict[str, float]) -> None:
         """Each candidate's mean reward per validation problem: ``fast_slow.val_samples``
         samples of every validation problem with the candidate in the prompt."""
-        from pmd_jax.teaching import response_prefix
+        from pmd_jax.loop.teaching import response_prefix
 
         if not todo:
             return
@@ -262,7 +262,7 @@ def validation_problems(cfg: Any, model: Any, task: Any, train_problems: Sequenc
     """``fast_slow.val_size`` training problems in a seeded order: none whose problem text is
     an evaluation problem's, none whose prompt with a full context would exceed
     rollout.max_prompt_tokens."""
-    from pmd_jax.teaching import response_prefix, user_text
+    from pmd_jax.loop.teaching import response_prefix, user_text
 
     fs = cfg.fast_slow
     held_out = {user_text(task.prompt(p)) for p in eval_problems}
@@ -288,7 +288,7 @@ def validation_problems(cfg: Any, model: Any, task: Any, train_problems: Sequenc
 def build_pool(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
                eval_problems: Sequence[Any]) -> ContextPool:
     """The run's pool (mode=fast_slow; its hooks into the loop: ``fast_slow/mode.py``)."""
-    from pmd_jax import multihost
+    from pmd_jax.run import multihost
 
     if multihost.process_count() > 1:
         raise ValueError("mode=fast_slow is single-process only (the pool lives in one "

@@ -42,7 +42,7 @@ def eval_dir(run_dir: Path, step: int) -> Path:
 def cell_state(run_dir: Path, steps: int) -> tuple[bool, str]:
     """(finished, why not): finished = a train record for every step 0..steps-1, an eval
     record at ``steps`` and ``eval/step_<steps>/results.jsonl``."""
-    from pmd_jax.metrics import read_metrics
+    from pmd_jax.run.metrics import read_metrics
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():

@@ -59,7 +59,7 @@ IN_PROMPT_METRICS = ("accuracy_deployed", "accuracy_with_memory")
 
 
 def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
-    from pmd_jax.metrics import eval_kl_points, read_metrics
+    from pmd_jax.run.metrics import eval_kl_points, read_metrics
     from pmd_jax.tasks import evaluation
 
     res = evaluation.load_results(eval_dir(folder, step) / "results.jsonl", name=cell.name)
@@ -295,7 +295,7 @@ def _save_plot(fig, ax, path: Path, xlabel: str, title: str) -> Path:
     """Labels, grid and legend of a held-out accuracy plot; writes it to ``path``."""
     import matplotlib.pyplot as plt
 
-    from pmd_jax import paths
+    from pmd_jax.run import paths
 
     ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out accuracy (memory-free)")

@@ -177,7 +177,7 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
     """Reflections on the step's contrastive pairs and the replay filter, for the verified
     rollouts ``sb`` (a trainer StepBatch). ``sampler``: the run's (the policy), token level;
     ``model``: encode_chat / encode_prompt / decode / stop_token_ids / tokenizer."""
-    from pmd_jax.teaching import user_text
+    from pmd_jax.loop.teaching import user_text
 
     mel, g = cfg.mel, int(cfg.rollout.n)
     thr = float(cfg.teacher_prompt.success_threshold)
@@ -239,7 +239,7 @@ def _replay(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any, todo: list[L
             limit: int, stats: dict[str, float]) -> None:
     """``mel.replays`` samples of each lesson's problem with the lesson in its prompt,
     verified like rollouts; marks the lessons with a right sample ``kept``."""
-    from pmd_jax.teaching import response_prefix
+    from pmd_jax.loop.teaching import response_prefix
 
     thr = float(cfg.teacher_prompt.success_threshold)
     pp = replay_params(cfg, model, sb.step)

@@ -313,7 +313,7 @@ class ProceduralMemory:
         return out
 
     def export_jsonl(self, path: str) -> int:
-        from pmd_jax import paths  # a gs:// run dir stays a URL
+        from pmd_jax.run import paths  # a gs:// run dir stays a URL
 
         return paths.write_jsonl(path, self._rows(), ensure_ascii=False)
 
@@ -338,6 +338,6 @@ class ProceduralMemory:
             out.append(f"<h3>{e(pid)}</h3><p>{e(text[:500])}</p>")
             for lvl in ranked:
                 out.extend(lvl.html_problem(pid))
-        from pmd_jax import paths
+        from pmd_jax.run import paths
 
         paths.write_text(path, "\n".join(out))

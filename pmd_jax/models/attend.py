@@ -8,7 +8,7 @@ sliding layers i - j < window, ``key_mask[b, j]``, and with ``segment_ids`` the 
 ``idx + t``.
 
 The choice is logged (INFO) the first time each distinct (implementation, reason) is made, i.e.
-when the step or sampler is first traced; ``pmd_jax.build.load_model`` logs the plan at
+when the step or sampler is first traced; ``pmd_jax.loop.build.load_model`` logs the plan at
 start-up.
 """
 

@@ -288,7 +288,7 @@ def _remat(fn: Callable, policy: str, prevent_cse: bool = False) -> Callable:
     return jax.checkpoint(fn, policy=pols[policy], prevent_cse=prevent_cse)
 
 
-ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.sharding.ShardingRules)
+ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.run.sharding.ShardingRules)
 
 
 def _constrain(x: jnp.ndarray, axes: tuple[str | None, ...], ctx: ShardCtx | None):

@@ -34,7 +34,7 @@ from pmd_jax.models.config import ConfigError, ModelConfig, from_hf_config
 from pmd_jax.models.decoder import check_params, param_axes
 from pmd_jax.models.families import FAMILIES
 from pmd_jax.models.weights import Weight, declare, norm_slice
-from pmd_jax.sharding import ShardingRules, check_divisible
+from pmd_jax.run.sharding import ShardingRules, check_divisible
 
 Params = dict[str, Any]
 
@@ -452,7 +452,7 @@ def save_hf_checkpoint(
     if spread:
         raise ValueError(
             f"save_hf_checkpoint: params{spread[0]} (and {len(spread) - 1} more) span several "
-            "processes; gather them on every process first (pmd_jax.multihost.gather_tree) "
+            "processes; gather them on every process first (pmd_jax.run.multihost.gather_tree) "
             "and write on process 0 (the run's HF export does both)")
     # Plan shards from shapes (no data touched), then stream one shard at a time.
     sizes: list[tuple[str, int]] = []

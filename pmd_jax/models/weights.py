@@ -3,7 +3,7 @@
 :func:`declare` lists the weights a :class:`ModelConfig` has, one :class:`Weight` each, with
 
 * where it sits in the param tree (``path``) and its shape as a function of the config;
-* the logical name of each axis (``axes``; :mod:`pmd_jax.sharding` maps them to mesh axes);
+* the logical name of each axis (``axes``; :mod:`pmd_jax.run.sharding` maps them to mesh axes);
 * its initializer (``init``: HF's normal(0, 0.02), zeros or ones);
 * its HF tensor name and layout: ``hf_layout`` writes the HF tensor's dims with the same axis
   names, a parenthesised group being one HF dim that splits into those axes, e.g. q's
@@ -261,7 +261,7 @@ def shape_tree(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def axes_tree(cfg: ModelConfig) -> dict[str, Any]:
-    """Param tree of logical axis names (tuples of str), for :mod:`pmd_jax.sharding`."""
+    """Param tree of logical axis names (tuples of str), for :mod:`pmd_jax.run.sharding`."""
     return _tree(cfg, lambda w: w.axes)
 
 

@@ -55,10 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from pmd_jax import footprint
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
-from pmd_jax.multihost import to_host
+from pmd_jax.run import footprint
+from pmd_jax.run.multihost import to_host
+from pmd_jax.run.sharding import ShardingRules, shard_tree
 from pmd_jax.sampling import decode
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling.base import (
@@ -75,7 +76,6 @@ from pmd_jax.sampling.batching import (
     prefill_length,
     row_bucket,
 )
-from pmd_jax.sharding import ShardingRules, shard_tree
 
 Params = Any
 
@@ -409,7 +409,7 @@ class JaxSampler:
                     chunk, rows, arrays, params, scalars, engine, grammar_s, stats)))
             # The batch is dispatched (an unconstrained one runs on): what compiling its
             # program freed goes back to the kernel instead of staying resident beside the
-            # KV caches (pmd_jax.footprint).
+            # KV caches (pmd_jax.run.footprint).
             footprint.release_free_memory()
         items: list[Rollout | None] = [None] * len(rows)
         new_tokens = 0
@@ -562,7 +562,7 @@ class JaxSampler:
 
 # The constrained loop hands the C heap's free pages back every this many tokens: what the
 # batch's prefill groups (caches, temporaries, compiles) freed stays resident under the token
-# loop otherwise (pmd_jax.footprint). On a behavior-round-shaped call (8 prompts of 831-1,437
+# loop otherwise (pmd_jax.run.footprint). On a behavior-round-shaped call (8 prompts of 831-1,437
 # tokens, max_tokens 1536): RSS during the decode 3.17 -> 2.57 GiB, the peak (at the
 # prefill) unchanged. A trim walks the heap (tens of ms), about 1% of 32 decode steps.
 TRIM_EVERY = 32

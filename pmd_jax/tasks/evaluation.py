@@ -210,14 +210,14 @@ def evaluate(
 
 
 def save_results(result: EvalResult, path: str | Path) -> None:
-    # Through pmd_jax.paths: a gs:// run dir's eval folder stays a URL; written atomically.
-    from pmd_jax import paths
+    # Through pmd_jax.run.paths: a gs:// run dir's eval folder stays a URL; written atomically.
+    from pmd_jax.run import paths
 
     paths.write_jsonl(path, ({"name": result.name, **r} for r in result.records))
 
 
 def load_results(path: str | Path, name: str | None = None) -> EvalResult:
-    from pmd_jax import paths
+    from pmd_jax.run import paths
 
     p = paths.run_path(path)
     if not p.is_file():

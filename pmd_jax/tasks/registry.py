@@ -49,7 +49,7 @@ class TaskSpec:
     prompt_styles: tuple[str, ...] = PROMPT_STYLES
     split_total: int = 0  # > 0: disjoint task.<name>_train_size / _eval_size of this many
     # problems are programs, scored by running tests (a run on it gets a question-answering
-    # retention set, pmd_jax.retention)
+    # retention set, pmd_jax.loop.retention)
     is_code: bool = False
     # the run config's task section -> errors in the knobs only this task reads (config
     # validation, once task.name is known)

@@ -124,7 +124,7 @@ def _errors(c) -> list[str]:
 
 
 def _cli(*args: str):
-    from pmd_jax.config_cli import check_command_line
+    from pmd_jax.config.cli import check_command_line
 
     return check_command_line(["prog", f"--config={SCIQ}", *args])
 
@@ -165,7 +165,7 @@ def test_values_that_do_not_parse_are_named():
 
 
 def test_missing_or_broken_config_file(tmp_path):
-    from pmd_jax.config_cli import check_command_line
+    from pmd_jax.config.cli import check_command_line
 
     line = check_command_line(["prog", "--config=configs/smollm2_sciqq.py"])
     assert line.fatal and len(line.errors) == 1
@@ -362,7 +362,7 @@ def test_run_dir_under_a_read_only_folder(tmp_path):
 
 
 def test_none_sets_a_nullable_field():
-    from pmd_jax.config_cli import set_none
+    from pmd_jax.config.cli import set_none
 
     line = _cli("--config.distill.loss.topk=none", "--config.distill.loss.is_clip=None",
                 "--config.distill.optim.grad_clip=none", "--config.distill.optim.grad_clip=0.5",
@@ -417,7 +417,7 @@ def test_command_line_reports_every_problem_without_a_traceback(tmp_path):
 def test_command_line_none_reaches_the_trainer(tmp_path):
     # The trainer is replaced by one that prints the config it gets: the real entry point,
     # absl and ml_collections parse everything else.
-    fake = ("import pmd_jax.trainer as t\n"
+    fake = ("import pmd_jax.loop.trainer as t\n"
             "class T:\n"
             "    def __init__(self, cfg):\n"
             "        l = cfg.distill.loss\n"

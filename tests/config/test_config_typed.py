@@ -11,8 +11,8 @@ import pytest
 from ml_collections import config_dict
 
 from pmd_jax.config import RunConfig, apply_mode, base_config, config_errors, freeze
+from pmd_jax.config.cli import check_command_line, config_keys
 from pmd_jax.config.schema import Section, schema_keys
-from pmd_jax.config_cli import check_command_line, config_keys
 from pmd_jax.distill.config import DistillConfig, default_distill_config
 from pmd_jax.memory.config import MemoryConfig, default_memory_config, validate_memory_config
 

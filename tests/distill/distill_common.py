@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from pmd_jax import sharding as shd
+from pmd_jax.run import sharding as shd
 from tests.fakes import tiny_model_config
 from tests.host import need_devices
 

@@ -7,7 +7,7 @@ import pytest
 
 from pmd_jax.distill.kl import kl_due
 from pmd_jax.distill.train import count_nonfinite
-from pmd_jax.phases import TrainingError
+from pmd_jax.loop.phases import TrainingError
 
 
 def test_finite_step_resets_the_count():

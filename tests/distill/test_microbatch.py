@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import accumulate, align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import step as st
+from pmd_jax.run import sharding as shd
 
 B = 16
 GROUP = 2

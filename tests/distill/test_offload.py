@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as sh
 from pmd_jax.distill import kl
 from pmd_jax.distill.offload import DiskParams
 from pmd_jax.models import decoder
 from pmd_jax.models.config import tiny_llama
+from pmd_jax.run import sharding as sh
 
 
 def test_round_trip_is_bitwise_with_dtypes_and_shardings(tmp_path):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import losses
 from pmd_jax.distill.sharded_topk import dense_topk_indices, make_topk_indices
+from pmd_jax.run import sharding as shd
 from tests.distill.reference_losses import chunked_distill_loss
 from tests.host import need_devices
 

@@ -21,13 +21,13 @@ import jax
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import shared_prefix as spx
 from pmd_jax.distill import step as st
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from pmd_jax.run import sharding as shd
 
 N = 4  # rollouts per prompt
 TOL = dict(rtol=2e-5, atol=2e-5)

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import align, losses
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import policy_gradient as pg
 from pmd_jax.distill import step as st
 from pmd_jax.distill.config import DistillConfigError
 from pmd_jax.models import decoder
+from pmd_jax.run import sharding as shd
 from tests.distill import reference_losses
 from tests.fakes import tiny_model_config
 

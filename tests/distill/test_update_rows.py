@@ -12,13 +12,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pmd_jax import sharding as shd  # noqa: E402
 from pmd_jax.config import base_config  # noqa: E402
 from pmd_jax.distill import align, update_rows  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.batch import make_batch  # noqa: E402
 from pmd_jax.distill.config import default_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.run import sharding as shd  # noqa: E402
 from tests.distill.test_step import TINY  # noqa: E402
 from tests.host import need_devices  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Usage: ``python tests/distributed/mp_worker.py OUT_DIR STORE_DIR``. With ``PMD_COORDINATOR``,
 ``PMD_NUM_PROCESSES`` and ``PMD_PROCESS_ID`` set it joins a ``jax.distributed`` job through
-:func:`pmd_jax.distributed.maybe_initialize`; without them it runs alone. Either way it builds a
+:func:`pmd_jax.run.distributed.maybe_initialize`; without them it runs alone. Either way it builds a
 ``(data=1, fsdp=2, tensor=2)`` mesh over *all* global devices (``XLA_FLAGS`` in the caller's
 environment sets the fake CPU device count), initialises the ``tiny-llama`` preset from a fixed
 seed, runs two SDPO train steps of :class:`pmd_jax.distill.step.TrainStep` on a fixed global
@@ -22,14 +22,14 @@ import time
 import jax
 import numpy as np
 
-from pmd_jax import distributed
-from pmd_jax import sharding as shd
 from pmd_jax.distill import align
 from pmd_jax.distill import step as st
 from pmd_jax.distill.batch import make_batch
 from pmd_jax.distill.config import default_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import preset
+from pmd_jax.run import distributed
+from pmd_jax.run import sharding as shd
 
 BATCH = 4
 STEPS = 2

@@ -4,7 +4,7 @@ The test launches ``tests/distributed/mp_worker.py`` three times at once:
 
 * two processes joined by ``jax.distributed`` (coordinator on 127.0.0.1, a free port, the
   ``PMD_COORDINATOR`` / ``PMD_NUM_PROCESSES`` / ``PMD_PROCESS_ID`` variables read by
-  :func:`pmd_jax.distributed.maybe_initialize`), 2 fake CPU devices each;
+  :func:`pmd_jax.run.distributed.maybe_initialize`), 2 fake CPU devices each;
 * one plain process with 4 fake CPU devices (the reference).
 
 Each builds the same ``(data=1, fsdp=2, tensor=2)`` mesh over all 4 global devices; in the

@@ -1,4 +1,4 @@
-"""The whole co-evolution loop in two JAX processes == the same loop in one (pmd_jax.multihost).
+"""The whole co-evolution loop in two JAX processes == the same loop in one (pmd_jax.run.multihost).
 
 ``python -m pmd_jax.main`` runs as two processes joined by ``jax.distributed`` (coordinator on
 127.0.0.1 at a free port; ``PMD_COORDINATOR`` / ``PMD_NUM_PROCESSES`` / ``PMD_PROCESS_ID``),

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as sh
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig, RopeConfig
+from pmd_jax.run import sharding as sh
 from tests.host import need_devices
 
 pytestmark = pytest.mark.devices(8)  # every mesh below has 8 devices (tests/host.py)

@@ -4,9 +4,9 @@
 import jax
 import pytest
 
-from pmd_jax import sharding as sh
 from pmd_jax.dry_run import forward_backward as dr
 from pmd_jax.models.config import olmo3_7b, qwen3_8b
+from pmd_jax.run import sharding as sh
 from tests.host import need_devices
 from tests.tiny_runs import child_env
 
@@ -192,8 +192,8 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "import jax\n"
         "from pmd_jax.dry_run.distill_step import distill_step_report, mesh_shape\n"
         "from pmd_jax.models.config import preset\n"
-        "from pmd_jax.sharding import ShardingRules, make_mesh\n"
-        "from pmd_jax.build import attention_options\n"
+        "from pmd_jax.run.sharding import ShardingRules, make_mesh\n"
+        "from pmd_jax.loop.build import attention_options\n"
         "spec = importlib.util.spec_from_file_location('c', 'configs/qwen3.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "from pmd_jax.config import apply_mode\n"

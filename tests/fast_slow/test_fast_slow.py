@@ -19,8 +19,8 @@ from pmd_jax.fast_slow import pool as fsp
 from pmd_jax.fast_slow.config import FastSlowConfig
 from pmd_jax.fast_slow.contexts import render_memory, with_context
 from pmd_jax.fast_slow.mode import FastSlowRuntime
+from pmd_jax.loop.rollout import ProblemStream, StepBatch
 from pmd_jax.modes import ModeRuntime
-from pmd_jax.rollout import ProblemStream, StepBatch
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator
 from tests.fakes import CharTokenizer, FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
@@ -91,8 +91,8 @@ CONTEXTS = ["CTX-ALPHA check units", "CTX-BETA read twice", "CTX-GAMMA eliminate
 # ----------------------------------------------------------------------------- prompts
 def _rollout_and_update(mode: str):
     """The trainer's own _draw (rollout prompts) and teaching.build_train_batch (update)."""
-    from pmd_jax import teaching
-    from pmd_jax.trainer import Trainer
+    from pmd_jax.loop import teaching
+    from pmd_jax.loop.trainer import Trainer
 
     cfg = _cfg(mode)
     pool = _pool(cfg, CONTEXTS) if mode == "fast_slow" else None
@@ -111,7 +111,7 @@ def _rollout_and_update(mode: str):
 
 
 def test_rollout_update_and_deployed_prompts_carry_the_drawn_context_grpo_none():
-    from pmd_jax.evaluate import make_generate_fn
+    from pmd_jax.loop.evaluate import make_generate_fn
 
     pool, drawn, batch = _rollout_and_update("fast_slow")
     _, g_drawn, g_batch = _rollout_and_update("grpo")
@@ -428,7 +428,7 @@ def test_the_run_checkpoint_stores_and_restores_the_pool(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from pmd_jax.checkpoint import RunCheckpointer
+    from pmd_jax.run.checkpoint import RunCheckpointer
 
     pool = _pool(_cfg(), CONTEXTS)
     pool.candidates[2].scores = [1.0, 0.5]

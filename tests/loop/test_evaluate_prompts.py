@@ -1,4 +1,4 @@
-"""The evaluation's prompts (``pmd_jax.evaluate.make_generate_fn``): every form of a problem's
+"""The evaluation's prompts (``pmd_jax.loop.evaluate.make_generate_fn``): every form of a problem's
 prompt (memory-free, with the memory's context, with a fast_slow context) carries the task's
 response prefix, and every returned text starts with it, as in training.
 
@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from pmd_jax.evaluate import make_generate_fn
+from pmd_jax.loop.evaluate import make_generate_fn
 from pmd_jax.sampling.base import Rollout, Rollouts, TextGenerator
 
 PREFIX = "<answer>"

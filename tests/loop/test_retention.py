@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pmd_jax import retention as ret
 from pmd_jax.config import apply_mode, base_config, config_errors, freeze
-from pmd_jax.metrics import eval_kl_points
+from pmd_jax.loop import retention as ret
+from pmd_jax.run.metrics import eval_kl_points
 from pmd_jax.tasks import get_task
 from tests.tiny_runs import ROOT
 from tests.tiny_runs import cmd as _cmd
@@ -114,8 +114,8 @@ def test_retention_set_is_asked_in_the_runs_prompt_style():
     """The embedded default (SciQ, direct_text: the model writes an option's text after an
     opened answer tag) gets its MMLU retention set in the same style; in MMLU's default style
     (letters after reasoning) its 135M model scored 0 of 200 at every step of a grid cell."""
-    from pmd_jax.config_cli import load_config_file
-    from pmd_jax.teaching import response_prefix
+    from pmd_jax.config.cli import load_config_file
+    from pmd_jax.loop.teaching import response_prefix
 
     default = freeze(apply_mode(load_config_file(str(ROOT / "configs" / "smollm2_sciq.py"))))
     assert ret.retention_prompt_style(default) == "direct_text"
@@ -169,7 +169,7 @@ save_hf_checkpoint(params, mc, out,
 
 def _initial_export(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
     """The HF tensors of the run's initial weights: its random init (model.random_init, the
-    run seed), built as pmd_jax.build does and written by the same exporter. Built in a
+    run seed), built as pmd_jax.loop.build does and written by the same exporter. Built in a
     subprocess with the run's environment: this test session compiles at -O0
     (tiny_runs.codegen_flags), whose random-normal init differs from a run's in the last bit."""
     p = subprocess.run([sys.executable, "-c", _INITIAL_EXPORT, str(run_dir), str(out)], cwd=ROOT,

@@ -1,7 +1,7 @@
-"""pmd_jax.rollout's problem stream: every problem once per epoch, and a resume from the
+"""pmd_jax.loop.rollout's problem stream: every problem once per epoch, and a resume from the
 saved data cursor draws what the uninterrupted stream would have."""
 
-from pmd_jax.rollout import DataCursor, ProblemStream
+from pmd_jax.loop.rollout import DataCursor, ProblemStream
 
 
 def test_stream_covers_each_epoch_once_and_resumes_exactly():

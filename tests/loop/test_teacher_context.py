@@ -35,8 +35,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pmd_jax import build, teaching
 from pmd_jax.config import apply_mode, base_config
+from pmd_jax.loop import build, teaching
 from pmd_jax.memory import prompts
 from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.types import Provenance, RolloutRecord
@@ -209,7 +209,7 @@ def make_memory(cfg, model, pids=("pA", "pB", "pC")):
 
 def step_batch(cfg, model, pids):
     """A StepBatch of failed rollouts (no sibling success: the memory's success is shown)."""
-    from pmd_jax.rollout import StepBatch
+    from pmd_jax.loop.rollout import StepBatch
 
     task = Task()
     g = cfg.rollout.n
@@ -447,10 +447,10 @@ def test_inverted_lessons_swaps_strategies_and_lessons_under_the_headers(model):
 EVAL_RUN = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from pmd_jax import evaluate as evaluation
-    from pmd_jax import teaching
+    from pmd_jax.loop import evaluate as evaluation
+    from pmd_jax.loop import teaching
     from pmd_jax.config import apply_mode, config_errors
-    from pmd_jax.config_cli import load_config_file
+    from pmd_jax.config.cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
     import pmd_jax.memory.memory as memory_module
     from tests.fakes import HashEmbedder
@@ -483,7 +483,7 @@ EVAL_RUN = textwrap.dedent("""
     cfg = apply_mode(cfg)
     assert not config_errors(cfg), config_errors(cfg)
 
-    from pmd_jax.trainer import Trainer
+    from pmd_jax.loop.trainer import Trainer
 
     tr = Trainer(cfg)
     texts = {str(p.id): teaching.user_text(tr.task.prompt(p)) for p in tr.eval_problems}

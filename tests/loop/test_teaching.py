@@ -1,10 +1,10 @@
-"""pmd_jax.teaching's demonstrations: which successful rollout of its group each rollout's
+"""pmd_jax.loop.teaching's demonstrations: which successful rollout of its group each rollout's
 teacher is shown (never its own with ``exclude_self``)."""
 
 import numpy as np
 import pytest
 
-from pmd_jax.teaching import select_demonstrations
+from pmd_jax.loop.teaching import select_demonstrations
 
 
 def test_select_demonstrations_excludes_self():

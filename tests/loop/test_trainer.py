@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pmd_jax.metrics import eval_kl_points
+from pmd_jax.run.metrics import eval_kl_points
 from tests.tiny_runs import (  # noqa: E402  (other modules import these from here too)
     ROOT,
     TINY,
@@ -146,7 +146,7 @@ def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
 
 def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(
         clean_run: Path, tmp_path: Path):
-    from pmd_jax.checkpoint import verify_step_dir
+    from pmd_jax.run.checkpoint import verify_step_dir
 
     run_dir, log = tmp_path / "ckfail", tmp_path / "stderr.txt"
     proc = start_until_checkpoint(run_dir, stderr=log)

@@ -335,7 +335,7 @@ def test_config_listing_shows_the_mel_knobs(capsys):
 # lesson is right, so the replayed lessons are kept and reach the train step's NLL term
 # (keep_unquoted: random text rarely quotes the wrong rollout).
 _ENTRY = """
-import pmd_jax.trainer as t
+import pmd_jax.loop.trainer as t
 _init = t.Trainer.__init__
 def init(self, cfg):
     _init(self, cfg)

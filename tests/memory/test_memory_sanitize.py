@@ -482,8 +482,8 @@ def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
     """build.build_memory (what the trainer calls) gives the memory its tokenizer's list."""
     from types import SimpleNamespace
 
-    from pmd_jax.build import build_memory
     from pmd_jax.config import base_config
+    from pmd_jax.loop.build import build_memory
 
     cfg = base_config()
     cfg.mode = "pmd"

@@ -510,7 +510,7 @@ def test_counts_are_zero_on_steps_without_calls():
 def test_update_memory_logs_the_counts_every_step():
     """teaching.update_memory (the trainer's memory step, whose dict goes to metrics.jsonl)
     reports the five counts, insight and behavior, on every step, zeros included."""
-    from pmd_jax import teaching
+    from pmd_jax.loop import teaching
 
     task = SimpleNamespace(prompt=lambda p: [{"role": "user", "content": p.text}],
                            gold_leak_strings=lambda p: [])

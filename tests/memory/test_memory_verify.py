@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pmd_jax import teaching
+from pmd_jax.loop import teaching
 from pmd_jax.memory.verify import (
     EvidenceStore,
     Proposal,

@@ -217,7 +217,7 @@ def test_decoder_packed_segments_equal_dense(impl):
 
 def test_decoder_splash_sharded_over_a_mesh():
     """Splash under jit on a (data 2, fsdp 2, tensor 2) mesh: shard_map over batch and heads."""
-    from pmd_jax import sharding as shd
+    from pmd_jax.run import sharding as shd
 
     if jax.device_count() < 8:
         pytest.skip(f"needs 8 devices, have {jax.device_count()}")

@@ -167,8 +167,8 @@ def test_plan_lines_for_the_start_up_log():
 
 
 def test_start_up_log_from_the_run_config(caplog):
-    from pmd_jax.build import log_attention_plan
     from pmd_jax.config import base_config
+    from pmd_jax.loop.build import log_attention_plan
 
     c = base_config()
     c.rollout.max_prompt_tokens, c.rollout.max_tokens = 256, 768

@@ -9,7 +9,7 @@ import pytest
 from pmd_jax.models import hf_io
 from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig, from_hf_config
 from pmd_jax.models.decoder import param_shapes
-from pmd_jax.sharding import ShardingRules, make_mesh
+from pmd_jax.run.sharding import ShardingRules, make_mesh
 from tests.host import need_devices
 
 torch = pytest.importorskip("torch")

@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as shd
 from pmd_jax.distill import step as st
 from pmd_jax.distill.config import DistillConfigError
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ConfigError
 from pmd_jax.models.matmul import lowp_einsum
+from pmd_jax.run import sharding as shd
 from tests.distill.test_step import TINY, _batch, _cfg, _params, _with_teacher
 from tests.host import need_devices
 

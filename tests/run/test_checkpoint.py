@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax import sharding as shd
-from pmd_jax.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError
+from pmd_jax.run import sharding as shd
+from pmd_jax.run.checkpoint import COMMIT_FILE, Checkpointer, CheckpointError
 from tests.host import need_devices
 from tests.tiny_runs import child_env
 
@@ -107,7 +107,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, caplog, corrupt):
     for step in (1, 2):
         ck.save(step, _state(step), slots={"data_cursor": {"pos": step}})
     expect = corrupt(tmp_path / "2")
-    with caplog.at_level(logging.WARNING, logger="pmd_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="pmd_jax.run.checkpoint"):
         r = ck.restore(_state(0))
     assert r.step == 1
     _assert_tree_equal(r.state, _state(1))
@@ -171,8 +171,8 @@ def test_run_checkpointer_names_the_failed_write_without_blocking_on_one_in_flig
     the error names the failed step and the intact one; nothing in flight is a no-op."""
     import types
 
-    from pmd_jax.checkpoint import RunCheckpointer
-    from pmd_jax.phases import TrainingError
+    from pmd_jax.loop.phases import TrainingError
+    from pmd_jax.run.checkpoint import RunCheckpointer
 
     ck = RunCheckpointer(tmp_path, keep=3)
     rng = np.random.default_rng(0)

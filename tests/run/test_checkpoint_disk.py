@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax import checkpoint as ck_mod
-from pmd_jax.checkpoint import (
+from pmd_jax.run import checkpoint as ck_mod
+from pmd_jax.run.checkpoint import (
     Checkpointer,
     DiskPlan,
     DiskSpaceError,
@@ -97,7 +97,7 @@ def test_refuses_to_start_without_room_for_two(tmp_path, monkeypatch, caplog):
     # room for two: starts; keeping 3 needs four, so the log warns (no refusal)
     free["n"] = int(2.5 * one)
     ck3 = RunCheckpointer(tmp_path / "three", keep=3)
-    with caplog.at_level(logging.WARNING, logger="pmd_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="pmd_jax.run.checkpoint"):
         ck3.check_disk(bundle)
     assert "keeping 3 (train.keep_checkpoints) needs" in caplog.text
     assert "lower train.keep_checkpoints" in caplog.text

@@ -1,4 +1,4 @@
-"""pmd_jax.footprint: array bytes by role, RSS, and handing the C heap's free pages back."""
+"""pmd_jax.run.footprint: array bytes by role, RSS, and handing the C heap's free pages back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from pmd_jax import footprint
+from pmd_jax.run import footprint
 
 
 def test_breakdown_counts_shared_arrays_once():
@@ -46,7 +46,7 @@ def test_release_free_memory_without_malloc_trim(monkeypatch):
 
 _MMAP_PROBE = r"""
 import ctypes, json, sys
-from pmd_jax import footprint
+from pmd_jax.run import footprint
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -1,4 +1,4 @@
-"""Run-dir I/O through pmd_jax.paths: local folders and gs:// URLs.
+"""Run-dir I/O through pmd_jax.run.paths: local folders and gs:// URLs.
 
 The gs:// tests put fsspec's own in-memory file system (fsspec.implementations.memory, not our
 code) behind the ``gs``/``gcs`` protocols, the way gcsfs is found on a real host; etils.epath
@@ -20,7 +20,7 @@ fsspec = pytest.importorskip("fsspec")
 from etils.epath import backend as epath_backend  # noqa: E402
 from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
-from pmd_jax import paths  # noqa: E402
+from pmd_jax.run import paths  # noqa: E402
 
 # tensorboardX's GCS writer, whose constructor failed without google-cloud-storage, raises
 # again in its __del__ when collected (in whichever test runs then): not ours to fix.
@@ -150,7 +150,7 @@ def test_staged_dir(bucket, tmp_path):
 def test_metrics_and_plots_on_gs(bucket, caplog):
     import matplotlib.image
 
-    from pmd_jax.metrics import MetricsWriter, read_metrics, write_plots
+    from pmd_jax.run.metrics import MetricsWriter, read_metrics, write_plots
 
     w = MetricsWriter("gs://bkt/run", use_tensorboard=False)
     for s in range(4):
@@ -179,7 +179,7 @@ def test_metrics_tensorboard_on_gs_without_gcs_client_warns(bucket, caplog):
         pytest.skip("google-cloud-storage is installed: tensorboardX would call GCS")
     except ImportError:
         pass
-    from pmd_jax.metrics import MetricsWriter
+    from pmd_jax.run.metrics import MetricsWriter
 
     with caplog.at_level("WARNING", logger="pmd_jax"):
         w = MetricsWriter("gs://bkt/run2", use_tensorboard=True)
@@ -217,7 +217,7 @@ def test_memory_exports_on_gs(bucket):
 def test_checkpoint_files_on_gs(bucket):
     """The checkpointer's own files (slot blobs, commit marker, its verification) on gs://;
     orbax's arrays go through tensorstore's GCS driver, which this fake does not serve."""
-    from pmd_jax import checkpoint as ck
+    from pmd_jax.run import checkpoint as ck
 
     step = "gs://bkt/run/checkpoints/7"
     h = ck.BlobCheckpointHandler(staging_root="gs://bkt/run/checkpoints")
@@ -237,7 +237,7 @@ def test_checkpoint_files_on_gs(bucket):
 
 
 def test_checkpoint_dir_slot_onto_gs(bucket, tmp_path):
-    from pmd_jax import checkpoint as ck
+    from pmd_jax.run import checkpoint as ck
 
     src = tmp_path / "index"
     src.mkdir()

@@ -124,7 +124,7 @@ def test_keep_checkpoints_zero(tmp_path):
 
 def test_set_up_errors_that_validation_cannot_see_are_one_line(tmp_path):
     # A ConfigError raised while the trainer sets up (e.g. a sharding the model refuses)
-    fake = ("import pmd_jax.trainer as t\n"
+    fake = ("import pmd_jax.loop.trainer as t\n"
             "from pmd_jax.models.config import ConfigError\n"
             "class T:\n"
             "    def __init__(self, cfg):\n"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from pmd_jax import sharding as sh
 from pmd_jax.models import decoder
+from pmd_jax.run import sharding as sh
 from pmd_jax.sampling.base import SamplingParams
 from pmd_jax.sampling.jax_sampler import JaxSampler
 from tests.fakes import tiny_model_config

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pmd_jax.build import build_task
 from pmd_jax.config import apply_mode, base_config, config_errors
+from pmd_jax.loop.build import build_task
 from pmd_jax.tasks import TaskError, get_task, olmo_data
 from pmd_jax.tasks import evaluation as ev
 from pmd_jax.tasks.splits import TransferTask

@@ -366,7 +366,7 @@ def test_sciknoweval_filter_defaults_are_the_loaders():
 
 
 def test_sciknoweval_filters_reach_the_loader(tmp_path):
-    from pmd_jax.build import build_task
+    from pmd_jax.loop.build import build_task
 
     def row(i, domain, level, typ):
         return {"question": f"q{i}?", "choices": {"text": ["x", "y"], "label": ["A", "B"]},

@@ -59,7 +59,7 @@ def test_unknown_task_and_missing_path():
 def test_run_task_kwargs_of_the_default_config():
     """The loader arguments the run builds (build.task_kwargs, through the registry) for the
     default config: the values the per-task branches gave before the registry (pinned)."""
-    from pmd_jax.build import task_kwargs
+    from pmd_jax.loop.build import task_kwargs
 
     cfg = base_config()
     assert task_kwargs(cfg, "sciq") == {

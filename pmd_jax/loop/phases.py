@@ -1,6 +1,6 @@
 """The loop's phase plumbing: each phase of a step timed (with the process's peak RSS after
 it, and the C heap's freed pages handed back), and a retry with backoff for phases that call
-a sampler server. The trainer (``pmd_jax.trainer``) wraps its phases in these."""
+a sampler server. The trainer (``pmd_jax.loop.trainer``) wraps its phases in these."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from pmd_jax import footprint
+from pmd_jax.run import footprint
 from pmd_jax.sampling.base import SamplerError
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The co-evolution loop across JAX processes (TPU pod slices, multi-GPU hosts).
 
-Every host of a pod slice is a JAX process (``pmd_jax.distributed``). The loop splits its
+Every host of a pod slice is a JAX process (``pmd_jax.run.distributed``). The loop splits its
 work in two kinds, and this module holds the few tools that keep the processes in step.
 
 * **SPMD work, on every process with the same inputs**: the jitted sampler's rollout call,

@@ -16,7 +16,7 @@ from typing import Any
 
 from etils import epath
 
-from pmd_jax import paths
+from pmd_jax.run import paths
 
 log = logging.getLogger("pmd_jax")
 
@@ -52,7 +52,7 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str | os.PathLike, use_tensorboard: bool = True) -> None:
-        # A gs:// run dir stays a URL (pmd_jax.paths); metrics.jsonl is rewritten per record
+        # A gs:// run dir stays a URL (pmd_jax.run.paths); metrics.jsonl is rewritten per record
         # there (objects cannot be appended to), appended to locally.
         self.run_dir = paths.makedirs(run_dir)
         self.path = self.run_dir / "metrics.jsonl"

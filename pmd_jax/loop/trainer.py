@@ -42,14 +42,15 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax import build, footprint, multihost, paths, teaching
-from pmd_jax.checkpoint import build_checkpointer
 from pmd_jax.config import freeze, to_dict
 from pmd_jax.distill import assemble, kl, offload, train
-from pmd_jax.metrics import MetricsWriter, NoMetrics, Progress, write_plots
+from pmd_jax.loop import build, teaching
+from pmd_jax.loop.phases import TrainingError, retry, timed
+from pmd_jax.loop.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
 from pmd_jax.modes import get_mode
-from pmd_jax.phases import TrainingError, retry, timed
-from pmd_jax.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
+from pmd_jax.run import footprint, multihost, paths
+from pmd_jax.run.checkpoint import build_checkpointer, load_pickle
+from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
 from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
 
@@ -69,7 +70,7 @@ class Trainer:
         cfg = freeze(cfg)
         self.cfg = cfg
         self.run_dir = paths.makedirs(cfg.run_dir)  # an epath.Path: local or gs://
-        # With several processes (pmd_jax.multihost) process 0 writes every file of the run.
+        # With several processes (pmd_jax.run.multihost) process 0 writes every file of the run.
         self.is_main = build.is_main_process()
         self.multi = multihost.process_count() > 1
         if self.is_main:
@@ -226,7 +227,7 @@ class Trainer:
                 self._prefetch(step + 1)  # sampled with the current weights while we train
         # 2-4. Verification, the memory update and the teacher prompts: process 0's work with
         # several processes (its reflections' generate calls are served by all of them), the
-        # others receive the results (pmd_jax.multihost).
+        # others receive the results (pmd_jax.run.multihost).
         arrays, prompt_stats, mem_stats, verdicts, lead_times = multihost.lead(
             lambda: self._host_work(sb, times), self.leader_sampler, f"step {step}")
         sb = sb.verified(verdicts)  # (every process: the rewards go into the step's metrics)
@@ -500,7 +501,7 @@ class Trainer:
             # The batch for this step was sampled (one version stale) before the checkpoint
             # and the data cursor is already past it: train on it exactly as the killed run
             # would have (its stale weights are not in the checkpoint to sample it again).
-            sb = pickle.loads(nxt)
+            sb = load_pickle(nxt)  # (the classes of moved modules found)
             if "messages" not in vars(sb):  # (pickled before StepBatch carried them)
                 sb.messages = [self.task.prompt(p) for p in sb.problems]
             if sb.step != self.step:
@@ -517,7 +518,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ 8. evaluate
     def evaluate(self, step: int) -> dict[str, Any]:
-        from pmd_jax import evaluate as evaluation  # (module attribute: tests patch it)
+        from pmd_jax.loop import evaluate as evaluation  # (module attribute: tests patch it)
 
         # The checkpoint written in the background finishes first: its write buffers (0.6-1.6
         # GiB of C heap on the embedded default) and an evaluation's batches, the run's
@@ -574,7 +575,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:
-        from pmd_jax.export import export_hf
+        from pmd_jax.loop.export import export_hf
 
         if isinstance(self.state.initial_params, offload.DiskParams):
             self.state.initial_params.remove()

@@ -6,18 +6,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pmd_jax.build import ModelBundle
     from pmd_jax.distill.train import TrainBundle
+    from pmd_jax.loop.build import ModelBundle
 
 
 def export_hf(cfg: Any, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path | None:
     """Writes the current params as a HF checkpoint. Call it on every process: the params
     are gathered to host memory (a collective with several processes), process 0 writes."""
-    from pmd_jax import paths
-    from pmd_jax.build import is_main_process
     from pmd_jax.distill.train import current_params
+    from pmd_jax.loop.build import is_main_process
     from pmd_jax.models.hf_io import save_hf_checkpoint
-    from pmd_jax.multihost import gather_tree
+    from pmd_jax.run import paths
+    from pmd_jax.run.multihost import gather_tree
 
     params = gather_tree(current_params(cfg, bundle), keep=is_main_process())
     if params is None:

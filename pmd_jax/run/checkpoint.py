@@ -53,8 +53,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from pmd_jax import footprint, paths
-from pmd_jax.phases import TrainingError
+from pmd_jax.loop.phases import TrainingError
+from pmd_jax.run import footprint, paths
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,29 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
     def metadata(self, directory: epath.Path) -> None:
         return None
+
+
+# Modules that moved into the package's folders (issue 38): a checkpoint written before names
+# their classes by the old paths (the prefetched StepBatch, a memory or mode state).
+MOVED_MODULES = {
+    **{f"pmd_jax.{m}": f"pmd_jax.loop.{m}" for m in (
+        "trainer", "build", "teaching", "rollout", "evaluate", "phases", "export", "retention")},
+    **{f"pmd_jax.{m}": f"pmd_jax.run.{m}" for m in (
+        "checkpoint", "metrics", "paths", "footprint", "sharding", "distributed", "multihost")},
+    "pmd_jax.config_cli": "pmd_jax.config.cli",
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+def load_pickle(data: bytes) -> Any:
+    """``pickle.loads`` that also reads the classes of modules that moved (MOVED_MODULES)."""
+    import io
+
+    return _Unpickler(io.BytesIO(data)).load()
 
 
 def _as_path(p: str | os.PathLike) -> Path:
@@ -551,13 +574,13 @@ class RunCheckpointer:
             "data_cursor": r.slots["data_cursor"],
             "nonfinite_in_a_row": int(tr.get("nonfinite_in_a_row", 0)),
             "skipped_long_prompts": int(tr.get("skipped_long_prompts", 0)),
-            "memory": pickle.loads(mem) if mem else None,
+            "memory": load_pickle(mem) if mem else None,
             "prefetch": r.slots.get("prefetch"),
         }
         # ("fast_slow": the slot's name in checkpoints written before the mode registry)
         state = r.slots.get("mode_state") or r.slots.get("fast_slow")
         if state:
-            extras["mode_state"] = pickle.loads(state)
+            extras["mode_state"] = load_pickle(state)
         return bundle, extras
 
     def wait(self, block: bool = True) -> None:
@@ -637,7 +660,7 @@ def checkpoint_bytes(state: Any, slots: Mapping[str, Any] | None = None) -> int:
 
 
 def export_bytes(params: Any) -> int:
-    """Bytes of the final HF export (``train.export_hf``, :func:`pmd_jax.export.export_hf`):
+    """Bytes of the final HF export (``train.export_hf``, :func:`pmd_jax.loop.export.export_hf`):
     float32 params as float32, any other dtype as bfloat16."""
     return sum(int(x.size) * (4 if x.dtype == "float32" else 2)
                for x in jax.tree.leaves(params) if hasattr(x, "size"))

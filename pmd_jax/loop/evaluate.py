@@ -2,7 +2,7 @@
 (``tasks.evaluation`` scores them); in ``pmd_frozen_policy`` mode also with the memory's
 context; in ``fast_slow`` mode also with the pool's best context in the prompt (``context``:
 ``accuracy_deployed``); with ``eval.retention`` also an off-task retention set
-(``pmd_jax.retention``).
+(``pmd_jax.loop.retention``).
 ``Trainer.evaluate`` calls :func:`evaluate` on process 0.
 """
 
@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.loop.teaching import response_prefix, teacher_messages, user_text
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
-from pmd_jax.teaching import response_prefix, teacher_messages, user_text
 
 if TYPE_CHECKING:
-    from pmd_jax.build import ModelBundle
+    from pmd_jax.loop.build import ModelBundle
 
 
 def make_generate_fn(
@@ -29,7 +29,7 @@ def make_generate_fn(
     unless ``memory`` is given; with ``context``, a fast_slow context in the system message as
     in the rollouts). A task's response prefix is appended to the prompt and prepended to each
     text, as in training."""
-    from pmd_jax.metrics import Progress
+    from pmd_jax.run.metrics import Progress
 
     e = cfg.eval
     # by user text; a rewritten prompt (the memory's context replaces the user turn) is added
@@ -130,7 +130,7 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
 def _retention(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
                problems: Sequence[Any], out_dir: Path) -> dict[str, Any]:
     """The memory-free accuracy on the retention set, its CI and size (eval.retention)."""
-    from pmd_jax.retention import retention_set
+    from pmd_jax.loop.retention import retention_set
     from pmd_jax.tasks import evaluation
 
     rtask, rprobs = retention_set(cfg, [*task.problems("train"), *problems])

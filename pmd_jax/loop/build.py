@@ -116,7 +116,7 @@ class ModelBundle:
 
 
 def build_mesh(cfg: Any):
-    from pmd_jax.sharding import ShardingRules, make_mesh
+    from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
     rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
@@ -176,7 +176,7 @@ def _random_model(cfg: Any, mesh: Any, rules: Any):
 
     from pmd_jax.models import decoder
     from pmd_jax.models.config import preset
-    from pmd_jax.sharding import shard_tree
+    from pmd_jax.run.sharding import shard_tree
 
     mc = preset(cfg.model.random_init).replace(dtype=cfg.model.dtype,
                                                param_dtype=cfg.model.param_dtype,

@@ -5,7 +5,7 @@ that on an unrelated benchmark evaluated beside the task: Fast-Slow Training (ar
 2605.12484, its forgetting evaluation) and Meta-Experience Learning (arXiv 2602.10224). Here,
 at every evaluation point of a run with ``eval.retention=True``, the policy answers
 ``eval.retention_size`` questions of another task, memory-free, with the run's evaluation
-sampling settings (``eval.*``); ``pmd_jax.evaluate`` reports ``retention_accuracy`` and its
+sampling settings (``eval.*``); ``pmd_jax.loop.evaluate`` reports ``retention_accuracy`` and its
 95% CI beside the task accuracy, and writes the per-(problem, seed) records to
 ``eval/step_*/retention.jsonl``. The plots module draws held-out accuracy against KL to the
 initial policy.
