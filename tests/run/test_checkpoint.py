@@ -148,17 +148,7 @@ def test_poll_raises_a_failed_background_write_once_it_has_ended(tmp_path):
     ck.save(1, state)
     ck.wait()
     assert ck.poll() is False  # ended and committed: nothing to raise, nothing in flight
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard))
-    try:
-        ck.save(2, state)  # returns once the arrays are on the host; the write goes on
-        deadline = time.time() + 120
-        with pytest.raises(Exception, match="File too large|EFBIG|rrno 27"):
-            while ck.poll():
-                assert time.time() < deadline, "the failed save never ended"
-                time.sleep(0.02)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    save_fails_past_2_mib(ck, state, 2)
     assert ck.committed_steps() == [1]
     assert ck.restore(jax.tree.map(jnp.zeros_like, state)).step == 1
     ck.save(3, state)  # the checkpointer is usable again once the space is back
@@ -341,3 +331,19 @@ def test_kill9_and_resume_is_bitwise_identical(tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+
+
+def save_fails_past_2_mib(ck, state, step: int) -> None:
+    """Saves ``step`` while the process may not grow a file past 2 MiB (EFBIG, as on a full
+    disk): the background write fails and ``poll`` raises it (within 2 minutes)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard))
+    try:
+        ck.save(step, state)  # returns once the arrays are on the host; the write goes on
+        deadline = time.time() + 120
+        with pytest.raises(Exception, match="File too large|EFBIG|rrno 27"):
+            while ck.poll():
+                assert time.time() < deadline, "the failed save never ended"
+                time.sleep(0.02)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import resource
 import shutil
-import time
 import types
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from pmd_jax.run.checkpoint import (
     RunCheckpointer,
     checkpoint_bytes,
 )
+from tests.run.test_checkpoint import save_fails_past_2_mib  # noqa: I001
 
 _Usage = collections.namedtuple("_Usage", "total used free")
 
@@ -127,17 +126,7 @@ def test_keeping_one_still_leaves_the_last_through_a_failed_write(tmp_path):
     state = {"w": jnp.asarray(rng.random(3_000_000, dtype=np.float32))}  # 12 MB
     ck.save(1, state)
     ck.wait()
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard))
-    try:
-        ck.save(2, state)
-        deadline = time.time() + 120
-        with pytest.raises(Exception, match="File too large|EFBIG|rrno 27"):
-            while ck.poll():
-                assert time.time() < deadline, "the failed save never ended"
-                time.sleep(0.02)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    save_fails_past_2_mib(ck, state, 2)
     assert ck.committed_steps() == [1] and (tmp_path / "1").is_dir()
     assert ck.restore(jax.tree.map(jnp.zeros_like, state)).step == 1
     ck.save(3, state)
