@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from absl import app, flags
 from ml_collections import config_flags
 
 if TYPE_CHECKING:
     from pmd_jax.config.cli import CommandLine
+    from pmd_jax.config.sections import RunConfig
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
@@ -69,7 +70,7 @@ def _refuse(msg: str) -> int:
     return CONFIG_ERROR_EXIT
 
 
-def _start_refusal(cfg: Any) -> str | None:
+def _start_refusal(cfg: RunConfig) -> str | None:
     """What stops a valid config from starting here, found before the model loads: the vLLM
     server it samples from does not answer."""
     if cfg.rollout.sampler == "vllm":

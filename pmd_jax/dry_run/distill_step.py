@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 log = logging.getLogger("pmd_jax")
 GiB = 1024**3
 
 
-def mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
+def mesh_shape(cfg: RunConfig, n_devices: int) -> dict[str, int]:
     shape = {"data": int(cfg.mesh.data), "fsdp": int(cfg.mesh.fsdp),
              "tensor": int(cfg.mesh.tensor)}
     known = 1
@@ -36,7 +39,7 @@ def mesh_shape(cfg: Any, n_devices: int) -> dict[str, int]:
     return shape
 
 
-def lesson_shape(cfg: Any, row_multiple: int) -> tuple[int, int, int]:
+def lesson_shape(cfg: RunConfig, row_multiple: int) -> tuple[int, int, int]:
     """(rows, sequence length, lesson length) of the largest lesson rows a ``mode=mel`` step
     gets: ``mel.max_pairs`` lessons (0 = every problem of the step can give one per allowed
     pair), rows rounded as ``mel.lessons.lesson_rows`` does (the mesh's batch axes x a power
@@ -174,7 +177,7 @@ def format_step_memory(r: dict[str, Any]) -> str:
             + f"; arrays with two sequence axes: {r.get('seq_x_seq_shapes') or 'none'}")
 
 
-def model_config(cfg: Any) -> Any:
+def model_config(cfg: RunConfig) -> Any:
     from pmd_jax.loop.build import attention_options
     from pmd_jax.models.config import ConfigError, preset
 

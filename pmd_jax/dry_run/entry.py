@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.dry_run.distill_step import (
     distill_step_report,
@@ -15,10 +15,13 @@ from pmd_jax.dry_run.distill_step import (
     model_config,
 )
 
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
+
 log = logging.getLogger("pmd_jax")
 
 
-def dry_run_from_config(cfg: Any) -> dict[str, Any]:
+def dry_run_from_config(cfg: RunConfig) -> dict[str, Any]:
     """The dry run of a run config (a RunConfig, or a ConfigDict that is frozen here: the
     derived knobs, e.g. the loss's group size, come from the rollout section)."""
     from pmd_jax.config import freeze

@@ -50,9 +50,12 @@ import json
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.dry_run import hardware as tg
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 log = logging.getLogger("pmd_jax")
 GiB = 1024**3
@@ -105,7 +108,7 @@ def _batch(ts: Any, rows: int, s: int, t: int, r: int,
     return b
 
 
-def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
+def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                       count_cost: bool = True) -> dict[str, Any]:
     from pmd_jax.distill.batch import BatchError
     from pmd_jax.distill.step import TrainStep
@@ -161,7 +164,7 @@ def train_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
     return out
 
 
-def decode_step_report(cfg: Any, mc: Any, mesh: Any, rules: Any, t: tg.Target,
+def decode_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                        count_cost: bool = True) -> dict[str, Any]:
     """One cached decode forward of the JAX sampler (``sampling.decode.decode_logits``)."""
     import jax
@@ -272,7 +275,7 @@ def format_target_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def target_report(cfg: Any, target: str, count_cost: bool = True) -> dict[str, Any]:
+def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[str, Any]:
     import jax
 
     from pmd_jax.config import freeze

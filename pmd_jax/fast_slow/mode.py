@@ -6,9 +6,12 @@ run and deployed in evaluation."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import ModeRuntime, ModeSpec, register_mode
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 class FastSlowRuntime(ModeRuntime):
@@ -43,14 +46,14 @@ class FastSlowRuntime(ModeRuntime):
         self.pool.load_state_dict(state)
 
 
-def _runtime(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
+def _runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
              eval_problems: Sequence[Any]) -> FastSlowRuntime:
     from pmd_jax.fast_slow import pool
 
     return FastSlowRuntime(pool.build_pool(cfg, model, task, train_problems, eval_problems))
 
 
-def _errors(c: Any) -> list[str]:
+def _errors(c: RunConfig) -> list[str]:
     """The context is part of the student prompt, and is scored within the sampler's
     generation budget."""
     errs = []

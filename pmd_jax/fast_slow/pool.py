@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from pmd_jax.fast_slow.contexts import (
 )
 from pmd_jax.fast_slow.pareto import pareto_front
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class ContextPool:
     ``fast_slow`` slot).
     """
 
-    def __init__(self, cfg: Any, model: Any, task: Any, val_problems: Sequence[Any]) -> None:
+    def __init__(self, cfg: RunConfig, model: Any, task: Any, val_problems: Sequence[Any]) -> None:
         self.cfg, self.model, self.task = cfg, model, task
         self.fs = cfg.fast_slow
         self.val_problems = list(val_problems)
@@ -110,7 +113,8 @@ class ContextPool:
             todo = [c for c in every if c.scores is None or fs.rescore_pool]
             self._score(step, todo, textgen, st)
             st["fast_slow_candidates_scored"] = float(len(todo))
-            keep, front = pareto_front([c.scores for c in every], int(fs.pool_size))
+            # (every candidate is scored now: the unscored ones were in todo)
+            keep, front = pareto_front([c.scores or [] for c in every], int(fs.pool_size))
             self.candidates = [every[i] for i in keep]
             st["fast_slow_front_size"] = float(front)
         st["fast_slow_pool_size"] = float(len(self.candidates))
@@ -257,7 +261,7 @@ class ContextPool:
 
 
 # ----------------------------------------------------------------------------- the trainer's
-def validation_problems(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
+def validation_problems(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
                         eval_problems: Sequence[Any]) -> list[Any]:
     """``fast_slow.val_size`` training problems in a seeded order: none whose problem text is
     an evaluation problem's, none whose prompt with a full context would exceed
@@ -285,7 +289,7 @@ def validation_problems(cfg: Any, model: Any, task: Any, train_problems: Sequenc
                      f"fast_slow.max_context_tokens={fs.max_context_tokens}")
 
 
-def build_pool(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
+def build_pool(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
                eval_problems: Sequence[Any]) -> ContextPool:
     """The run's pool (mode=fast_slow; its hooks into the loop: ``fast_slow/mode.py``)."""
     from pmd_jax.run import multihost

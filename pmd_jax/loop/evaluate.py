@@ -17,11 +17,12 @@ from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
 
 if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
     from pmd_jax.loop.build import ModelBundle
 
 
 def make_generate_fn(
-    cfg: Any, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
+    cfg: RunConfig, model: ModelBundle, textgen: TextGenerator, memory: Any = None,
     pid_by_text: dict[str, str] | None = None, prefix_by_text: dict[str, str] | None = None,
     context: str | None = None,
 ) -> Callable[[list[Messages], int, int], list[list[str]]]:
@@ -78,7 +79,7 @@ def make_generate_fn(
     return generate
 
 
-def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
+def evaluate(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerator,
              problems: Sequence[Any], out_dir: Path, memory: Any = None,
              context: str | None = None) -> dict[str, Any]:
     from pmd_jax.tasks import evaluation
@@ -92,8 +93,9 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
         name=out_dir.name, n_boot=2000,
     )
     s = res.summarize()
-    out = {"accuracy": float(s["mean"]), "accuracy_ci_low": float(s["ci_low"]),
-           "accuracy_ci_high": float(s["ci_high"]), "num_problems": len(problems)}
+    out: dict[str, Any] = {"accuracy": float(s["mean"]), "accuracy_ci_low": float(s["ci_low"]),
+                           "accuracy_ci_high": float(s["ci_high"]),
+                           "num_problems": len(problems)}
     if s.get("in_sample"):  # eval.allow_in_sample: the problems are training problems
         out["in_sample"] = "in-sample"
     if cfg.eval.retention:
@@ -127,7 +129,7 @@ def evaluate(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
     return out
 
 
-def _retention(cfg: Any, model: ModelBundle, task: Any, textgen: TextGenerator,
+def _retention(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerator,
                problems: Sequence[Any], out_dir: Path) -> dict[str, Any]:
     """The memory-free accuracy on the retention set, its CI and size (eval.retention)."""
     from pmd_jax.loop.retention import retention_set

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
     from pmd_jax.distill.train import TrainBundle
     from pmd_jax.loop.build import ModelBundle
 
 
-def export_hf(cfg: Any, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path | None:
+def export_hf(cfg: RunConfig, model: ModelBundle, bundle: TrainBundle, path: Path) -> Path | None:
     """Writes the current params as a HF checkpoint. Call it on every process: the params
     are gathered to host memory (a collective with several processes), process 0 writes."""
     from pmd_jax.distill.train import current_params

@@ -28,9 +28,12 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import EvalConfig, RunConfig
 
 # The splits a task may have, in the order their questions are pooled.
 _SPLITS = ("train", "validation", "test", "dev")
@@ -40,7 +43,7 @@ class RetentionError(ValueError):
     """The retention set cannot be built as configured."""
 
 
-def retention_task_name(cfg: Any) -> str:
+def retention_task_name(cfg: RunConfig) -> str:
     """The retention task of a run: ``eval.retention_task``, else the off-task default."""
     name = str(cfg.eval.retention_task or "")
     if name:
@@ -65,7 +68,7 @@ def _task_styles(name: str) -> tuple[str, ...]:
     return tuple(get_spec(name).prompt_styles)
 
 
-def retention_prompt_style(cfg: Any) -> str:
+def retention_prompt_style(cfg: RunConfig) -> str:
     """The retention set's prompt style: ``eval.retention_prompt_style``, else the run's
     ``task.prompt_style`` if the retention task has it, else '' (its loader's default)."""
     style = str(getattr(cfg.eval, "retention_prompt_style", "") or "")
@@ -75,7 +78,7 @@ def retention_prompt_style(cfg: Any) -> str:
     return run_style if run_style in _task_styles(retention_task_name(cfg)) else ""
 
 
-def retention_config_errors(e: Any) -> list[str]:
+def retention_config_errors(e: EvalConfig) -> list[str]:
     """Problems of the ``eval.retention*`` knobs (the eval section of a run config)."""
     from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names
 
@@ -159,7 +162,7 @@ def _load(name: str, prompt_style: str) -> Any:
     return get_task(name, **({"prompt_style": prompt_style} if prompt_style else {}))
 
 
-def retention_set(cfg: Any, run_problems: Sequence[Any]) -> tuple[Any, list[Any]]:
+def retention_set(cfg: RunConfig, run_problems: Sequence[Any]) -> tuple[Any, list[Any]]:
     """(the retention task, its problems) for a run whose training and evaluation problems are
     ``run_problems``. The task is loaded once per process, with its loader's defaults (the
     same options and option order in every cell) but the prompt style

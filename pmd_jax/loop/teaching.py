@@ -16,13 +16,16 @@ Nothing numeric happens here beyond host-side bookkeeping.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pmd_jax.distill.assemble import TrainRows, assemble
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -48,7 +51,7 @@ def teacher_messages(student_messages: Messages, user_text: str) -> Messages:
 
 
 # ----------------------------------------------------------------------------- memory update
-def update_memory(cfg: Any, memory: Any, step: int, sb: Any, task: Any,
+def update_memory(cfg: RunConfig, memory: Any, step: int, sb: Any, task: Any,
                   textgen: TextGenerator) -> dict[str, Any]:
     """One memory update from step ``step``'s verified rollouts ``sb`` (a trainer StepBatch);
     returns the memory's metrics (``reflect_seconds``: time spent generating)."""
@@ -102,7 +105,7 @@ def select_demonstrations(
     return out
 
 
-def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
+def build_teacher_contexts(cfg: RunConfig, model: Any, task: Any, memory: Any,
                            sb: Any, sampler: Any = None,
                            stats: dict[str, float] | None = None) -> list[Any]:
     """One TeacherContext per rollout (prompt-major), following the mode's rules. With
@@ -158,7 +161,7 @@ def build_teacher_contexts(cfg: Any, model: Any, task: Any, memory: Any,
     return out
 
 
-def extra_demonstrations(cfg: Any, model: Any, task: Any, sb: Any, sampler: Any
+def extra_demonstrations(cfg: RunConfig, model: Any, task: Any, sb: Any, sampler: Any
                          ) -> tuple[list[str | None], dict[str, float]]:
     """``teacher_prompt.extra_demo_samples`` more samples of each problem's student prompt
     (verified, not trained on): each problem's first success, or None; and their costs."""
@@ -185,7 +188,7 @@ def extra_demonstrations(cfg: Any, model: Any, task: Any, sb: Any, sampler: Any
 
 
 # ----------------------------------------------------------------------------- check before use
-def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: list[Any],
+def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ctxs: list[Any],
                  sampler: Any) -> dict[str, float]:
     """The check before use (memory/verify.py) on this step's teacher contexts: the items
     proposed for each problem are tested by paired replays where due, then every context
@@ -286,7 +289,7 @@ def check_memory(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, ctxs: li
 
 
 # ----------------------------------------------------------------------------- train batch
-def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
+def build_train_batch(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, *,
                       student_only: bool = False, sampler: Any = None
                       ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """:func:`train_rows` assembled into the host-side arrays (``distill.assemble``), with
@@ -297,7 +300,7 @@ def build_train_batch(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
     return assemble(rows, model.pad_id), stats
 
 
-def train_rows(cfg: Any, model: Any, task: Any, memory: Any, sb: Any, *,
+def train_rows(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, *,
                student_only: bool = False, sampler: Any = None
                ) -> tuple[TrainRows, dict[str, float]]:
     """A step's rollouts as update rows (``distill.assemble.TrainRows``: each side's prompt,

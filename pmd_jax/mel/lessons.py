@@ -12,13 +12,17 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pmd_jax.memory import parsing, prompts
 from pmd_jax.memory.schemas import mel_reflection_schema, schema_param, validate
 from pmd_jax.sampling.base import Messages, SamplingParams
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
+    from pmd_jax.mel.config import MelConfig
 
 STAT_KEYS = (
     "mel_problems_mixed",  # problems with at least one right and one wrong rollout
@@ -99,7 +103,7 @@ def _cut(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n] + " [...]"
 
 
-def reflection_messages(mel: Any, problem: str, right: str, wrong: str) -> Messages:
+def reflection_messages(mel: MelConfig, problem: str, right: str, wrong: str) -> Messages:
     """The contrastive reflection conversation of one pair."""
     user = prompts.MEL_REFLECTION_USER.format(
         problem=problem, right=_cut(right, mel.max_attempt_chars),
@@ -116,7 +120,7 @@ def quote_in(quote: str, text: str) -> bool:
     return bool(q) and q in " ".join(text.split())
 
 
-def parse_reflection(reply: object, wrong: str, mel: Any, counts: Counter,
+def parse_reflection(reply: object, wrong: str, mel: MelConfig, counts: Counter,
                      extra_tokens: Sequence[str] = ()) -> tuple[str | None, bool]:
     """``(lesson, quoted)`` of one reply, or ``(None, False)`` when malformed (counted:
     ``json_error``, ``schema_error``, or the lesson unusable after sanitising)."""
@@ -139,13 +143,13 @@ def parse_reflection(reply: object, wrong: str, mel: Any, counts: Counter,
     return lesson, quoted
 
 
-def context_limit(cfg: Any, model: Any) -> int:
+def context_limit(cfg: RunConfig, model: Any) -> int:
     """Prompt + generation bound of the run's sampler (as ``build.build_sampler`` sizes it)."""
     mc = getattr(model, "cfg", None)
     return int(cfg.rollout.max_context or getattr(mc, "max_position_embeddings", 1 << 30))
 
 
-def reflection_params(cfg: Any, model: Any, step: int) -> SamplingParams:
+def reflection_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
     r, mel = cfg.mel.reflection, cfg.mel
     return SamplingParams(
         n=1, temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k),
@@ -154,7 +158,7 @@ def reflection_params(cfg: Any, model: Any, step: int) -> SamplingParams:
         json_schema=schema_param(mel_reflection_schema(mel)) if mel.structured_output else None)
 
 
-def replay_params(cfg: Any, model: Any, step: int) -> SamplingParams:
+def replay_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
     mel, r = cfg.mel, cfg.rollout
     return SamplingParams(
         n=int(mel.replays), temperature=float(mel.replay_temperature), top_p=float(r.top_p),
@@ -173,7 +177,7 @@ def lesson_messages(task_messages: Messages, lesson: str) -> Messages:
 
 
 # ----------------------------------------------------------------------------- the step
-def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLessons:
+def run_step(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any) -> StepLessons:
     """Reflections on the step's contrastive pairs and the replay filter, for the verified
     rollouts ``sb`` (a trainer StepBatch). ``sampler``: the run's (the policy), token level;
     ``model``: encode_chat / encode_prompt / decode / stop_token_ids / tokenizer."""
@@ -235,7 +239,7 @@ def run_step(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any) -> StepLess
     return StepLessons(lessons, stats)
 
 
-def _replay(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any, todo: list[Lesson],
+def _replay(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any, todo: list[Lesson],
             limit: int, stats: dict[str, float]) -> None:
     """``mel.replays`` samples of each lesson's problem with the lesson in its prompt,
     verified like rollouts; marks the lessons with a right sample ``kept``."""
@@ -265,7 +269,7 @@ def _replay(cfg: Any, model: Any, task: Any, sampler: Any, sb: Any, todo: list[L
     stats["mel_lessons_replayed"] = float(len(todo))
 
 
-def lesson_rows(cfg: Any, model: Any, task: Any, sb: Any, lessons: Sequence[Lesson],
+def lesson_rows(cfg: RunConfig, model: Any, task: Any, sb: Any, lessons: Sequence[Lesson],
                 row_multiple: int = 1) -> dict[str, np.ndarray]:
     """The kept lessons as the train batch's lesson arrays (``distill.batch.LESSON_KEYS``):
     each the problem's chat prompt (generation prompt, no response prefix) followed by the

@@ -6,9 +6,12 @@ batch as lesson rows."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import ModeRuntime, ModeSpec, register_mode
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 class MelRuntime(ModeRuntime):
@@ -17,7 +20,7 @@ class MelRuntime(ModeRuntime):
 
     work_name = "mel"
 
-    def __init__(self, cfg: Any, model: Any, task: Any) -> None:
+    def __init__(self, cfg: RunConfig, model: Any, task: Any) -> None:
         self.cfg, self.model, self.task = cfg, model, task
         self._step: Any = None  # lessons.StepLessons of the step being built
 
@@ -37,7 +40,7 @@ class MelRuntime(ModeRuntime):
                                    row_multiple)
 
 
-def _runtime(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
+def _runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
              eval_problems: Sequence[Any]) -> MelRuntime:
     return MelRuntime(cfg, model, task)
 

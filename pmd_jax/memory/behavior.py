@@ -33,7 +33,7 @@ import html
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,8 +55,11 @@ from pmd_jax.memory.types import Behavior, MemoryUpdateStats, Provenance
 from pmd_jax.memory.verify import evidence_key
 from pmd_jax.sampling.base import TextGenerator
 
+if TYPE_CHECKING:
+    from pmd_jax.memory.config import MemoryBehavior, MemoryConfig, MemoryIndex
 
-def cluster_problems(vecs: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+
+def cluster_problems(vecs: np.ndarray, cfg: MemoryBehavior) -> tuple[np.ndarray, np.ndarray]:
     """(labels [n], unit-norm centroids [c, d]) from scikit-learn k-means."""
     from sklearn.cluster import KMeans, MiniBatchKMeans
 
@@ -74,7 +77,8 @@ def cluster_problems(vecs: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray
 
 
 class BehaviorBank:
-    def __init__(self, cfg: Any, dim: int, index_cfg: Any, extra_tokens: Sequence[str] = ()):
+    def __init__(self, cfg: MemoryBehavior, dim: int, index_cfg: MemoryIndex,
+                 extra_tokens: Sequence[str] = ()):
         self.cfg = cfg
         self.dim = dim
         self.extra_tokens = tuple(extra_tokens)
@@ -114,7 +118,7 @@ class BehaviorBank:
         generator: TextGenerator | None,
         embed: Callable[[list[str]], np.ndarray],
         *,
-        memory_cfg: Any,
+        memory_cfg: MemoryConfig,
     ) -> Counter:
         """One clustering + summary + extraction-or-evolution round; returns its counts.
 
@@ -124,7 +128,7 @@ class BehaviorBank:
         cfg = self.cfg
         mcfg = memory_cfg
         counts: Counter = Counter()
-        per_call = {c: Counter() for c in BEHAVIOR_CALLS}
+        per_call: dict[str, Counter] = {c: Counter() for c in BEHAVIOR_CALLS}
         labels, cent = cluster_problems(vecs, cfg)
         members: dict[int, list[str]] = {}
         for c in range(len(cent)):
@@ -139,10 +143,10 @@ class BehaviorBank:
         cluster_leaks = {c: [s for p in m for s in leak_strings.get(p, [])]
                          for c, m in members.items()}
         clusters = sorted(members)
-        bounds = dict(max_name_chars=cfg.max_name_chars, min_name_chars=cfg.min_name_chars,
-                      max_instruction_chars=cfg.max_instruction_chars,
-                      min_instruction_chars=cfg.min_instruction_chars,
-                      extra_tokens=self.extra_tokens)
+        bounds: dict[str, Any] = dict(
+            max_name_chars=cfg.max_name_chars, min_name_chars=cfg.min_name_chars,
+            max_instruction_chars=cfg.max_instruction_chars,
+            min_instruction_chars=cfg.min_instruction_chars, extra_tokens=self.extra_tokens)
         if not self.behaviors:
             call, schema = "extraction", extraction_schema(cfg)
             convs = [self._extraction_conv(self.summaries[c], evid[c]) for c in clusters]

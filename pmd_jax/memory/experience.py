@@ -19,12 +19,15 @@ from __future__ import annotations
 import html
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.memory.types import ExperienceItem, MemoryUpdateStats, RolloutRecord
+
+if TYPE_CHECKING:
+    from pmd_jax.memory.config import MemoryExperience
 
 SUCCESSES_KEPT = 4
 MAX_PROBLEM_CHARS = 20_000
@@ -35,7 +38,8 @@ def experience_docid(problem_id: str, step: int, rollout_index: int) -> str:
 
 
 class ExperienceStore:
-    def __init__(self, cfg: Any, success_threshold: float, extra_tokens: Sequence[str] = ()):
+    def __init__(self, cfg: MemoryExperience, success_threshold: float,
+                 extra_tokens: Sequence[str] = ()):
         self.cfg = cfg
         self.success_threshold = float(success_threshold)
         self.extra_tokens = tuple(extra_tokens)

@@ -20,9 +20,12 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pmd_jax.memory.config import MemoryIndex
 
 _DOCIDS_PICKLE = "scann_docids.pkl"
 # Asymmetric hashing trains 16 centers per block, and a tree needs points per leaf: below this
@@ -49,13 +52,13 @@ def exact_search(
 
 
 class ScannIndex:
-    def __init__(self, dim: int, cfg: Any) -> None:
+    def __init__(self, dim: int, cfg: MemoryIndex) -> None:
         if dim < 1:
             raise ValueError(f"ScannIndex dim must be >= 1, got {dim}")
         self.dim = int(dim)
         self.cfg = cfg
         self._vectors: dict[str, np.ndarray] = {}
-        self._searcher = None
+        self._searcher: Any = None  # scann's searcher once built
         self.mode = "empty"  # "empty" | "brute" | "tree"
         self._baseline: dict[str, float] | None = None
         self.rebalances = 0

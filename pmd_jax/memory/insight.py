@@ -29,7 +29,7 @@ import html
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import reflection_schema
 from pmd_jax.memory.types import InsightItem, MemoryUpdateStats, Provenance, RolloutRecord
 from pmd_jax.memory.verify import evidence_key
+
+if TYPE_CHECKING:
+    from pmd_jax.memory.config import MemoryIndex, MemoryInsight
 
 KINDS = ("strategy", "lesson")
 
@@ -59,7 +62,7 @@ def reflection_conversation(
     problem_text: str,
     good: Sequence[RolloutRecord],
     bad: Sequence[RolloutRecord],
-    cfg: Any,
+    cfg: MemoryInsight,
     extra_tokens: Sequence[str] = (),
 ) -> list[dict[str, str]]:
     blocks = []
@@ -85,7 +88,8 @@ def reflection_conversation(
 
 
 class InsightStore:
-    def __init__(self, cfg: Any, success_threshold: float, dim: int, index_cfg: Any,
+    def __init__(self, cfg: MemoryInsight, success_threshold: float, dim: int,
+                 index_cfg: MemoryIndex,
                  extra_tokens: Sequence[str] = ()):
         self.cfg = cfg
         self.success_threshold = float(success_threshold)

@@ -80,7 +80,10 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pmd_jax.memory.config import MemoryVerify
 
 STATUSES = ("pending", "admitted", "rejected", "retired")
 
@@ -165,7 +168,7 @@ class Evidence:
 class EvidenceStore:
     """Every item's :class:`Evidence`, the admission rule, and its per-step counters."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: MemoryVerify) -> None:
         self.cfg = cfg
         self.items: dict[str, Evidence] = {}
 

@@ -45,7 +45,7 @@ import uuid
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -55,6 +55,9 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 from pmd_jax.loop.phases import TrainingError
 from pmd_jax.run import footprint, paths
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -746,5 +749,5 @@ def disk_plan(directory: str | os.PathLike, state: Any, slots: Mapping[str, Any]
                     export=int(export))
 
 
-def build_checkpointer(cfg: Any, run_dir: Path) -> RunCheckpointer:
+def build_checkpointer(cfg: RunConfig, run_dir: Path) -> RunCheckpointer:
     return RunCheckpointer(run_dir, int(cfg.train.keep_checkpoints))

@@ -9,10 +9,13 @@ importing jax or an HTTP client.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
-def _jax(cfg: Any, model: Any, max_len: int) -> Any:
+def _jax(cfg: RunConfig, model: Any, max_len: int) -> Any:
     from pmd_jax.sampling.jax_sampler import JaxSampler
 
     # The tokenizer serves constrained requests (SamplingParams.json_schema).
@@ -24,7 +27,7 @@ def _jax(cfg: Any, model: Any, max_len: int) -> Any:
                       tokenizer=model.tokenizer)
 
 
-def _vllm(cfg: Any, model: Any, max_len: int) -> Any:
+def _vllm(cfg: RunConfig, model: Any, max_len: int) -> Any:
     from pmd_jax.sampling.vllm_client import VLLMSampler
 
     r = cfg.rollout
@@ -32,10 +35,10 @@ def _vllm(cfg: Any, model: Any, max_len: int) -> Any:
                        vocab_size=model.cfg.vocab_size, max_model_len=max_len)
 
 
-BACKENDS: dict[str, Callable[[Any, Any, int], Any]] = {"jax": _jax, "vllm": _vllm}
+BACKENDS: dict[str, Callable[[RunConfig, Any, int], Any]] = {"jax": _jax, "vllm": _vllm}
 
 
-def build(name: str, cfg: Any, model: Any, max_len: int) -> Any:
+def build(name: str, cfg: RunConfig, model: Any, max_len: int) -> Any:
     if name not in BACKENDS:
         raise ValueError(f"rollout.sampler={name!r}: no such sampler backend; known: "
                          f"{', '.join(BACKENDS)}")

@@ -15,9 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 def eval_problems(cfg: Any, task: Any) -> list[Any]:
@@ -31,7 +34,7 @@ def eval_overlap(cfg: Any, task: Any) -> tuple[list[str], int]:
     return overlapping_ids(task.problems("train"), ev), len(ev)
 
 
-def in_sample_message(cfg: Any, overlap: list[str], n_eval: int) -> str:
+def in_sample_message(cfg: RunConfig, overlap: list[str], n_eval: int) -> str:
     src = cfg.task.eval_task or cfg.task.name
     shown = ", ".join(overlap[:3]) + (", ..." if len(overlap) > 3 else "")
     return (
@@ -49,7 +52,7 @@ def _int_at_least_1(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def heldout_config_errors(c: Any) -> list[str]:
+def heldout_config_errors(c: RunConfig) -> list[str]:
     """Problems with the split options, then (when there are none) the overlap check."""
     from pmd_jax.tasks.registry import get_spec, task_names, task_specs
 
@@ -91,7 +94,7 @@ def heldout_config_errors(c: Any) -> list[str]:
     return []
 
 
-def _task_key(c: Any) -> str:
+def _task_key(c: RunConfig) -> str:
     """The config parts that decide the task's problems, as a JSON string (cache key)."""
     path = str(c.task.path or "")
     mtime = os.path.getmtime(path) if path and os.path.exists(path) else None
