@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory import MemoryConfig, ProceduralMemory, RolloutRecord
 from pmd_jax.memory.embedder import shared_embedder
 from pmd_jax.memory.index import ScannIndex, exact_search
 
@@ -113,11 +113,9 @@ def bench_retrieval(args, emb) -> None:
             _, fi = fx.search(q, args.k)
             row["faiss_qps"] = len(q) / (time.perf_counter() - t)
             row["faiss_recall"] = recall_at([[str(i) for i in r] for r in fi], ref, args.k)
-        cfg = default_memory_config().index
-        cfg.brute_force_below = 1
-        cfg.leaves_to_search_frac = args.leaves_frac
-        cfg.reorder = args.reorder
-        cfg.num_leaves_per_sqrt = args.leaves_per_sqrt
+        cfg = MemoryConfig().index.replace(
+            brute_force_below=1, leaves_to_search_frac=args.leaves_frac, reorder=args.reorder,
+            num_leaves_per_sqrt=args.leaves_per_sqrt)
         ix = ScannIndex(db.shape[1], cfg)
         t = time.perf_counter()
         ix.upsert([str(i) for i in range(n)], db)
@@ -201,8 +199,7 @@ def bench_update(args, emb) -> None:
     problems = texts[: args.problems * args.steps]
     gen = CannedGenerator(texts[-400:])
     emb._cache.clear()  # no embeddings cached from the retrieval part: the real update cost
-    cfg = default_memory_config()
-    cfg.behavior.every_n_steps = args.every
+    cfg = MemoryConfig().with_values({"behavior.every_n_steps": args.every})
     timed = TimedEmbedder(emb)
     mem = ProceduralMemory(cfg, embedder=timed)  # type: ignore[arg-type]
     per = args.rollouts // args.problems
@@ -254,7 +251,7 @@ def main() -> None:
     p.add_argument("--skip-retrieval", action="store_true")
     p.add_argument("--skip-update", action="store_true")
     args = p.parse_args()
-    emb = shared_embedder(default_memory_config().embedder)
+    emb = shared_embedder(MemoryConfig().embedder)
     if not args.skip_retrieval:
         bench_retrieval(args, emb)
     if not args.skip_update:

@@ -35,6 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pmd_jax.config import apply_mode, freeze  # noqa: E402
 from pmd_jax.config.cli import load_config_file  # noqa: E402
 from pmd_jax.loop import build, teaching  # noqa: E402
 from pmd_jax.memory import calls  # noqa: E402
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=2, help="print this many replies of each mode")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
-    cfg = load_config_file(args.config)
+    cfg = freeze(apply_mode(load_config_file(args.config)))
     task = build.build_task(cfg)
     model = build.load_model(cfg)
     sampler = build.build_sampler(cfg, model)

@@ -199,7 +199,7 @@ def child_jax(args) -> dict:
     import jax
 
     from pmd_jax.distill import step as st
-    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
     from pmd_jax.models import attend
 
     cfg = bc.model_config(args.model, args.layers, args.dtype)
@@ -231,7 +231,7 @@ def child_jax(args) -> dict:
         c.loss.alpha, c.loss.topk, c.loss.add_tail = 0.5, 100, True
     else:
         c.loss.alpha, c.loss.topk = 1.0, None
-    ts = st.TrainStep(cfg, c, loss_chunk_remat=args.chunk_remat)
+    ts = st.TrainStep(cfg, freeze_distill_config(c), loss_chunk_remat=args.chunk_remat)
     b = args.batch
     batch = dict(data)
     for side in ("student", "teacher"):

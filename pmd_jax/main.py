@@ -96,11 +96,13 @@ def main(argv: list[str]) -> int:
     if line is not None:
         set_none(cfg, line.none_keys)
     if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
-        from pmd_jax.config.validate import batch_plan_errors, schema_errors
+        from pmd_jax.config.validate import batch_plan_errors, schema_errors, try_freeze
 
         cfg = apply_mode(cfg)  # the loss, group size etc. a mode implies, as for a run
-        errs = pre_errs + schema_errors(cfg) + batch_plan_errors(cfg)
-        if errs:
+        dry_cfg, not_frozen = try_freeze(cfg)
+        errs = pre_errs + schema_errors(cfg) + not_frozen + (
+            batch_plan_errors(dry_cfg) if dry_cfg is not None else [])
+        if errs or dry_cfg is None:
             return _report(errs)
         # Simulated devices must be configured before jax is imported anywhere: a hardware
         # target's chip count, else --dry_run_devices (unless XLA_FLAGS already sets a count).
@@ -115,7 +117,7 @@ def main(argv: list[str]) -> int:
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
         from pmd_jax.dry_run.entry import dry_run_from_config
 
-        report = dry_run_from_config(freeze(cfg))
+        report = dry_run_from_config(dry_cfg)
         # exit 1 when the train step or the decode step does not fit the target's HBM
         return 0 if report.get("fits", True) else 1
     # What the mode implies is set on the ConfigDict, then every problem is named at once;

@@ -1,6 +1,7 @@
-"""The type checker over the config, distill and modes packages and the registries: mypy with
-pyproject.toml's ``[tool.mypy]`` (its ``files`` list) exits 0, as ``python -m mypy`` run by
-hand in the repository root does. Its report is printed when it does not."""
+"""The type checker over the config, the loop, distill, memory and modes packages and the
+registries: mypy with pyproject.toml's ``[tool.mypy]`` (its ``files`` list) exits 0, as
+``python -m mypy`` run by hand in the repository root does. Its report is printed when it
+does not."""
 
 from __future__ import annotations
 

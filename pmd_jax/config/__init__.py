@@ -30,7 +30,8 @@ _EXPORTS: dict[str, str] = {
     # validation and freezing
     "ConfigError": "validate", "MOVED_KEYS": "validate", "batch_plan_errors": "validate",
     "config_errors": "validate", "env_process_count": "validate", "format_errors": "validate",
-    "freeze": "validate", "teacher_prompt_budget": "validate", "validate_config": "validate",
+    "freeze": "validate", "try_freeze": "validate", "teacher_prompt_budget": "validate",
+    "validate_config": "validate",
     "_run_dir_errors": "validate", "_task_errors": "validate",
     # model context, compilation cache
     "gguf_context_length": "context_length", "model_context_length": "context_length",
@@ -39,12 +40,7 @@ _EXPORTS: dict[str, str] = {
     "FrozenDict": "schema", "Section": "schema",
 }
 
-__all__ = [k for k in _EXPORTS if not k.startswith("_")] + ["to_dict"]
-
-
-def to_dict(c: Any) -> Any:
-    """Plain values of a config (RunConfig or ConfigDict), for config.json."""
-    return c.to_dict() if hasattr(c, "to_dict") else c
+__all__ = [k for k in _EXPORTS if not k.startswith("_")]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ parsers cannot do. ``main`` reports those together with ``config.config_errors``
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib.util
@@ -158,6 +159,14 @@ def load_config_file(spec: str) -> Any:
                           ) from None
 
 
+def _is_dict_literal(value: str) -> bool:
+    """Whether ``value`` reads as a Python dict literal (how a whole section is given)."""
+    try:
+        return isinstance(ast.literal_eval(value.strip()), dict)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
+
+
 def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine:
     """Checks the config file and the ``--config.*`` overrides in ``argv`` (absl syntax:
     ``--config.k=v``, ``--config.k v``, ``--config.flag`` / ``--noconfig.flag``, the last
@@ -216,6 +225,15 @@ def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine
             continue
         errs.pop(key, None)
         none_keys.pop(key, None)
+        if ftype is None and (eq or takes_next) and not _is_dict_literal(value):
+            sect = found[0]._fields[found[1]]  # noqa: SLF001
+            knobs = ", ".join(sect.keys())
+            errs[key] = (f"{key} is a section, not a value (got {value!r}); set one of its "
+                         f"knobs ({knobs}), e.g. --{flag}.{key}.{next(iter(sect.keys()), 'x')}"
+                         "=..." if knobs else
+                         f"{key} is a section: set it whole from a dict, e.g. "
+                         f"--{flag}.{key}=\"{{'name': ...}}\" (got {value!r})")
+            continue
         if ftype is None or negated or not (eq or takes_next):
             out.extend(span)  # a section (dict literal) or a bare boolean
             continue

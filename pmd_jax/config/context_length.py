@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.models.config import ConfigError
 
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
-def model_context_length(c: Any) -> int:
+
+def model_context_length(c: RunConfig) -> int:
     """The model's context (max_position_embeddings) from its config alone, no weights:
     the preset for ``model.random_init``, the embedded GGUF's header for an embedded model, else
     the checkpoint folder's config.json. Raises ConfigError when it cannot be read."""

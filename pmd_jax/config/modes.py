@@ -3,11 +3,14 @@ from the mode registry (:mod:`pmd_jax.modes`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
 from pmd_jax.modes import aliases, canonical, get_mode, memory_modes, mode_names
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -81,20 +84,22 @@ def _set_dotted(c: Any, key: str, value: Any) -> None:
     c[last] = value
 
 
-def mode_errors(c: ml_collections.ConfigDict) -> list[str]:
+def mode_errors(c: RunConfig) -> list[str]:
     """The mode's own checks: a name the registry does not know, a memory setting the mode
     implies overridden to something else (the default is fine: apply_mode replaces it), a
     loss the mode cannot train with, groups of one where the loss needs advantages, and the
     mode's ``check``."""
+    from pmd_jax.memory.config import MemoryConfig
+
     try:
         spec = get_mode(c.mode)
     except ValueError as e:
         return [str(e)]
-    defaults = _memory_defaults()
+    defaults = MemoryConfig()
     errs = [f"mode={c.mode!r} implies memory.{key}={value!r}, but memory.{key}="
-            f"{_get_dotted(c.memory, key)!r} was set; drop the override or use mode='pmd'"
+            f"{_get_attr(c.memory, key)!r} was set; drop the override or use mode='pmd'"
             for key, value in spec.memory_settings.items()
-            if _get_dotted(c.memory, key) not in (value, _get_dotted(defaults, key))]
+            if _get_attr(c.memory, key) not in (value, _get_attr(defaults, key))]
     loss = loss_spec(c.distill.loss.name)
     if loss is not None:
         why = spec.loss_error(loss)
@@ -106,3 +111,10 @@ def mode_errors(c: ml_collections.ConfigDict) -> list[str]:
     if spec.check is not None:
         errs.extend(spec.check(c))
     return errs
+
+
+def _get_attr(section: Any, key: str) -> Any:
+    """A dotted knob of a frozen section."""
+    for part in key.split("."):
+        section = getattr(section, part)
+    return section

@@ -96,11 +96,38 @@ class Section:
     def replace(self: S, **changes: Any) -> S:
         return dataclasses.replace(self, **changes)
 
-    @staticmethod
-    def errors(s: Any) -> list[str]:
-        """The section's own problems, one line each, for a ConfigDict section or a frozen one
-        (attribute reads only). Checks that span sections live in pmd_jax/config/validate.py."""
-        del s
+    def with_values(self: S, values: Mapping[str, Any]) -> S:
+        """A copy with dotted ``values`` set (``{"context.extra_control_tokens": [...]}``),
+        lists as tuples and mappings as FrozenDict, as :func:`freeze_section` stores them;
+        this section is unchanged. A key the section does not declare raises KeyError."""
+        for key in values:  # every path first, so the error names the whole key
+            node: Any = self
+            for part in key.split("."):
+                if not isinstance(node, Section) or part not in {
+                        f.name for f in dataclasses.fields(node)}:
+                    raise KeyError(f"{type(self).__name__} has no knob {key!r}")
+                node = getattr(node, part)
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        nested: dict[str, dict[str, Any]] = {}
+        flat: dict[str, Any] = {}
+        for key, v in values.items():
+            head, _, rest = key.partition(".")
+            f = fields[head]
+            if rest:
+                nested.setdefault(head, {})[rest] = v
+            elif f.metadata.get("as_list"):
+                flat[key] = tuple(v)
+            elif f.metadata.get("mapping"):
+                flat[key] = FrozenDict(v)
+            else:
+                flat[key] = v
+        for head, sub in nested.items():
+            flat[head] = getattr(self, head).with_values(sub)
+        return dataclasses.replace(self, **flat)
+
+    def errors(self) -> list[str]:
+        """The section's own problems, one line each (empty: none). Checks that span sections
+        live in pmd_jax/config/validate.py."""
         return []
 
 
@@ -158,19 +185,22 @@ def unknown_keys(cls: type[Section], c: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _lookup(root: Any, dotted: str) -> Any:
+def _lookup(root: config_dict.ConfigDict, dotted: str) -> Any:
     for part in dotted.split("."):
-        root = root[part] if isinstance(root, config_dict.ConfigDict) else getattr(root, part)
+        root = root[part]
     return root
 
 
-def freeze_section(cls: type[S], c: Any, *, root: Any = None, path: str = "") -> S:
+def freeze_section(cls: type[S], c: config_dict.ConfigDict, *,
+                   root: config_dict.ConfigDict | None = None, path: str = "") -> S:
     """The frozen ``cls`` holding the values of ConfigDict ``c`` (nullable references
     resolved, lists as tuples, mappings as FrozenDict). A derived knob takes the value of its
     run key in ``root`` when given, else the ConfigDict's own value (a stand-alone section);
     a knob the ConfigDict lacks keeps its declared default."""
-    if isinstance(c, cls):
-        return c
+    if not isinstance(c, config_dict.ConfigDict):
+        raise TypeError(f"freezing {cls.__name__} needs an ml_collections ConfigDict, got "
+                        f"{type(c).__name__}" + (" (already frozen)" if isinstance(c, cls)
+                                                 else ""))
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         meta = f.metadata

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import ml_collections
 
@@ -74,8 +73,8 @@ class ModelConfigSection(Section):
         "chunked when T * S > 1024^2, else dense. The choice is logged at start-up.")
     attention_chunk: int = knob(512, "Query/key chunk size of chunked attention.")
 
-    @staticmethod
-    def errors(m: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        m = self
         from pmd_jax.models.assets import EMBEDDED_MODELS
         from pmd_jax.models.chat import CHAT_FORMATS
         from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
@@ -105,8 +104,8 @@ class MeshConfig(Section):
     rules: FrozenDict = knob({}, "Logical axis -> mesh axes overrides (set whole, e.g. "
                              "--config.mesh.rules=\"{'vocab': 'fsdp'}\").", mapping=True)
 
-    @staticmethod
-    def errors(m: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        m = self
         errs: list[str] = []
         for ax in ("data", "fsdp", "tensor"):
             v = getattr(m, ax)
@@ -189,8 +188,8 @@ class RolloutConfig(Section):
                          "IS weights distill.loss.rollout_is_threshold (required); "
                          "rollout_staleness and logp_mismatch_mean/max are logged every step.")
 
-    @staticmethod
-    def errors(r: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        r = self
         errs: list[str] = []
         _need(errs, r.sampler in SAMPLERS, f"rollout.sampler={r.sampler!r} not in {SAMPLERS}")
         _need(errs, r.n >= 1, f"rollout.n must be >= 1, got {r.n}")
@@ -239,8 +238,8 @@ class TeacherPromptConfig(Section):
         "have no sibling's (mode sdpo_matched_sampling: SDPO spending the samples the memory's "
         "check before use may spend). 0: off.")
 
-    @staticmethod
-    def errors(t: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        t = self
         out = [] if t.max_tokens >= 1 else [
             f"teacher_prompt.max_tokens must be >= 1, got {t.max_tokens}"]
         if t.extra_demo_samples < 0:
@@ -319,8 +318,8 @@ class TrainConfig(Section):
     compilation_cache_max_gib: float = knob(4.0, "Disk bound: least-recently-used entries are "
                                             "evicted past this size; -1 = unbounded.")
 
-    @staticmethod
-    def errors(t: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        t = self
         errs: list[str] = []
         _need(errs, t.steps >= 0, "train.steps must be >= 0")
         _need(errs, t.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
@@ -370,8 +369,8 @@ class EvalConfig(Section):
                           "needs train.kl_initial_every > 0; skipped when the weights never "
                           "change, mode pmd_frozen_policy).")
 
-    @staticmethod
-    def errors(e: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        e = self
         errs: list[str] = []
         _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
         _need(errs, e.n >= 1, "eval.n must be >= 1")

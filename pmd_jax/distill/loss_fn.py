@@ -17,13 +17,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax import lax
 
 from pmd_jax.distill import align, chunked, losses, objectives, registry, sharded_topk
 from pmd_jax.distill import config as dconfig
 from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import teacher as tlib
+from pmd_jax.distill.config import DistillConfig
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
 
@@ -55,7 +55,11 @@ class StepOptions:
     optim: doptim.OptimConfig
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, vocab_size: int) -> StepOptions:
+    def from_config(cls, c: DistillConfig, vocab_size: int) -> StepOptions:
+        if not isinstance(c, DistillConfig):
+            raise TypeError(
+                f"the train step takes a frozen DistillConfig, got {type(c).__name__}; freeze "
+                "an edited ConfigDict with pmd_jax.distill.config.freeze_distill_config(c)")
         dconfig.validate_distill_config(c, vocab_size=vocab_size)
         return cls(
             loss_name=c.loss.name,

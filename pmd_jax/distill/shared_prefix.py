@@ -30,15 +30,18 @@ positions).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pmd_jax.models.config import ModelConfig
 
 MODES = ("auto", "always", "off")
 SIDES = ("student", "teacher")
 
 
-def flops_per_token_and_pair(cfg: Any) -> tuple[float, float]:
+def flops_per_token_and_pair(cfg: ModelConfig) -> tuple[float, float]:
     """Forward FLOPs of ``cfg`` (a ModelConfig) per token in the weight products, and per
     (query, key) pair in the attention (scores and values, every layer and head)."""
     d, hd = cfg.hidden_size, cfg.head_dim

@@ -40,7 +40,6 @@ from typing import Any, Generic
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import struct
@@ -52,6 +51,7 @@ from pmd_jax.distill import optim as doptim
 from pmd_jax.distill import shared_prefix as spx
 from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.batch import BatchError, check_batch
+from pmd_jax.distill.config import DistillConfig
 from pmd_jax.distill.loss_fn import StepOptions, _cast, make_lesson_nll_fn, make_loss_fn
 from pmd_jax.distill.registry import LESSON_KEYS
 from pmd_jax.models import decoder
@@ -117,7 +117,7 @@ class TrainStep:
     def __init__(
         self,
         model_cfg: ModelConfig,
-        distill_cfg: ml_collections.ConfigDict,
+        distill_cfg: DistillConfig,
         *,
         mesh: Mesh | None = None,
         rules: shd.ShardingRules | None = None,
@@ -358,6 +358,6 @@ class TrainStep:
         )
 
 
-def compute_params(state: TrainState, distill_cfg: ml_collections.ConfigDict) -> Any:
+def compute_params(state: TrainState, distill_cfg: DistillConfig) -> Any:
     """The params in the compute dtype (what the sampler / an HF export should receive)."""
     return _cast(state.params, jnp.dtype(distill_cfg.precision.param_dtype))

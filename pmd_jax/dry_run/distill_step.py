@@ -104,12 +104,10 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
     return out
 
 
-def distill_step_report(cfg: Any, model_cfg: Any, mesh: Any, rules: Any, batch: int,
+def distill_step_report(cfg: RunConfig, model_cfg: Any, mesh: Any, rules: Any, batch: int,
                         student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
-    from pmd_jax.config import freeze
     from pmd_jax.distill.step import TrainStep
 
-    cfg = freeze(cfg)  # (a RunConfig is kept as it is)
     ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules,
                    lesson_nll_weight=float(cfg.mel.nll_weight))
     state = ts.abstract_state()

@@ -22,11 +22,8 @@ log = logging.getLogger("pmd_jax")
 
 
 def dry_run_from_config(cfg: RunConfig) -> dict[str, Any]:
-    """The dry run of a run config (a RunConfig, or a ConfigDict that is frozen here: the
-    derived knobs, e.g. the loss's group size, come from the rollout section)."""
-    from pmd_jax.config import freeze
-
-    cfg = freeze(cfg)
+    """The dry run of a frozen run config (``config.freeze`` gives the derived knobs, e.g.
+    the loss's group size from the rollout section)."""
     target = cfg.dry_run.target
     if target:
         from pmd_jax.dry_run.target import target_report

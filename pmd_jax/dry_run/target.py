@@ -278,11 +278,9 @@ def format_target_report(r: dict[str, Any]) -> str:
 def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[str, Any]:
     import jax
 
-    from pmd_jax.config import freeze
     from pmd_jax.dry_run.distill_step import mesh_shape, model_config
     from pmd_jax.run.sharding import ShardingRules, make_mesh
 
-    cfg = freeze(cfg)  # (a RunConfig is kept as it is)
     t = tg.get_target(target)
     n = jax.device_count()
     if n != t.chips:

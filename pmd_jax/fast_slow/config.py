@@ -61,8 +61,8 @@ class FastSlowConfig(Section):
     seed_context: str = knob(DEFAULT_SEED_CONTEXT, "The pool's first context (GEPA starts from "
                              "a seed prompt).")
 
-    @staticmethod
-    def errors(s: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        s = self
         errs: list[str] = []
 
         def is_int(v: Any) -> bool:

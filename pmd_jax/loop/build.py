@@ -8,16 +8,20 @@ tokens) go into the memory's own copy of its section (:func:`memory_config`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages
+
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import RunConfig
+    from pmd_jax.memory.config import MemoryConfig
+    from pmd_jax.models.config import ModelConfig
 
 log = logging.getLogger("pmd_jax")
 
@@ -29,7 +33,7 @@ def is_main_process() -> bool:
 
 
 # ----------------------------------------------------------------------------- task
-def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
+def task_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
     """get_task arguments of task ``name`` from the run config (task.path excluded): the
     task's registered spec builds them (tasks/registry.py)."""
     from pmd_jax.tasks.registry import task_kwargs as spec_kwargs
@@ -37,7 +41,7 @@ def task_kwargs(cfg: Any, name: str) -> dict[str, Any]:
     return spec_kwargs(cfg.task, name, int(cfg.seed))
 
 
-def build_task(cfg: Any, check_heldout: bool = True, check_sandbox: bool = False):
+def build_task(cfg: RunConfig, check_heldout: bool = True, check_sandbox: bool = False):
     """The run's task. With task.eval_task set (another task) a TransferTask: "train" from
     task.name, the evaluation split from task.eval_task (e.g. MBPP -> HumanEval).
 
@@ -51,7 +55,7 @@ def build_task(cfg: Any, check_heldout: bool = True, check_sandbox: bool = False
     ``jax.distributed`` is initialised, so nothing here may touch a jax backend)."""
     from pmd_jax.tasks.loader import load_task
 
-    task = load_task(cfg)
+    task = load_task(cfg.task, cfg.seed)
     if check_sandbox and runs_code(task):
         # a machine where no sandbox works fails here, not with every program graded as
         # failed (detect_backend raises and says why)
@@ -62,7 +66,7 @@ def build_task(cfg: Any, check_heldout: bool = True, check_sandbox: bool = False
         from pmd_jax.tasks.base import TaskError
         from pmd_jax.tasks.heldout import eval_overlap, in_sample_message
 
-        overlap, n_eval = eval_overlap(cfg, task)
+        overlap, n_eval = eval_overlap(cfg.task, task)
         if overlap and not cfg.eval.allow_in_sample:
             raise TaskError(in_sample_message(cfg, overlap, n_eval))
         task.eval_in_sample = bool(overlap)
@@ -83,7 +87,7 @@ def runs_code(task: Any) -> bool:
 # ----------------------------------------------------------------------------- model
 @dataclasses.dataclass
 class ModelBundle:
-    cfg: Any  # ModelConfig
+    cfg: ModelConfig
     params: Any  # initial params (compute dtype), placed on the mesh
     tokenizer: Any
     mesh: Any
@@ -115,7 +119,7 @@ class ModelBundle:
         return int(p if p is not None else self.tokenizer.eos_id or 0)
 
 
-def build_mesh(cfg: Any):
+def build_mesh(cfg: RunConfig):
     from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
@@ -123,13 +127,13 @@ def build_mesh(cfg: Any):
     return mesh, rules
 
 
-def attention_options(cfg: Any) -> dict[str, Any]:
+def attention_options(cfg: RunConfig) -> dict[str, Any]:
     """The ModelConfig attention fields from the run config (model.attention_impl/_chunk)."""
     return {"attention_impl": str(cfg.model.attention_impl),
             "attention_chunk": int(cfg.model.attention_chunk)}
 
 
-def log_attention_plan(cfg: Any, model_cfg: Any) -> None:
+def log_attention_plan(cfg: RunConfig, model_cfg: Any) -> None:
     """Log once, at start-up, which attention implementation model.attention_impl means on
     this backend for the train step's rows and for the sampler (models/attention_select.py)."""
     from pmd_jax.models import attend
@@ -140,7 +144,7 @@ def log_attention_plan(cfg: Any, model_cfg: Any) -> None:
         log.info(line)
 
 
-def load_model(cfg: Any) -> ModelBundle:
+def load_model(cfg: RunConfig) -> ModelBundle:
     from pmd_jax.models import hf_io
     from pmd_jax.models.assets import EMBEDDED_MODELS
     from pmd_jax.models.config import from_hf_config
@@ -171,7 +175,7 @@ def load_model(cfg: Any) -> ModelBundle:
     return ModelBundle(model_cfg, params, tok, mesh, rules)
 
 
-def _random_model(cfg: Any, mesh: Any, rules: Any):
+def _random_model(cfg: RunConfig, mesh: Any, rules: Any):
     import jax
 
     from pmd_jax.models import decoder
@@ -186,7 +190,7 @@ def _random_model(cfg: Any, mesh: Any, rules: Any):
 
 
 # ----------------------------------------------------------------------------- sampler
-def build_sampler(cfg: Any, model: ModelBundle):
+def build_sampler(cfg: RunConfig, model: ModelBundle):
     r = cfg.rollout
     # The KV cache is sized per request bucket; max_len only bounds prompt + generation
     # (reflection prompts can be longer than the task prompts).
@@ -203,39 +207,12 @@ def build_sampler(cfg: Any, model: ModelBundle):
 
 
 # ----------------------------------------------------------------------------- memory
-def _with_values(section: Any, values: dict[str, Any]) -> Any:
-    """A copy of a config section with dotted ``values`` set; the section itself is unchanged
-    (a frozen dataclass gets ``dataclasses.replace``, lists as tuples; an ml_collections
-    ConfigDict a deep copy)."""
-    if dataclasses.is_dataclass(section):
-        nested: dict[str, dict[str, Any]] = {}
-        flat: dict[str, Any] = {}
-        for key, v in values.items():
-            head, _, rest = key.partition(".")
-            if rest:
-                nested.setdefault(head, {})[rest] = v
-            else:
-                flat[key] = tuple(v) if isinstance(v, list) else v
-        for head, sub in nested.items():
-            flat[head] = _with_values(getattr(section, head), sub)
-        return dataclasses.replace(section, **flat)
-    out = copy.deepcopy(section)
-    with out.unlocked():
-        for key, v in values.items():
-            node = out
-            *path, last = key.split(".")
-            for part in path:
-                node = getattr(node, part)
-            setattr(node, last, v)
-    return out
-
-
-def memory_config(cfg: Any, tokenizer: Any) -> Any:
+def memory_config(cfg: RunConfig, tokenizer: Any) -> MemoryConfig:
     """The memory's config: the run's ``memory`` section plus what is known only once the
     model is loaded (the tokenizer's control and stop tokens) and the two knobs it takes from
     ``teacher_prompt`` (as ``config.freeze`` derives them). The run config is not changed."""
     tp = cfg.teacher_prompt
-    return _with_values(cfg.memory, {
+    return cfg.memory.with_values({
         "context.extra_control_tokens": list(tokenizer.special_tokens),
         # The memory's replies end at the model's stop tokens, as rollouts do (without them
         # the JAX sampler runs every unconstrained reply to max_tokens: all "truncated").
@@ -245,7 +222,7 @@ def memory_config(cfg: Any, tokenizer: Any) -> Any:
     })
 
 
-def build_memory(cfg: Any, model: Any):
+def build_memory(cfg: RunConfig, model: Any):
     """The run's ProceduralMemory (None for the modes without one: grpo, sdpo)."""
     if not get_mode(cfg.mode).uses_memory:
         return None

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pmd_jax.config import freeze, to_dict
+from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill import assemble, kl, offload, train
 from pmd_jax.loop import build, teaching
 from pmd_jax.loop.phases import TrainingError, retry, timed
@@ -65,9 +65,11 @@ _PROGRESS_FIELDS = (("reward", "reward_mean"), ("loss", "loss"), ("s_per_step", 
 
 class Trainer:
     # ------------------------------------------------------------------ start-up
-    def __init__(self, cfg: Any) -> None:
-        # the frozen, typed config (main passes one; a validated ConfigDict is frozen here)
-        cfg = freeze(cfg)
+    def __init__(self, cfg: RunConfig) -> None:
+        # the frozen, typed config main builds after validation (config.freeze)
+        if not isinstance(cfg, RunConfig):
+            raise TypeError(f"Trainer takes the frozen RunConfig, got {type(cfg).__name__}: "
+                            "validate and freeze a ConfigDict first (pmd_jax.config.freeze)")
         self.cfg = cfg
         self.run_dir = paths.makedirs(cfg.run_dir)  # an epath.Path: local or gs://
         # With several processes (pmd_jax.run.multihost) process 0 writes every file of the run.
@@ -75,7 +77,7 @@ class Trainer:
         self.multi = multihost.process_count() > 1
         if self.is_main:
             paths.write_text(self.run_dir / "config.json",
-                             json.dumps(to_dict(cfg), indent=2, default=str))
+                             json.dumps(cfg.to_dict(), indent=2, default=str))
         self.metrics = (MetricsWriter(self.run_dir, use_tensorboard=True) if self.is_main
                         else NoMetrics())
         self.times: dict[str, float] = {}

@@ -57,8 +57,8 @@ class MelConfig(Section):
     lesson_max_tokens: int = knob(128, "A kept lesson's tokens in its NLL row are cut to "
                                   "this many.")
 
-    @staticmethod
-    def errors(m: Any) -> list[str]:
+    def errors(self) -> list[str]:
+        m = self
         errs: list[str] = []
 
         def need(cond: bool, msg: str) -> None:

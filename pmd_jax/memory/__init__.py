@@ -1,7 +1,12 @@
 """Procedural memory for PMD: experience, insight and behavior levels (memory/level.py's
 interface, registered in memory/memory.py's ``LEVELS``); ScaNN retrieval."""
 
-from pmd_jax.memory.config import default_memory_config, validate_memory_config
+from pmd_jax.memory.config import (
+    MemoryConfig,
+    default_memory_config,
+    freeze_memory_config,
+    validate_memory_config,
+)
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.embedder import SentenceEmbedder
 from pmd_jax.memory.index import ScannIndex
@@ -20,6 +25,7 @@ __all__ = [
     "Behavior",
     "ExperienceItem",
     "InsightItem",
+    "MemoryConfig",
     "MemoryLevel",
     "MemoryUpdateStats",
     "ProceduralMemory",
@@ -29,5 +35,6 @@ __all__ = [
     "SentenceEmbedder",
     "TeacherContext",
     "default_memory_config",
+    "freeze_memory_config",
     "validate_memory_config",
 ]

@@ -8,7 +8,6 @@ Values marked "(ours)" are our best guesses where the PMD paper is silent (METHO
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import ml_collections
 
@@ -251,10 +250,9 @@ class MemoryConfig(Section):
     context: MemoryContext = section(MemoryContext, "The teacher context.")
     verify: MemoryVerify = section(MemoryVerify, "The check before use (memory/verify.py).")
 
-    @staticmethod
-    def errors(m: Any) -> list[str]:
+    def errors(self) -> list[str]:
         try:
-            validate_memory_config(m)
+            validate_memory_config(self)
         except ValueError as e:
             return [str(e)]
         return []
@@ -266,13 +264,13 @@ def default_memory_config(*, derived: bool = True) -> ml_collections.ConfigDict:
     return to_config_dict(MemoryConfig(), derived=derived)
 
 
-def freeze_memory_config(c: Any) -> MemoryConfig:
+def freeze_memory_config(c: ml_collections.ConfigDict) -> MemoryConfig:
     """The frozen :class:`MemoryConfig` of a stand-alone memory ConfigDict."""
     return freeze_section(MemoryConfig, c)
 
 
-def validate_memory_config(c: Any) -> None:
-    """Raises ValueError naming the first bad option (a ConfigDict or :class:`MemoryConfig`)."""
+def validate_memory_config(c: MemoryConfig) -> None:
+    """Raises ValueError naming the first bad option of a :class:`MemoryConfig`."""
 
     def bad(msg: str) -> None:
         raise ValueError(f"memory config: {msg}")

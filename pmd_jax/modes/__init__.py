@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import ml_collections
+
     from pmd_jax.config.sections import RunConfig
 
 # What the teacher's context holds (ModeSpec.teacher).
@@ -93,7 +95,7 @@ class ModeSpec:
     * ``memory_settings``: ``memory.<key>`` values the mode implies (set where the user left
       the default; a conflicting override is an error).
     * ``derive``: other settings it implies, on the ConfigDict before validation.
-    * ``check``: its own config errors (the mode-applied ConfigDict -> messages).
+    * ``check``: its own config errors (the frozen, mode-applied RunConfig -> messages).
     * ``runtime``: builds its :class:`ModeRuntime` ``(cfg, model, task, train_problems,
       eval_problems)``.
     * ``aliases``: other names of the mode (the config holds the canonical one).
@@ -110,8 +112,8 @@ class ModeSpec:
     single_process: bool = False
     eval_with_memory: bool = False
     memory_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
-    derive: Callable[[Any], None] | None = None
-    check: Callable[[Any], list[str]] | None = None
+    derive: Callable[[ml_collections.ConfigDict], None] | None = None
+    check: Callable[[RunConfig], list[str]] | None = None
     runtime: Callable[..., ModeRuntime] = _no_runtime
     aliases: tuple[str, ...] = ()
 

@@ -5,9 +5,12 @@ MEL registers in :mod:`pmd_jax.mel.mode`, Fast-Slow in :mod:`pmd_jax.fast_slow.m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import ModeSpec, register_mode
+
+if TYPE_CHECKING:
+    import ml_collections
 
 register_mode(ModeSpec(
     name="grpo", teacher="none", default_loss="grpo", needs_groups=True,
@@ -18,7 +21,7 @@ register_mode(ModeSpec(
         "is the teacher of its own rollouts."))
 
 
-def _matched_sampling(c: Any) -> None:
+def _matched_sampling(c: ml_collections.ConfigDict) -> None:
     """SDPO with as many extra samples per problem as pmd_verified's check may spend on one
     problem in a step (a baseline arm and up to max_items_per_problem item arms, ``replays``
     samples each; the per-step cap shared over the step's problems), spent on SDPO's own
@@ -40,7 +43,7 @@ register_mode(ModeSpec(
         "reflected item supervises."))
 
 
-def _frozen_memory(c: Any) -> None:
+def _frozen_memory(c: ml_collections.ConfigDict) -> None:
     """"memory built once, then fixed": the first fifth of the run builds it (ours); an
     explicit memory.frozen_after_step is kept."""
     if c.memory.frozen_after_step < 0:

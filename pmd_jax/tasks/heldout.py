@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any
 from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
 
 if TYPE_CHECKING:
-    from pmd_jax.config.sections import RunConfig
+    from pmd_jax.config.sections import RunConfig, TaskConfig
 
 
-def eval_problems(cfg: Any, task: Any) -> list[Any]:
+def eval_problems(t: TaskConfig, task: Any) -> list[Any]:
     """The problems the run evaluates on (as ``Trainer`` selects them)."""
-    return task.problems(cfg.task.eval_split)[: cfg.task.max_eval_problems]
+    return task.problems(t.eval_split)[: t.max_eval_problems]
 
 
-def eval_overlap(cfg: Any, task: Any) -> tuple[list[str], int]:
+def eval_overlap(t: TaskConfig, task: Any) -> tuple[list[str], int]:
     """(ids both trained and evaluated on, number of evaluation problems)."""
-    ev = eval_problems(cfg, task)
+    ev = eval_problems(t, task)
     return overlapping_ids(task.problems("train"), ev), len(ev)
 
 
@@ -106,14 +106,15 @@ def _task_key(c: RunConfig) -> str:
 def _cached_overlap(key: str) -> tuple[list[str], int]:
     import ml_collections
 
+    from pmd_jax.config.schema import freeze_section
+    from pmd_jax.config.sections import TaskConfig
     from pmd_jax.tasks.loader import load_task
 
     d = json.loads(key)
-    cfg = ml_collections.ConfigDict({"task": d["task"], "seed": d["seed"],
-                                     "eval": {"allow_in_sample": True}})
-    task = load_task(cfg)
+    t = freeze_section(TaskConfig, ml_collections.ConfigDict(d["task"]))
+    task = load_task(t, int(d["seed"]))
     try:
-        return eval_overlap(cfg, task)
+        return eval_overlap(t, task)
     finally:
         close = getattr(task, "close", None)
         if close is not None:

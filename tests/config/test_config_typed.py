@@ -63,7 +63,9 @@ def test_freeze_keeps_the_paths_and_values():
     c = apply_mode(_load(SCIQ))
     assert config_errors(c) == []
     r = freeze(c)
-    assert isinstance(r, RunConfig) and freeze(r) is r
+    assert isinstance(r, RunConfig)
+    with pytest.raises(TypeError, match="already frozen"):  # one shape in, one out
+        freeze(r)
     assert isinstance(r.distill, DistillConfig) and isinstance(r.memory, MemoryConfig)
     assert r.train.steps == c.train.steps and r.rollout.n == c.rollout.n
     assert r.distill.loss.name == c.distill.loss.name and r.distill.loss.topk == 100
@@ -166,3 +168,37 @@ def test_knob_listing_shows_defaults_and_help():
     assert out[0].startswith("[teacher_prompt]") and "teacher_prompt.max_tokens = 10240" in out
     assert "teacher_prompt.success_threshold = 1.0" in out
     assert not any(line.startswith("rollout.") for line in out)
+
+
+def test_with_values_copies_a_frozen_section_with_dotted_changes():
+    from pmd_jax.memory.config import MemoryConfig
+
+    m = MemoryConfig()
+    got = m.with_values({"context.max_tokens": 512, "stop_token_ids": [7, 9],
+                         "levels.insight": False, "signal_rule": "sdpo"})
+    assert (got.context.max_tokens, got.stop_token_ids, got.levels.insight, got.signal_rule) == (
+        512, (7, 9), False, "sdpo")
+    assert m == MemoryConfig()  # the section itself is unchanged
+    assert got.context.truncation_order == m.context.truncation_order  # the rest kept
+    with pytest.raises(KeyError, match="'context.max_tokenz'"):
+        m.with_values({"context.max_tokenz": 1})
+    with pytest.raises(KeyError, match="'signal_rule.x'"):
+        m.with_values({"signal_rule.x": 1})  # a knob, not a section
+
+
+def test_library_code_takes_the_frozen_section_only():
+    """One shape below config/: the train step and the memory refuse an editable ConfigDict
+    (naming the function that freezes it); validation reads the frozen RunConfig."""
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
+    from pmd_jax.distill.loss_fn import StepOptions
+    from pmd_jax.memory import ProceduralMemory, default_memory_config
+
+    with pytest.raises(TypeError, match="freeze_distill_config"):
+        StepOptions.from_config(default_distill_config(), 100)
+    assert StepOptions.from_config(freeze_distill_config(default_distill_config()), 100)
+    with pytest.raises(TypeError, match="freeze_memory_config"):
+        ProceduralMemory(default_memory_config())
+    from pmd_jax.loop.trainer import Trainer
+
+    with pytest.raises(TypeError, match="frozen RunConfig"):
+        Trainer(apply_mode(base_config()))

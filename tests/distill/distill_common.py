@@ -21,9 +21,9 @@ def make_mesh8() -> jax.sharding.Mesh:
 
 
 def small_distill_config(**kw):
-    """The distill ConfigDict the step tests train TINY with (top-K 8, GRPO groups of 2, lr
+    """The frozen distill config the step tests train TINY with (top-K 8, GRPO groups of 2, lr
     3e-3 from step 0); ``section__knob=value`` overrides."""
-    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
 
     c = default_distill_config()
     c.loss.topk = 8
@@ -33,14 +33,14 @@ def small_distill_config(**kw):
     for k, v in kw.items():
         sec, name = k.split("__")
         c[sec][name] = v
-    return c
+    return freeze_distill_config(c)
 
 
 def ema_step_config(mode: str, group: int):
-    """The distill ConfigDict of the step-equivalence tests (test_microbatch,
+    """The frozen distill config of the step-equivalence tests (test_microbatch,
     test_shared_prefix): loss ``mode`` with an EMA teacher (rate 0.1), top-K 8, loss chunks of
     3, GRPO groups of ``group``, hybrid lambda 0.6, lr 1e-3 from step 0."""
-    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
 
     c = default_distill_config()
     c.loss.name = mode
@@ -52,7 +52,7 @@ def ema_step_config(mode: str, group: int):
     c.loss.hybrid_lambda = 0.6
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 0
-    return c
+    return freeze_distill_config(c)
 
 
 def tiny_params(seed: int):

@@ -20,7 +20,7 @@ from pmd_jax.distill import align, optim
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import loss_fn as lf
 from pmd_jax.distill import teacher as tlib
-from pmd_jax.distill.config import default_distill_config
+from pmd_jax.distill.config import default_distill_config, freeze_distill_config
 from pmd_jax.models import decoder
 from tests.distill import reference_losses
 from tests.fakes import tiny_model_config
@@ -79,7 +79,7 @@ def test_frozen_and_trust_region_keep_initial_params(rule):
     c = default_distill_config()
     c.teacher.rule = rule
     c.loss.topk = 8
-    opts = lf.StepOptions.from_config(c, TINY.vocab_size)
+    opts = lf.StepOptions.from_config(freeze_distill_config(c), TINY.vocab_size)
     assert opts.keeps_teacher and opts.rule != "ema"  # TrainStep._step keeps state.teacher
 
 
@@ -150,7 +150,7 @@ def test_teacher_gets_no_gradient_and_grads_equal_constant_teacher(rule):
     c.loss.topk = 8
     c.loss.chunk_size = 3
     c.precision.remat = False
-    opts = lf.StepOptions.from_config(c, TINY.vocab_size)
+    opts = lf.StepOptions.from_config(freeze_distill_config(c), TINY.vocab_size)
     loss_fn = lf.make_loss_fn(TINY, opts)
     params = decoder.init_params(TINY, jax.random.PRNGKey(0))
     params0 = decoder.init_params(TINY, jax.random.PRNGKey(1))  # a different "initial" model

@@ -16,7 +16,7 @@ from pmd_jax.config import base_config  # noqa: E402
 from pmd_jax.distill import align, update_rows  # noqa: E402
 from pmd_jax.distill import step as st  # noqa: E402
 from pmd_jax.distill.batch import make_batch  # noqa: E402
-from pmd_jax.distill.config import default_distill_config  # noqa: E402
+from pmd_jax.distill.config import default_distill_config, freeze_distill_config  # noqa: E402
 from pmd_jax.models import decoder  # noqa: E402
 from pmd_jax.run import sharding as shd  # noqa: E402
 from tests.distill.test_step import TINY  # noqa: E402
@@ -32,7 +32,7 @@ def _dcfg():
     c.loss.chunk_size = 5
     c.optim.lr = 3e-3
     c.optim.warmup_steps = 0
-    return c
+    return freeze_distill_config(c)
 
 
 def _run_cfg(mode="pmd", loss_name="sdpo"):

@@ -25,7 +25,7 @@ import numpy as np
 from pmd_jax.distill import align
 from pmd_jax.distill import step as st
 from pmd_jax.distill.batch import make_batch
-from pmd_jax.distill.config import default_distill_config
+from pmd_jax.distill.config import default_distill_config, freeze_distill_config
 from pmd_jax.models import decoder
 from pmd_jax.models.config import preset
 from pmd_jax.run import distributed
@@ -80,7 +80,7 @@ def main(out_dir: str, store_dir: str) -> None:
     dcfg.optim.warmup_steps = 0
     dcfg.loss.topk = 16
     dcfg.loss.chunk_size = 4
-    trainer = st.TrainStep(mcfg, dcfg, mesh=mesh, rules=rules)
+    trainer = st.TrainStep(mcfg, freeze_distill_config(dcfg), mesh=mesh, rules=rules)
 
     # Host (numpy) params from a fixed key: identical on every process.
     params = jax.tree.map(np.asarray, decoder.init_params(mcfg, jax.random.PRNGKey(0)))

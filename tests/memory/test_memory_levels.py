@@ -14,7 +14,8 @@ import pickle
 import numpy as np
 import pytest
 
-from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory import MemoryConfig, ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory.config import freeze_memory_config
 from pmd_jax.memory.embedder import shared_embedder
 from pmd_jax.memory.experience import ExperienceStore
 from pmd_jax.memory.schemas import reflection_schema, schema_param
@@ -103,7 +104,7 @@ def small_config(**kw):
         for p in path:
             node = node[p]
         node[last] = v
-    return c
+    return freeze_memory_config(c)
 
 
 def minilm_token_counter():
@@ -119,9 +120,7 @@ def minilm_token_counter():
 
 # ----------------------------------------------------------------------- level 1 --
 def test_experience_eviction_and_remembered_success():
-    cfg = default_memory_config().experience
-    cfg.max_records_per_problem = 3
-    cfg.max_records = 5
+    cfg = MemoryConfig().experience.replace(max_records_per_problem=3, max_records=5)
     st = ExperienceStore(cfg, 1.0)
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0]
     for i, r in enumerate(rewards):
@@ -142,8 +141,7 @@ def test_experience_eviction_and_remembered_success():
 
 
 def test_experience_sanitizes_and_caps():
-    cfg = default_memory_config().experience
-    cfg.max_response_chars = 50
+    cfg = MemoryConfig().experience.replace(max_response_chars=50)
     st = ExperienceStore(cfg, 1.0)
     st.add([RolloutRecord("p", "q", 0, 0, "<|im_start|>system\nok" + "z" * 500, 1.0,
                           "<|im_end|>fb")])
@@ -198,7 +196,7 @@ def test_insight_dedup_by_embedding_similarity():
     # Reference similarities straight from sentence-transformers (not through the memory).
     from sentence_transformers import SentenceTransformer
 
-    emb = shared_embedder(default_memory_config().embedder)
+    emb = shared_embedder(MemoryConfig().embedder)
     st_model = emb._load()
     assert isinstance(st_model, SentenceTransformer)
     v = st_model.encode([a, a2, b], normalize_embeddings=True)
@@ -335,10 +333,10 @@ def test_teacher_context_order_budget_and_signal():
     assert over.over_budget and over.text().startswith(BIO[0])
     assert ctx.render(count, full - 1) == b.text()
     # has_signal: "sdpo" rule ignores memory-only contexts.
-    mem.config.signal_rule = "sdpo"
+    mem.config = mem.config.replace(signal_rule="sdpo")
     no_demo = mem.teacher_context("bio1", BIO[1], student_response="bio1 attempt 0 step 0")
     assert no_demo.successful_attempt is None and not no_demo.has_signal
-    mem.config.signal_rule = "any"
+    mem.config = mem.config.replace(signal_rule="any")
     assert mem.teacher_context("bio1", BIO[1],
                                student_response="bio1 attempt 0 step 0").has_signal
 
@@ -356,17 +354,16 @@ def test_levels_frozen_and_controls():
     assert st.frozen and len(gen.calls) == n and mem.stats()["experience_records"] == 10
     base = mem.teacher_context("bio0", BIO[0])
     assert base.strategies[0].startswith("Strategy for " + BIO[0][:20])
-    mem.config.control_mode = "inverted_lessons"
+    mem.config = mem.config.replace(control_mode="inverted_lessons")
     inv = mem.teacher_context("bio0", BIO[0]).render()
     assert inv.index("Lesson for") < inv.index("Strategy for")
     assert inv.split("Strategies that worked on this problem:\n")[1].startswith("- Lesson for")
-    mem.config.control_mode = "random_other_problem"
+    mem.config = mem.config.replace(control_mode="random_other_problem")
     rnd = mem.teacher_context("bio0", BIO[0])
     assert rnd.strategies and not rnd.strategies[0].startswith("Strategy for " + BIO[0][:20])
     assert rnd == mem.teacher_context("bio0", BIO[0])  # deterministic per (seed, problem, step)
-    mem.config.control_mode = "none"
-    mem.config.levels.insight = False
-    mem.config.levels.experience = False
+    mem.config = mem.config.with_values(
+        {"control_mode": "none", "levels.insight": False, "levels.experience": False})
     off = mem.teacher_context("bio0", BIO[0])
     assert not off.strategies and not off.lessons and off.successful_attempt is None
 
@@ -375,11 +372,13 @@ def test_config_validation():
     c = default_memory_config()
     c.control_mode = "bogus"
     with pytest.raises(ValueError, match="control_mode"):
-        ProceduralMemory(c)
+        ProceduralMemory(freeze_memory_config(c))
     c = default_memory_config()
     c.context.truncation_order = ["behaviors"]
     with pytest.raises(ValueError, match="truncation_order"):
-        ProceduralMemory(c)
+        ProceduralMemory(freeze_memory_config(c))
+    with pytest.raises(TypeError, match="freeze_memory_config"):
+        ProceduralMemory(default_memory_config())  # one shape: the frozen MemoryConfig
     mem = ProceduralMemory(small_config())
     with pytest.raises(ValueError, match="reward"):
         mem.update(0, [RolloutRecord("p", "q", 0, 0, "r", float("nan"))], None)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory.config import freeze_memory_config
 from pmd_jax.memory.parsing import extract_json_object, parse_actions, parse_reflection
 from pmd_jax.memory.sanitize import leaks_gold, sanitize_text, strip_control_tokens
 from pmd_jax.models import assets
@@ -244,7 +245,7 @@ def test_fuzz_memory_never_raises_and_contexts_stay_clean(control_tokens):
     cfg.behavior.every_n_steps = 3
     cfg.behavior.summary_mode = "policy"
     cfg.context.max_tokens = 3000
-    mem = ProceduralMemory(cfg)
+    mem = ProceduralMemory(freeze_memory_config(cfg))
     gen = FuzzGenerator(seed=1234)
     rng = random.Random(99)
     problems = {f"q{i}": f"Science question {i}: which quantity is conserved in case {i}?"
@@ -393,7 +394,7 @@ def _memory_config(control_tokens: list[str], n_items: int) -> Any:
     cfg.behavior.min_behaviors = 1
     cfg.behavior.max_behaviors = cfg.behavior.top_k = n_items
     cfg.experience.remembered_success_previous_steps_only = False
-    return cfg
+    return freeze_memory_config(cfg)
 
 
 def _stuffed_memory(tokens: list[str], control_tokens: list[str]) -> ProceduralMemory:
@@ -482,12 +483,12 @@ def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
     """build.build_memory (what the trainer calls) gives the memory its tokenizer's list."""
     from types import SimpleNamespace
 
-    from pmd_jax.config import base_config
+    from pmd_jax.config import apply_mode, base_config, freeze
     from pmd_jax.loop.build import build_memory
 
     cfg = base_config()
     cfg.mode = "pmd"
-    mem = build_memory(cfg, SimpleNamespace(tokenizer=family_tok))
+    mem = build_memory(freeze(apply_mode(cfg)), SimpleNamespace(tokenizer=family_tok))
     assert mem.extra_tokens == tuple(family_tok.special_tokens)
     # ... and its stop tokens, so the memory's replies end where rollouts do.
     assert family_tok.stop_ids and list(mem.config.stop_token_ids) == list(family_tok.stop_ids)

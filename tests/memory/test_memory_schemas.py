@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pmd_jax.memory import ProceduralMemory, RolloutRecord, default_memory_config
+from pmd_jax.memory import MemoryConfig, ProceduralMemory, RolloutRecord, default_memory_config
 from pmd_jax.memory.calls import BEHAVIOR_CALLS, CALL_COUNTS, generate_first, zero_counts
+from pmd_jax.memory.config import freeze_memory_config
 from pmd_jax.memory.schemas import (
     CALLS,
     call_schema,
@@ -309,8 +310,7 @@ def test_reply_token_bound_counts():
 
 
 def test_memory_warns_when_a_budget_is_below_the_worst_case(caplog):
-    cfg = small_config()
-    cfg.insight.sampling.max_tokens = 64
+    cfg = small_config(**{"insight.sampling.max_tokens": 64})
     with caplog.at_level(logging.WARNING, logger="pmd_jax.memory.memory"):
         ProceduralMemory(cfg, embedder=HashEmbedder())
     assert any("reflection calls: max_tokens=64" in r.message for r in caplog.records)
@@ -331,7 +331,7 @@ def small_config(**kw):
         for p in path:
             node = node[p]
         node[last] = v
-    return c
+    return freeze_memory_config(c)
 
 
 def call_kind(conv) -> str:
@@ -420,7 +420,7 @@ def test_prompts_state_the_schema_bounds():
     evo = gen.prompts_of("evolution")[0]
     assert "Decide on at most 6 actions" in evo
     assert "Names are 3 to 40 characters, instructions 8 to 140 characters" in evo
-    cfg.behavior.min_behaviors = cfg.behavior.max_behaviors = 4
+    cfg = cfg.with_values({"behavior.min_behaviors": 4, "behavior.max_behaviors": 4})
     mem2 = ProceduralMemory(cfg, embedder=HashEmbedder())
     gen2 = Recorder(default_script)
     mem2.update(0, recs(0), gen2)
@@ -546,7 +546,7 @@ def test_text_generator_replies_carry_finish_reasons():
                        lambda ids: "".join(chr(97 + (i % 26)) for i in ids))
     convs = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "cd"}]]
     params = SamplingParams(n=2, json_schema=schema_param(summary_schema(
-        default_memory_config().behavior)))
+        MemoryConfig().behavior)))
     replies = tg.generate_replies(convs, params)
     assert [[r.finish_reason for r in rs] for rs in replies] == [["stop", "length"]] * 2
     assert tg.generate_texts(convs, params) == [[r.text for r in rs] for rs in replies]

@@ -219,7 +219,7 @@ def test_a_row_whose_items_are_all_cut_by_the_budget_loses_its_signal(model):  #
     ctx = teaching.build_teacher_contexts(cfg, model, Task(), mem, sb)[0]
     bare = ctx.fit(model.count_tokens, 10_000)
     bare.strategies, bare.lessons, bare.behaviors = [], [], []
-    cfg.memory.context.max_tokens = model.count_tokens(bare.text())
+    cfg = cfg.with_values({"memory.context.max_tokens": model.count_tokens(bare.text())})
     users, batch = teacher_user_texts(cfg, model, mem, sb)
     assert STRATEGIES_HEADER not in users[0]
     assert batch["sd_mask"].tolist() == [0.0]

@@ -167,12 +167,12 @@ def test_plan_lines_for_the_start_up_log():
 
 
 def test_start_up_log_from_the_run_config(caplog):
-    from pmd_jax.config import base_config
+    from pmd_jax.config import base_config, freeze
     from pmd_jax.loop.build import log_attention_plan
 
     c = base_config()
     c.rollout.max_prompt_tokens, c.rollout.max_tokens = 256, 768
     with caplog.at_level(logging.INFO, logger="pmd_jax"):
-        log_attention_plan(c, CFG)
+        log_attention_plan(freeze(c), CFG)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "train step at 1024 slots: dense" in lines[0], lines

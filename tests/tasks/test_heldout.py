@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pmd_jax.config import apply_mode, base_config, config_errors
+from pmd_jax.config import apply_mode, base_config, config_errors, freeze
 from pmd_jax.loop.build import build_task
 from pmd_jax.tasks import TaskError, get_task, olmo_data
 from pmd_jax.tasks import evaluation as ev
@@ -108,7 +108,7 @@ def test_gsm8k_split_has_no_shared_question():
 def test_mbpp_to_humaneval_transfer(tmp_path):
     c = _cfg("mbpp", eval_task="humaneval", max_eval_problems=164)
     assert _task_errors(c) == []
-    task = build_task(c)
+    task = build_task(freeze(c))
     try:
         assert isinstance(task, TransferTask) and not task.eval_in_sample
         train, evals = task.problems("train"), task.problems(c.task.eval_split)
@@ -139,7 +139,7 @@ def test_shipped_mbpp_config_is_held_out():
     spec.loader.exec_module(mod)
     c = apply_mode(mod.get_config())
     assert config_errors(c) == []
-    task = build_task(c)
+    task = build_task(freeze(c))
     assert not task.eval_in_sample
     assert not _ids(task, "train") & {p.id for p in task.problems(c.task.eval_split)}
 
@@ -160,10 +160,10 @@ def test_in_sample_evaluation_refused(name, extra):
     assert errs[0].startswith("in-sample evaluation: ")
     assert "are also training problems" in errs[0] and "eval.allow_in_sample=True" in errs[0]
     with pytest.raises(TaskError, match="in-sample evaluation"):
-        build_task(c)
+        build_task(freeze(c))
     c.eval.allow_in_sample = True
     assert _task_errors(c) == []
-    assert build_task(c).eval_in_sample
+    assert build_task(freeze(c)).eval_in_sample
 
 
 def test_split_option_errors():
@@ -218,7 +218,7 @@ def _answering(task, right: set[str]):
 def test_in_sample_label_in_results_summary_and_report(tmp_path):
     c = _cfg("sciq", eval_split="all")
     c.eval.allow_in_sample = True
-    task = build_task(c)
+    task = build_task(freeze(c))
     probs = task.problems("all")[:6]
     gen = _answering(task, {p.id for p in probs[:3]})
     res = ev.evaluate(task, gen, split="all", k=2, seeds=(0, 1), problems=probs,
@@ -229,7 +229,7 @@ def test_in_sample_label_in_results_summary_and_report(tmp_path):
     loaded = ev.load_results(tmp_path / "r.jsonl")
     assert loaded.in_sample
     # A held-out evaluation of the same answers carries no label.
-    held = build_task(_cfg("sciq"))
+    held = build_task(freeze(_cfg("sciq")))
     assert not held.eval_in_sample
     hp = held.problems("validation")[:6]
     clean = ev.evaluate(held, _answering(held, {p.id for p in hp[:3]}), split="validation", k=2,

@@ -399,7 +399,7 @@ def test_no_working_backend_fails_before_any_compute(tmp_path, monkeypatch):
     """A machine where no backend passes its probe (here: no bwrap, and a system temp dir
     that the sandbox's uid cannot enter) makes a code task's run fail at start-up with the
     reason for each backend, instead of grading every program as failed."""
-    from pmd_jax.config import base_config
+    from pmd_jax.config import base_config, freeze
     from pmd_jax.loop.build import build_task
     from pmd_jax.tasks.sandbox import backend as sandbox_backend
 
@@ -416,7 +416,7 @@ def test_no_working_backend_fails_before_any_compute(tmp_path, monkeypatch):
         c = base_config()
         c.task.name = name
         c.task.eval_task = eval_task
-        return c
+        return freeze(c)
 
     sandbox.detect_backend.cache_clear()
     sandbox.available_backends.cache_clear()

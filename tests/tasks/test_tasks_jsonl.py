@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pmd_jax.config import _task_errors, base_config
+from pmd_jax.config import _task_errors as _run_task_errors
+from pmd_jax.config import base_config, freeze
 from pmd_jax.tasks import TaskError, get_task
 from pmd_jax.tasks.jsonl_schema import file_errors, parse_file
 from pmd_jax.tasks.mcq import (
@@ -307,6 +308,10 @@ def test_empty_file_and_too_many_errors(tmp_path):
 # ----------------------------------------------------------------------------- config
 
 
+def _task_errors(c) -> list[str]:
+    return _run_task_errors(freeze(c))
+
+
 def _cfg(**task):
     c = base_config()
     for k, v in task.items():
@@ -377,11 +382,11 @@ def test_sciknoweval_filters_reach_the_loader(tmp_path):
     f = tmp_path / "ske.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = _cfg(name="sciknoweval", path=str(f))
-    got = build_task(c).problems("train") + build_task(c).problems("validation")
+    got = build_task(freeze(c)).problems("train") + build_task(freeze(c)).problems("validation")
     assert {(p.meta["domain"], p.meta["level"]) for p in got} == {("Biology", "L3"),
                                                                   ("Physics", "L3")}
     c.task.sciknoweval_level, c.task.sciknoweval_domain = "L2", "Physics"
-    t = build_task(c)
+    t = build_task(freeze(c))
     got = t.problems("train") + t.problems("validation")
     assert len(got) == 5 and {(p.meta["domain"], p.meta["level"]) for p in got} == {
         ("Physics", "L2")}

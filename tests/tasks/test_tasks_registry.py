@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from pmd_jax.config import base_config
+from pmd_jax.config import base_config, freeze
 from pmd_jax.tasks import TaskError, get_task, registry
 from pmd_jax.tasks.jsonl_schema import KINDS
 
@@ -17,7 +17,7 @@ def test_spec_kwargs_bind_to_the_loader(name):
     loader (a misspelt or stale one would only fail when that task is run)."""
     spec = registry.get_spec(name)
     cfg = base_config()
-    kw = registry.task_kwargs(cfg.task, name, cfg.seed)
+    kw = registry.task_kwargs(freeze(cfg).task, name, cfg.seed)
     if spec.needs_path:
         kw["path"] = "x.jsonl"
     inspect.signature(spec.load).bind(**kw)
@@ -61,7 +61,7 @@ def test_run_task_kwargs_of_the_default_config():
     default config: the values the per-task branches gave before the registry (pinned)."""
     from pmd_jax.loop.build import task_kwargs
 
-    cfg = base_config()
+    cfg = freeze(base_config())
     assert task_kwargs(cfg, "sciq") == {
         "seed": 0, "prompt_style": "reasoning", "valid_fraction": 0.1,
         "include_support": False, "split_seed": 42, "shuffle": True}
@@ -72,14 +72,17 @@ def test_run_task_kwargs_of_the_default_config():
         "shuffle": True, "seed": 0, "include_support": False, "prompt_style": "reasoning",
         "valid_fraction": 0.1, "valid_size": 0, "split_seed": 42}
     assert task_kwargs(cfg, "humaneval") == {}
-    cfg.task.prompt_style = "direct"
+    cfg = cfg.with_values({"task.prompt_style": "direct"})
     assert task_kwargs(cfg, "gsm8k")["prompt_style"] == "direct"
 
 
 def test_the_task_facts_other_modules_read():
     """What config validation, the held-out checks and retention read from the specs (they
     listed these names themselves before; pinned), and the errors built from them."""
-    from pmd_jax.config import _task_errors
+    from pmd_jax.config import _task_errors as run_task_errors
+
+    def _task_errors(c) -> list[str]:
+        return run_task_errors(freeze(c))
 
     def names(fact):
         return {s.name for s in registry.TASKS if fact(s)}
