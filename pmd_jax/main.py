@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     from pmd_jax.models.config import ConfigError
     from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
     from pmd_jax.models.tokenizer import TokenizerError
-    from pmd_jax.run.checkpoint import DiskSpaceError
+    from pmd_jax.run.disk import DiskSpaceError
     from pmd_jax.run.sharding import ShardingError
 
     try:  # set-up finds what validation could not see without loading: one line, exit 2

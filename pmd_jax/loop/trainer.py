@@ -49,8 +49,9 @@ from pmd_jax.loop.phases import TrainingError, retry, timed
 from pmd_jax.loop.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
 from pmd_jax.modes import get_mode
 from pmd_jax.run import footprint, multihost, paths
-from pmd_jax.run.checkpoint import build_checkpointer, load_pickle
+from pmd_jax.run.checkpoint import build_checkpointer
 from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
+from pmd_jax.run.slots import load_pickle
 from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
 

@@ -8,7 +8,7 @@ One checkpoint (one step directory, ``<root>/<step>/``) holds:
   too (no need to re-derive them from the initial checkpoint, which may be gone or changed).
 * named slots, one per owner (``"memory"``, ``"data_cursor"``, ...), each holding a JSON value,
   raw bytes, or a copy of a directory (for large ``state_dict`` blobs such as a memory with an
-  index). Slots are written by :class:`BlobCheckpointHandler`.
+  index). Slots are written by :class:`pmd_jax.run.slots.BlobCheckpointHandler`.
 * ``pmd_commit.json``: our commit marker, written after orbax has finalised the step. It lists
   every file of the step with its size and CRC32 (``checksum=True``) or size only.
 
@@ -27,8 +27,8 @@ deleted by orbax, only once the new step is committed (its finalize thread delet
 the write and rename succeed; a failed write deletes nothing): keeping N takes N + 1
 checkpoints of disk while one is written. With ``max_to_keep=1`` a failed or killed save still
 leaves the previous step, but a committed step found corrupt at restore has none to fall back
-to. :func:`disk_plan` estimates the bytes (the trainer logs them and refuses to start without
-room for two).
+to. :func:`pmd_jax.run.disk.disk_plan` estimates the bytes (the trainer logs them and refuses to
+start without room for two).
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ import json
 import logging
 import os
 import pickle
-import shutil
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,12 +47,18 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint import checkpoint_args
-from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 from pmd_jax.loop.phases import TrainingError
 from pmd_jax.run import footprint, paths
+from pmd_jax.run.disk import disk_plan, export_bytes
+from pmd_jax.run.slots import (
+    BlobCheckpointHandler,
+    BlobRestore,
+    BlobSave,
+    CheckpointError,
+    load_pickle,
+    write_bytes_sync,
+)
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -64,10 +68,6 @@ log = logging.getLogger(__name__)
 COMMIT_FILE = "pmd_commit.json"
 STATE_ITEM = "state"
 DEFAULT_SLOTS = ("memory", "data_cursor")
-_KIND_FILE = "kind"
-_BLOB_FILE = "blob.bin"
-_JSON_FILE = "value.json"
-_DIR_NAME = "dir"
 # Files orbax rewrites at or after the commit (timestamps), not covered by our marker.
 _UNLISTED = frozenset({COMMIT_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"})
 # Bytes of arrays orbax serialises at once (its default, 96 GB, is every array of the state at
@@ -75,166 +75,6 @@ _UNLISTED = frozenset({COMMIT_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"
 # default's 2.0 GiB train state (after a step, so the moments do not compress) took 1.9 GiB of
 # C heap at the default, 0.9 GiB at 1; the same arrays, format and write time (13.5 s).
 SAVE_CONCURRENT_GB = 1
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint, or a bad save/restore request; the message names the path."""
-
-
-# --------------------------------------------------------------------------------------------
-# slot handler: JSON, bytes or a directory copy
-# --------------------------------------------------------------------------------------------
-
-
-def _write_bytes_sync(path: Path, data: bytes) -> None:
-    if paths.is_remote(path):  # gs://: one object write (atomic there)
-        paths.write_bytes(path, data)
-        return
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
-    """Saves one slot value: a JSON-able object, ``bytes``, or a directory (copied).
-
-    A directory is copied synchronously into a staging directory when ``save`` is called (so
-    its owner may change it right after), then moved into the checkpoint in the background.
-    Restore gives the JSON value / the bytes / the ``Path`` of the directory inside the
-    checkpoint (or a copy at ``BlobRestore(target_dir=...)``; copy it if you need it beyond
-    the checkpoint's lifetime under ``max_to_keep``).
-    """
-
-    def __init__(self, staging_root: str | os.PathLike | None = None):
-        # A remote checkpoint root stages directory copies next to their local source.
-        self._staging_root = (Path(staging_root) if staging_root
-                              and not paths.is_remote(staging_root) else None)
-
-    def _prepare(self, value: Any) -> tuple[str, Any]:
-        if isinstance(value, bytes | bytearray | memoryview):
-            return "bytes", bytes(value)
-        if isinstance(value, os.PathLike):
-            src = Path(value)
-            if not src.is_dir():
-                raise CheckpointError(f"slot directory {src} does not exist or is not a directory")
-            root = self._staging_root or src.parent
-            stage = root / f".pmd-stage-{uuid.uuid4().hex}"
-            stage.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(src, stage)
-            return "dir", stage
-        try:
-            return "json", json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"slot value of type {type(value).__name__} is neither bytes, a directory path, "
-                f"nor JSON-serialisable: {e}"
-            ) from None
-
-    async def async_save(self, directory: epath.Path, args: BlobSave) -> list[Any] | None:
-        kind, payload = self._prepare(args.value)
-
-        def write() -> None:
-            if not jax.process_index() == 0:
-                if kind == "dir":
-                    shutil.rmtree(payload, ignore_errors=True)
-                return
-            d = _as_path(directory)
-            d.mkdir(parents=True, exist_ok=True)
-            if kind == "bytes":
-                _write_bytes_sync(d / _BLOB_FILE, payload)
-            elif kind == "json":
-                _write_bytes_sync(d / _JSON_FILE, payload.encode())
-            else:
-                paths.move(payload, d / _DIR_NAME)  # a copy + delete onto gs://
-            _write_bytes_sync(d / _KIND_FILE, kind.encode())
-
-        from orbax.checkpoint._src.futures import future
-
-        return [future.CommitFutureAwaitingContractedSignals(_as_coro(write), name="pmd_blob")]
-
-    def save(self, directory: epath.Path, args: BlobSave) -> None:
-        from orbax.checkpoint._src import asyncio_utils
-
-        async def run() -> None:
-            futs = await self.async_save(directory, args)
-            for f in futs or []:
-                f.result()
-
-        asyncio_utils.run_sync(run())
-
-    def restore(self, directory: epath.Path, args: BlobRestore | None = None) -> Any:
-        d = _as_path(directory)
-        kind_path = d / _KIND_FILE
-        if not kind_path.exists():
-            raise CheckpointError(f"slot {d} has no '{_KIND_FILE}' file (incomplete slot)")
-        kind = kind_path.read_text()
-        if kind == "bytes":
-            return (d / _BLOB_FILE).read_bytes()
-        if kind == "json":
-            try:
-                return json.loads((d / _JSON_FILE).read_text())
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"slot {d / _JSON_FILE} is not valid JSON: {e}") from None
-        if kind == "dir":
-            src = d / _DIR_NAME
-            if args is not None and args.target_dir is not None:
-                dst = _as_path(args.target_dir)
-                if dst.exists():
-                    paths.rmtree(dst)
-                paths.copytree(src, dst)
-                return dst
-            return src
-        raise CheckpointError(f"slot {d} has unknown kind {kind!r}")
-
-    def metadata(self, directory: epath.Path) -> None:
-        return None
-
-
-# Modules that moved into the package's folders (issue 38): a checkpoint written before names
-# their classes by the old paths (the prefetched StepBatch, a memory or mode state).
-MOVED_MODULES = {
-    **{f"pmd_jax.{m}": f"pmd_jax.loop.{m}" for m in (
-        "trainer", "build", "teaching", "rollout", "evaluate", "phases", "export", "retention")},
-    **{f"pmd_jax.{m}": f"pmd_jax.run.{m}" for m in (
-        "checkpoint", "metrics", "paths", "footprint", "sharding", "distributed", "multihost")},
-    "pmd_jax.config_cli": "pmd_jax.config.cli",
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        return super().find_class(MOVED_MODULES.get(module, module), name)
-
-
-def load_pickle(data: bytes) -> Any:
-    """``pickle.loads`` that also reads the classes of modules that moved (MOVED_MODULES)."""
-    import io
-
-    return _Unpickler(io.BytesIO(data)).load()
-
-
-def _as_path(p: str | os.PathLike) -> Path:
-    """A local path as ``pathlib.Path``, a gs:// one as ``epath.Path`` (kept a URL)."""
-    return paths.run_path(p) if paths.is_remote(p) else Path(os.fspath(p))
-
-
-async def _as_coro(fn: Any) -> None:
-    import asyncio
-
-    await asyncio.to_thread(fn)
-
-
-@checkpoint_args.register_with_handler(BlobCheckpointHandler, for_save=True)
-@dataclasses.dataclass
-class BlobSave(checkpoint_args.CheckpointArgs):
-    value: Any
-
-
-@checkpoint_args.register_with_handler(BlobCheckpointHandler, for_restore=True)
-@dataclasses.dataclass
-class BlobRestore(checkpoint_args.CheckpointArgs):
-    target_dir: str | os.PathLike | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +113,7 @@ def write_commit_marker(step_dir: Path, step: int, checksum: bool = True) -> Non
         "files": _file_table(step_dir, checksum),
     }
     tmp = step_dir / f".{COMMIT_FILE}.tmp"
-    _write_bytes_sync(tmp, json.dumps(marker).encode())
+    write_bytes_sync(tmp, json.dumps(marker).encode())
     paths.replace(tmp, step_dir / COMMIT_FILE)
 
 
@@ -624,129 +464,6 @@ class RunCheckpointer:
                          export=export_bytes(bundle.state.params) if export_hf else 0)
         plan.check()
         return plan.describe()
-
-
-# --------------------------------------------------------------------------------------------
-# the disk a run's checkpoints need
-# Bytes of a checkpoint beyond its arrays and slot values: orbax's metadata files, the OCDBT
-# manifests and our commit marker; per array and fixed (a tiny model's 80 arrays: ~55 KB).
-CHECKPOINT_OVERHEAD_BYTES = 64 << 10
-CHECKPOINT_OVERHEAD_PER_ARRAY = 1 << 10
-
-
-class DiskSpaceError(CheckpointError):
-    """The run directory's file system cannot hold the two checkpoints a run needs (the kept
-    one and the next, written in full before the old one is deleted); raised at start-up."""
-
-
-def slot_bytes(value: Any) -> int:
-    """Bytes of one slot value as :meth:`RunCheckpointer.save` writes it: ``bytes`` as they
-    are, anything else (a JSON value, the memory's or the mode's state) pickled (the JSON of a
-    small dict is about as long)."""
-    if value is None:
-        return 0
-    if isinstance(value, bytes | bytearray | memoryview):
-        return len(value)
-    return len(pickle.dumps(value, protocol=5))
-
-
-def checkpoint_bytes(state: Any, slots: Mapping[str, Any] | None = None) -> int:
-    """Bytes one checkpoint takes at most: every array of ``state`` uncompressed (each leaf
-    once, at its dtype, whatever its sharding; orbax's compression takes 10-20% off trained
-    float arrays, far more off the zero moments of a run that has not stepped), the slot
-    values, and orbax's metadata (:data:`CHECKPOINT_OVERHEAD_BYTES`, and
-    :data:`CHECKPOINT_OVERHEAD_PER_ARRAY` each). A slot that grows during the run (the
-    memory) counts at its size now."""
-    leaves = [x for x in jax.tree.leaves(state) if hasattr(x, "nbytes")]
-    return (sum(int(x.nbytes) for x in leaves) + sum(slot_bytes(v) for v in (slots or {}).values())
-            + CHECKPOINT_OVERHEAD_BYTES + CHECKPOINT_OVERHEAD_PER_ARRAY * len(leaves))
-
-
-def export_bytes(params: Any) -> int:
-    """Bytes of the final HF export (``train.export_hf``, :func:`pmd_jax.loop.export.export_hf`):
-    float32 params as float32, any other dtype as bfloat16."""
-    return sum(int(x.size) * (4 if x.dtype == "float32" else 2)
-               for x in jax.tree.leaves(params) if hasattr(x, "size"))
-
-
-def free_bytes(directory: str | os.PathLike) -> int | None:
-    """Free bytes on ``directory``'s file system for this user (None for a remote URL: a
-    bucket has no such number)."""
-    if paths.is_remote(directory):
-        return None
-    return int(shutil.disk_usage(os.fspath(directory)).free)
-
-
-def _size(n: float) -> str:
-    return f"{n / footprint.GiB:.2f} GiB" if n >= footprint.GiB / 10 else \
-        f"{n / 1024**2:.1f} MiB"
-
-
-@dataclasses.dataclass(frozen=True)
-class DiskPlan:
-    """What a run's checkpoints take on disk. Orbax writes a new step in full and deletes the
-    oldest only after the new one is committed, so keeping ``keep`` takes ``keep + 1`` while
-    the next one is written; ``present`` committed steps are already on disk (a resumed run)."""
-
-    directory: str
-    one: int  # estimated bytes of one checkpoint (checkpoint_bytes)
-    keep: int  # train.keep_checkpoints
-    present: int = 0
-    free: int | None = None  # free bytes on its file system (None: remote, not measured)
-    export: int = 0  # the final HF export (train.export_hf), written at the end
-
-    @property
-    def peak(self) -> int:
-        """Bytes the checkpoints take at most: ``keep`` kept and the next being written."""
-        return (self.keep + 1) * self.one
-
-    @property
-    def to_start(self) -> int:
-        """Free bytes needed to start: room for two checkpoints, less those already there
-        (the next one always needs its own room)."""
-        return max(1, 2 - self.present) * self.one
-
-    @property
-    def to_finish(self) -> int:
-        """Free bytes needed for ``keep`` checkpoints and the final export."""
-        return max(1, self.keep + 1 - self.present) * self.one + self.export
-
-    def describe(self) -> str:
-        there = f", {self.present} there already" if self.present else ""
-        export = (f"; the final HF export's weights ~{_size(self.export)}" if self.export
-                  else "")
-        free = ("not measured (remote)" if self.free is None else _size(self.free))
-        return (f"checkpoints: one takes up to ~{_size(self.one)}; keeping {self.keep} "
-                f"(train.keep_checkpoints) needs ~{_size(self.peak)} ({self.keep + 1} while the "
-                f"next is written{there}){export}; free on {self.directory}: {free}")
-
-    def check(self) -> None:
-        """Raises DiskSpaceError when the free space cannot hold the two checkpoints a run
-        needs; logs a warning when it cannot hold what the run keeps and exports."""
-        if self.free is None:
-            return
-        if self.free < self.to_start:
-            raise DiskSpaceError(
-                f"not enough disk for checkpoints in {self.directory}: one takes up to "
-                f"~{_size(self.one)} and a run needs room for two (the kept one and the next, "
-                f"written in full before the old one is deleted): ~{_size(self.to_start)} "
-                f"free needed, {_size(self.free)} free. Free space there or set run_dir to a "
-                "folder on a larger disk")
-        if self.free < self.to_finish:
-            log.warning(
-                "checkpoints: keeping %d (train.keep_checkpoints)%s needs ~%s free, %s free on "
-                "%s: the disk fills before the run ends; lower train.keep_checkpoints (1 keeps "
-                "the last only) or free space", self.keep,
-                " and the final HF export" if self.export else "", _size(self.to_finish),
-                _size(self.free), self.directory)
-
-
-def disk_plan(directory: str | os.PathLike, state: Any, slots: Mapping[str, Any] | None = None,
-              *, keep: int, present: int = 0, export: int = 0) -> DiskPlan:
-    """The :class:`DiskPlan` of checkpoints of ``state`` (+ ``slots``) under ``directory``."""
-    return DiskPlan(directory=os.fspath(directory), one=checkpoint_bytes(state, slots),
-                    keep=int(keep), present=int(present), free=free_bytes(directory),
-                    export=int(export))
 
 
 def build_checkpointer(cfg: RunConfig, run_dir: Path) -> RunCheckpointer:

@@ -15,14 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax.run import checkpoint as ck_mod
-from pmd_jax.run.checkpoint import (
-    Checkpointer,
-    DiskPlan,
-    DiskSpaceError,
-    RunCheckpointer,
-    checkpoint_bytes,
-)
+from pmd_jax.run import disk
+from pmd_jax.run.checkpoint import Checkpointer, RunCheckpointer
+from pmd_jax.run.disk import DiskPlan, DiskSpaceError, checkpoint_bytes
 from tests.run.test_checkpoint import save_fails_past_2_mib  # noqa: I001
 
 _Usage = collections.namedtuple("_Usage", "total used free")
@@ -113,7 +108,7 @@ def test_disk_plan_counts_checkpoints_already_there_and_skips_remote():
         DiskPlan("d", one, keep=1, present=0, free=150).check()
     assert DiskPlan("d", one, keep=3, present=3, free=0).to_start == 100  # a next one, always
     DiskPlan("gs://b/run/checkpoints", one, keep=1, free=None).check()  # remote: not measured
-    assert ck_mod.free_bytes("gs://b/run") is None
+    assert disk.free_bytes("gs://b/run") is None
     assert "not measured (remote)" in DiskPlan("gs://b/r", one, keep=1).describe()
 
 

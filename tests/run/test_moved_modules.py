@@ -1,6 +1,6 @@
 """Checkpoints written before the root modules moved into folders (issue 38) still load: their
 pickles name classes by the old module paths (``pmd_jax.rollout.StepBatch`` in the prefetch
-slot), which ``checkpoint.load_pickle`` maps to the new ones."""
+slot), which ``run.slots.load_pickle`` maps to the new ones."""
 
 import io
 import pickle
@@ -9,7 +9,7 @@ import pickletools
 import numpy as np
 
 from pmd_jax.loop.rollout import StepBatch
-from pmd_jax.run.checkpoint import MOVED_MODULES, load_pickle
+from pmd_jax.run.slots import MOVED_MODULES, load_pickle
 
 
 def test_an_old_pickle_of_a_step_batch_loads():

@@ -218,11 +218,12 @@ def test_checkpoint_files_on_gs(bucket):
     """The checkpointer's own files (slot blobs, commit marker, its verification) on gs://;
     orbax's arrays go through tensorstore's GCS driver, which this fake does not serve."""
     from pmd_jax.run import checkpoint as ck
+    from pmd_jax.run import slots
 
     step = "gs://bkt/run/checkpoints/7"
-    h = ck.BlobCheckpointHandler(staging_root="gs://bkt/run/checkpoints")
-    h.save(paths.run_path(step + "/memory"), ck.BlobSave(b"\x01\x02\x03"))
-    h.save(paths.run_path(step + "/data_cursor"), ck.BlobSave({"pos": 5}))
+    h = slots.BlobCheckpointHandler(staging_root="gs://bkt/run/checkpoints")
+    h.save(paths.run_path(step + "/memory"), slots.BlobSave(b"\x01\x02\x03"))
+    h.save(paths.run_path(step + "/data_cursor"), slots.BlobSave({"pos": 5}))
     ck.write_commit_marker(paths.run_path(step), 7)
     marker = json.loads(_obj(bucket, "bkt/run/checkpoints/7/pmd_commit.json"))
     assert marker["files"]["memory/blob.bin"][0] == 3
@@ -238,12 +239,13 @@ def test_checkpoint_files_on_gs(bucket):
 
 def test_checkpoint_dir_slot_onto_gs(bucket, tmp_path):
     from pmd_jax.run import checkpoint as ck
+    from pmd_jax.run import slots
 
     src = tmp_path / "index"
     src.mkdir()
     (src / "vecs.npy").write_bytes(np.arange(4, dtype=np.int32).tobytes())
-    h = ck.BlobCheckpointHandler(staging_root="gs://bkt/run/checkpoints")
-    h.save(paths.run_path("gs://bkt/run/checkpoints/1/memory"), ck.BlobSave(src))
+    h = slots.BlobCheckpointHandler(staging_root="gs://bkt/run/checkpoints")
+    h.save(paths.run_path("gs://bkt/run/checkpoints/1/memory"), slots.BlobSave(src))
     assert src.exists()  # the source is copied, not moved
     assert _obj(bucket, "bkt/run/checkpoints/1/memory/dir/vecs.npy") == src.joinpath(
         "vecs.npy").read_bytes()
