@@ -164,7 +164,7 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
     from ml_collections import config_flags
 
     from pmd_jax.config import apply_mode, config_errors
-    from pmd_jax.config.cli import check_command_line, set_none
+    from pmd_jax.config.cli import apply_taken, check_command_line
 
     argv = ["pmd_jax.experiments", f"--config={config}", *overrides]
     if mode is not None:
@@ -177,7 +177,7 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
                                     sys_argv=line.argv)
     fv(line.argv)
     cfg = fv.config
-    set_none(cfg, line.none_keys)
+    apply_taken(cfg, line)
     cfg = apply_mode(cfg)
     errs = config_errors(cfg)
     if cfg.train.eval_every < 0:

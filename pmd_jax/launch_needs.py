@@ -89,7 +89,7 @@ def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     from ml_collections import config_flags
 
     from pmd_jax.config import apply_mode, freeze
-    from pmd_jax.config.cli import check_command_line, set_none
+    from pmd_jax.config.cli import apply_taken, check_command_line
 
     if not argv or argv[0].startswith("-"):
         return None, ["usage: python -m pmd_jax.launch_needs CONFIG [--config.key=value ...]"]
@@ -104,7 +104,7 @@ def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     except flags.Error as e:
         return None, [str(e)]
     cfg = holder.value
-    set_none(cfg, line.none_keys)
+    apply_taken(cfg, line)
     return freeze(apply_mode(cfg)), []
 
 

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
     from pmd_jax.config import apply_mode, config_errors, freeze, setup_compilation_cache
-    from pmd_jax.config.cli import set_none
+    from pmd_jax.config.cli import apply_taken
 
     cfg = _CONFIG.value
     if cfg is None:
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     line = _COMMAND_LINE[-1] if _COMMAND_LINE else None
     pre_errs = list(line.errors) if line is not None else []
     if line is not None:
-        set_none(cfg, line.none_keys)
+        apply_taken(cfg, line)
     if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
         from pmd_jax.config.validate import batch_plan_errors, schema_errors, try_freeze
 

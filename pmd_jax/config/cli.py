@@ -34,6 +34,9 @@ class CommandLine:
     errors: list[str]  # one line per problem
     fatal: bool = False  # no config to run with (missing / broken file): report and stop
     none_keys: list[str] = dataclasses.field(default_factory=list)  # set these to None
+    # list and tuple knobs, parsed here (absl cannot set a list field and reads a tuple's
+    # text character by character): set these values
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def config_keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -159,6 +162,29 @@ def load_config_file(spec: str) -> Any:
                           ) from None
 
 
+def _parse_sequence(current: Any, value: str) -> tuple[list[Any] | None, str | None]:
+    """(the items, None) of a list or tuple knob's command-line value (``[1, 2]``, ``1,2``,
+    ``(1,)`` or one bare value), or (None, what it needs) when an item is not of the type of
+    the knob's current items."""
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        parsed = value  # a bare word: one string item
+    items = list(parsed) if isinstance(parsed, list | tuple) else [parsed]
+    if not current:
+        return items, None
+    elem = type(current[0])
+
+    def fits(x: Any) -> bool:
+        if elem is float:
+            return isinstance(x, int | float) and not isinstance(x, bool)
+        return isinstance(x, elem) and (elem is bool or not isinstance(x, bool))
+
+    if not all(fits(x) for x in items):
+        return None, f"a list of {elem.__name__}"
+    return [float(x) for x in items] if elem is float else items, None
+
+
 def _is_dict_literal(value: str) -> bool:
     """Whether ``value`` reads as a Python dict literal (how a whole section is given)."""
     try:
@@ -194,6 +220,7 @@ def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine
         return CommandLine(argv, [])
     errs: dict[str, str] = {}  # last word on each key
     none_keys: dict[str, None] = {}
+    values: dict[str, Any] = {}
     out = argv[:1]
     i = 1
     while i < end:
@@ -225,6 +252,7 @@ def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine
             continue
         errs.pop(key, None)
         none_keys.pop(key, None)
+        values.pop(key, None)
         if ftype is None and (eq or takes_next) and not _is_dict_literal(value):
             sect = found[0]._fields[found[1]]  # noqa: SLF001
             knobs = ", ".join(sect.keys())
@@ -236,6 +264,13 @@ def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine
             continue
         if ftype is None or negated or not (eq or takes_next):
             out.extend(span)  # a section (dict literal) or a bare boolean
+            continue
+        if ftype in (list, tuple):
+            items, need = _parse_sequence(found[0][found[1]], value)
+            if items is None:
+                errs[key] = f"{key} needs {need}, got {value!r} (--{flag}.{key})"
+            else:
+                values[key] = items if ftype is list else tuple(items)
             continue
         if value.strip().lower() == "none" and ftype is not str and is_nullable(cfg, key):
             none_keys[key] = None
@@ -250,7 +285,19 @@ def check_command_line(argv: Sequence[str], flag: str = "config") -> CommandLine
             continue
         out.extend(span)
     out.extend(argv[end:])
-    return CommandLine(out, list(errs.values()), none_keys=list(none_keys))
+    return CommandLine(out, list(errs.values()), none_keys=list(none_keys), values=values)
+
+
+def apply_taken(c: ml_collections.ConfigDict, line: CommandLine) -> None:
+    """Sets what ``check_command_line`` took out of argv for absl: ``none`` values and the
+    list and tuple knobs it parsed itself."""
+    set_none(c, line.none_keys)
+    for key, value in line.values.items():
+        found = _lookup(c, key)
+        if found is None:
+            raise ConfigError(f"unknown config key {key!r}")
+        holder, name = found
+        holder[name] = value
 
 
 def set_none(c: ml_collections.ConfigDict, keys: Sequence[str]) -> None:

@@ -19,6 +19,7 @@ stand-alone ConfigDict (e.g. ``default_memory_config()``) still carries it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -129,6 +130,35 @@ class Section:
         """The section's own problems, one line each (empty: none). Checks that span sections
         live in pmd_jax/config/validate.py."""
         return []
+
+
+def item_type_errors(s: Section, prefix: str = "") -> list[str]:
+    """Items of a sequence knob (``tuple[int, ...]``) that are not of the declared item type
+    (an int for a float is fine; a bool is not an int), one line per knob."""
+    out: list[str] = []
+    hints = typing.get_type_hints(type(s))
+    for f in dataclasses.fields(s):
+        v = getattr(s, f.name)
+        if isinstance(v, Section):
+            out.extend(item_type_errors(v, f"{prefix}{f.name}."))
+            continue
+        args = typing.get_args(hints.get(f.name))
+        if not isinstance(v, tuple) or len(args) != 2 or args[1] is not Ellipsis:
+            continue
+        item = args[0]
+        if item not in (int, float, str, bool):
+            continue
+
+        def fits(x: Any, item: type = item) -> bool:
+            if item is float:
+                return isinstance(x, int | float) and not isinstance(x, bool)
+            return isinstance(x, item) and (item is bool or not isinstance(x, bool))
+
+        bad = [x for x in v if not fits(x)]
+        if bad:
+            out.append(f"{prefix}{f.name} must hold {item.__name__} values, got {bad[0]!r} "
+                       f"in {list(v)!r}")
+    return out
 
 
 def help_text(cls: type[Section], name: str) -> str:

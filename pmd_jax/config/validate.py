@@ -26,7 +26,7 @@ import ml_collections
 
 from pmd_jax.config.context_length import model_context_length
 from pmd_jax.config.modes import loss_spec, mode_errors
-from pmd_jax.config.schema import freeze_section, unknown_keys
+from pmd_jax.config.schema import freeze_section, item_type_errors, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.models.config import ConfigError
 
@@ -148,6 +148,7 @@ def config_errors(cfg: ml_collections.ConfigDict) -> list[str]:
     c, not_frozen = try_freeze(cfg)
     if c is None:
         return errs + not_frozen
+    errs.extend(item_type_errors(c))
 
     def need(cond: bool, msg: str) -> None:
         if not cond:

@@ -202,3 +202,30 @@ def test_library_code_takes_the_frozen_section_only():
 
     with pytest.raises(TypeError, match="frozen RunConfig"):
         Trainer(apply_mode(base_config()))
+
+
+def test_list_and_tuple_knobs_from_the_command_line():
+    """absl cannot set a list field (a FATAL flags error) and reads a tuple's text character
+    by character (eval.seeds=abc became ('a', 'b', 'c') and failed at the first evaluation):
+    check_command_line parses both, and a wrong item is one line naming the knob."""
+    from pmd_jax.config.cli import apply_taken
+    from pmd_jax.config.cli import load_config_file as load
+
+    order = ["lessons", "behaviors", "strategies", "feedback", "successful_attempt"]
+    argv = ["main", "--config=configs/smollm2_sciq.py", f"--config.memory.context."
+            f"truncation_order={order!r}", "--config.eval.seeds", "1,2",
+            "--config.memory.stop_token_ids=[]", "--config.train.steps=3"]
+    line = check_command_line(argv)
+    assert line.errors == [] and line.argv == argv[:2] + ["--config.train.steps=3"]
+    c = load("configs/smollm2_sciq.py")
+    apply_taken(c, line)
+    assert list(c.memory.context.truncation_order) == order and c.eval.seeds == (1, 2)
+    assert not [e for e in config_errors(apply_mode(c)) if "truncation" in e or "seeds" in e]
+    line = check_command_line(["main", "--config=configs/smollm2_sciq.py",
+                               "--config.eval.seeds=abc"])
+    assert line.errors == ["eval.seeds needs a list of int, got 'abc' (--config.eval.seeds)"]
+    # an empty default gives no item type to compare with: the frozen config's check does
+    c = base_config()
+    c.memory.stop_token_ids = [1.5]
+    assert "memory.stop_token_ids must hold int values, got 1.5 in [1.5]" in config_errors(
+        apply_mode(c))
