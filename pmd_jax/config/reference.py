@@ -125,7 +125,9 @@ def render(config: Section | None = None) -> str:
         "from these defaults and changes some of them; any knob can then be overridden on "
         "the command line as `--config.section.key=value`, e.g. "
         "`--config.train.steps=4 --config.mode=sdpo`. `none` sets a knob that may be None "
-        "(`--config.distill.loss.topk=none`). Unknown keys (with the closest valid names), "
+        "(`--config.distill.loss.topk=none`); a list knob takes a Python list or "
+        "comma-separated values (`--config.eval.seeds=0,1,2`). Unknown keys (with the "
+        "closest valid names), "
         "values of the wrong type and impossible combinations are reported together, "
         "before anything is loaded. A derived knob is not a command-line key: its value "
         "comes from the key it names when the run config is frozen.",
