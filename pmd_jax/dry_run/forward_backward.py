@@ -29,7 +29,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pmd_jax.models.config import ModelConfig
 
 GiB = 1024**3
 
@@ -105,7 +108,7 @@ def next_token_loss(logits: Any, tokens: Any, mask: Any) -> Any:
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def chunked_next_token_loss(hidden: Any, params: Any, cfg: Any, tokens: Any, mask: Any,
+def chunked_next_token_loss(hidden: Any, params: Any, cfg: ModelConfig, tokens: Any, mask: Any,
                             chunk: int = 1024, unroll: int | bool = 1) -> Any:
     """:func:`next_token_loss` from the final hidden states [B, T, D], computing the logits
     chunk by chunk over the sequence (``jax.checkpoint`` per chunk, so neither the forward
@@ -137,7 +140,7 @@ def chunked_next_token_loss(hidden: Any, params: Any, cfg: Any, tokens: Any, mas
     return total / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def _depth(cfg: Any, n: int) -> Any:
+def _depth(cfg: ModelConfig, n: int) -> ModelConfig:
     over: dict[str, Any] = {"num_layers": n}
     if cfg.layer_types is not None:
         over["layer_types"] = tuple(cfg.layer_types[-n:])
@@ -203,7 +206,7 @@ def _compile_step(cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll
 
 
 def dry_run(
-    cfg: Any,
+    cfg: ModelConfig,
     mesh_shape: Mapping[str, int],
     batch: int,
     seq: int,

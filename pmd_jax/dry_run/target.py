@@ -56,6 +56,7 @@ from pmd_jax.dry_run import hardware as tg
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
+    from pmd_jax.models.config import ModelConfig
 
 log = logging.getLogger("pmd_jax")
 GiB = 1024**3
@@ -184,7 +185,7 @@ def decode_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Tar
         return jax.ShapeDtypeStruct(shape, dtype,
                                     sharding=NamedSharding(mesh, rules.spec(tuple(axes))))
 
-    def compile_for(m: Any, per_layer: bool) -> Any:
+    def compile_for(m: ModelConfig, per_layer: bool) -> Any:
         shapes = decoder.param_shapes(m)
         axes = decoder.param_axes(m)
         dt = jnp.dtype(m.dtype)
