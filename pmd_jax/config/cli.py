@@ -20,6 +20,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from pmd_jax.config.schema import item_fits
 from pmd_jax.models.config import ConfigError
 
 _HELP_FLAGS = ("-h", "--h", "-help", "--help", "-helpshort", "--helpshort", "-helpfull",
@@ -174,13 +175,7 @@ def _parse_sequence(current: Any, value: str) -> tuple[list[Any] | None, str | N
     if not current:
         return items, None
     elem = type(current[0])
-
-    def fits(x: Any) -> bool:
-        if elem is float:
-            return isinstance(x, int | float) and not isinstance(x, bool)
-        return isinstance(x, elem) and (elem is bool or not isinstance(x, bool))
-
-    if not all(fits(x) for x in items):
+    if not all(item_fits(x, elem) for x in items):
         return None, f"a list of {elem.__name__}"
     return [float(x) for x in items] if elem is float else items, None
 

@@ -132,6 +132,14 @@ class Section:
         return []
 
 
+def item_fits(x: Any, item: type) -> bool:
+    """Whether ``x`` is a value of a sequence knob's item type (an int for a float is fine; a
+    bool is not an int)."""
+    if item is float:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+    return isinstance(x, item) and (item is bool or not isinstance(x, bool))
+
+
 def item_type_errors(s: Section, prefix: str = "") -> list[str]:
     """Items of a sequence knob (``tuple[int, ...]``) that are not of the declared item type
     (an int for a float is fine; a bool is not an int), one line per knob."""
@@ -148,13 +156,7 @@ def item_type_errors(s: Section, prefix: str = "") -> list[str]:
         item = args[0]
         if item not in (int, float, str, bool):
             continue
-
-        def fits(x: Any, item: type = item) -> bool:
-            if item is float:
-                return isinstance(x, int | float) and not isinstance(x, bool)
-            return isinstance(x, item) and (item is bool or not isinstance(x, bool))
-
-        bad = [x for x in v if not fits(x)]
+        bad = [x for x in v if not item_fits(x, item)]
         if bad:
             out.append(f"{prefix}{f.name} must hold {item.__name__} values, got {bad[0]!r} "
                        f"in {list(v)!r}")
