@@ -66,6 +66,9 @@ def get_config():
     c.eval.n = 1
     c.eval.temperature = 0.0
     c.eval.max_tokens = 512
+    # Forgetting (issue 36's report): 100 SciQ questions, memory-free, at steps 0 and 8.
+    c.eval.retention = True
+    c.eval.retention_size = 100
     c.distill.loss.alpha = 1.0
     c.distill.loss.topk = 20
     c.distill.teacher.rate = 0.01

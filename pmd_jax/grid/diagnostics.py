@@ -176,12 +176,16 @@ def tokens_markdown(rows: Sequence[dict]) -> list[str]:
 
 # ----------------------------------------------------------------------------- answers
 def answers_not_options(results: Sequence[CellResult], modes: Sequence[str]) -> list[dict]:
-    """Per mode, at step 0 and at the last step: the share of evaluation samples whose
+    """Per mode (its cells on a task with options: the code tasks are left out), at step 0
+    and at the last step: the share of evaluation samples whose
     reason is :data:`INVALID_REASON` (mean over the seeds whose evaluation records carry
     reasons, with each seed's), the share of every reason (mean over those seeds), and the
     change from step 0 to the last step over the seeds measured at both."""
     rows = []
-    for mode, rs in _by_mode(results, modes).items():
+    from pmd_jax.tasks.registry import is_code_task
+
+    asked = [r for r in results if not is_code_task(r.task)]  # a program names no option
+    for mode, rs in _by_mode(asked, modes).items():
         last = max(r.step for r in rs)
         row: dict = {"mode": mode, "n_seeds": len(rs), "last_step": last, "steps": {}}
         for step in sorted({0, last}):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from pmd_jax.grid import diagnostics as dg
+from pmd_jax.grid import per_step as ps
 from pmd_jax.grid.cells import Cell, GridError, cell_state, eval_dir, read_info
+from pmd_jax.grid.per_step import fmt as _f
 
 log = logging.getLogger("pmd_jax")
 
@@ -27,8 +28,9 @@ log = logging.getLogger("pmd_jax")
 # random other problem's memory). The grid's command line (pmd_jax.experiments) uses this one.
 REFERENCE_MODES: tuple[str, ...] = (
     "sdpo", "grpo", "sdpo_matched_sampling", "pmd", "pmd_verified_random_memory")
-N_BOOT = 10_000
-CI = 0.95
+N_BOOT = ps.N_BOOT
+CI = ps.CI
+ACC_LABEL = "held-out accuracy (memory-free)"
 PLOT_FILE = "accuracy_vs_step.png"
 KL_PLOT_FILE = "accuracy_vs_kl.png"
 
@@ -51,6 +53,11 @@ class CellResult:
     # step (0 and the last) -> the share of evaluation samples per reason (diagnostics)
     reasons: dict[int, dict] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)  # diagnostics.run_counters
+    # every evaluated step -> problem_id -> mean reward, for the task and the retention set
+    step_scores: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_retention: dict[int, dict[str, float]] = field(default_factory=dict)
+    train_reward: dict[int, float] = field(default_factory=dict)  # step -> rollouts' reward
+    task: str = ""  # the run's task.name (config.json)
 
 
 # Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context
@@ -92,7 +99,10 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
     return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
                       eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask,
                       dg.generated_tokens(recs, config), in_prompt,
-                      {s: v for s, v in reasons.items() if v}, dg.run_counters(recs))
+                      {s: v for s, v in reasons.items() if v}, dg.run_counters(recs),
+                      ps.step_scores(folder, "results.jsonl", cell.name),
+                      ps.step_scores(folder, "retention.jsonl", cell.name),
+                      ps.train_rewards(recs), str(config.get("task", {}).get("name", "")))
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -172,12 +182,6 @@ def build_comparison(results: Sequence[CellResult], modes: Sequence[str]) -> dic
             done.add(frozenset((m, ref)))
             comps.append(compare_modes(ref, by_mode[ref], m, by_mode[m]))
     return {"summaries": summaries, "comparisons": comps}
-
-
-def _f(x: float, fmt: str = ".3f") -> str:
-    if fmt == ".4f" and x == 0.0:  # a p-value: no bootstrap draw on the other side of 0
-        return f"<{1 / N_BOOT:g}"
-    return format(x, fmt) if isinstance(x, int | float) and math.isfinite(x) else "n/a"
 
 
 def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> str:
@@ -275,7 +279,9 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         steps = ", ".join(str(s) for s in r.get("kl_step", [])) or "-"
         if "retention" in r:
             t = r["retention"]
-            ret = (f"{', '.join(t['task'])} | {_f(t['accuracy'])} | [{_f(t['ci_low'])}, "
+            k = len(t["seeds"])  # cells run without eval.retention lack it
+            some = f" ({k} of {r['n_seeds']} seeds)" if k < r["n_seeds"] else ""
+            ret = (f"{', '.join(t['task'])} | {_f(t['accuracy'])}{some} | [{_f(t['ci_low'])}, "
                    f"{_f(t['ci_high'])}] | {t['n_pairs']}")
         else:
             ret = "- | not measured | - | -"
@@ -289,23 +295,6 @@ def drift_markdown(rows: Sequence[dict]) -> list[str]:
         lines += [f"| {r['mode']} | {r['in_prompt']['metric']} | {r['in_prompt']['n_seeds']} | "
                   f"{_f(r['in_prompt']['accuracy'])} |" for r in prompted]
     return lines
-
-
-def _save_plot(fig, ax, path: Path, xlabel: str, title: str) -> Path:
-    """Labels, grid and legend of a held-out accuracy plot; writes it to ``path``."""
-    import matplotlib.pyplot as plt
-
-    from pmd_jax.run import paths
-
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("held-out accuracy (memory-free)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.save_figure(fig, path)
-    plt.close(fig)
-    return path
 
 
 def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
@@ -331,8 +320,9 @@ def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
             ys = [p["accuracy"] for p in r.kl_points]
             ax.plot(xs, ys, color=color, lw=1.0, marker="o", ms=3, alpha=0.8,
                     label=mode if j == 0 else None)
-    return _save_plot(fig, ax, path, "KL(policy || initial), nats / response token",
-                      "Held-out accuracy vs KL to the initial policy (one line per seed)")
+    return ps.save_plot(fig, ax, path, "KL(policy || initial), nats / response token",
+                        ACC_LABEL, "Held-out accuracy vs KL to the initial policy (one line per "
+                        "seed)")
 
 
 def accuracy_curves(results: Sequence[CellResult], modes: Sequence[str]) -> dict:
@@ -359,30 +349,9 @@ def accuracy_curves(results: Sequence[CellResult], modes: Sequence[str]) -> dict
 def plot_curves(curves: dict, path: Path) -> Path:
     """Held-out accuracy vs step: per mode the mean over seeds (at the steps every seed of
     the mode evaluated), a min-max band over seeds, and thin per-seed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-
-    fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (mode, c) in enumerate(curves.items()):
-        color = colors[i % len(colors)]
-        for pts in c["per_seed"].values():
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, color=color, lw=0.7, alpha=0.35)
-        if not c["steps"]:
-            continue
-        ax.plot(c["steps"], c["mean"], color=color, lw=2.0, marker="o", ms=3,
-                label=f"{mode} (mean of {c['n_seeds']} seeds)")
-        if c["n_seeds"] > 1:
-            ax.fill_between(c["steps"], c["min"], c["max"], color=color, alpha=0.15)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save_plot(fig, ax, path, "training step",
-                      "Held-out accuracy vs step (band: min-max over seeds; thin: each seed)")
+    return ps.plot_over_steps(
+        curves, path, ACC_LABEL,
+        "Held-out accuracy vs step (band: min-max over seeds; thin: each seed)")
 
 
 def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
@@ -428,10 +397,19 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
     if kl_plot is not None:
         header.append(f"Plot: `{KL_PLOT_FILE}` (held-out accuracy against KL to the initial "
                       "policy at each evaluation with a KL measurement).")
+    comp["per_step"] = ps.step_rows(finished, modes)
+    comp["retention_per_step"] = ps.step_rows(finished, modes, "step_retention")
+    comp["train_reward"] = ps.reward_curves(finished, modes)
+    if ps.plot_rewards(comp["train_reward"], out / ps.TRAIN_REWARD_PLOT) is not None:
+        header.append(f"Plot: `{ps.TRAIN_REWARD_PLOT}` (the training reward of each step's "
+                      "rollouts).")
     comp["answers_not_options"] = dg.answers_not_options(finished, modes)
     comp["memory"] = dg.memory_rows(finished, modes)
     table = report_markdown(comp, header, seeds) + "\n".join(
-        drift_markdown(comp["drift"]) + dg.tokens_markdown(comp["drift"])
+        ps.step_markdown(comp["per_step"], "Held-out accuracy")
+        + ps.step_markdown(comp["retention_per_step"], "Retention-set accuracy")
+        + ps.reward_markdown(comp["train_reward"])
+        + drift_markdown(comp["drift"]) + dg.tokens_markdown(comp["drift"])
         + dg.answers_markdown(comp["answers_not_options"])
         + dg.memory_markdown(comp["memory"], int(budget["train_steps"])))
     table = table.rstrip("\n") + "\n"

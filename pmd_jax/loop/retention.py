@@ -48,17 +48,11 @@ def retention_task_name(cfg: RunConfig) -> str:
     name = str(cfg.eval.retention_task or "")
     if name:
         return name
-    if _is_code_task(cfg.task.name) or cfg.task.name == "mmlu_science":
+    from pmd_jax.tasks.registry import is_code_task
+
+    if is_code_task(cfg.task.name) or cfg.task.name == "mmlu_science":
         return "sciq"
     return "mmlu_science"
-
-
-def _is_code_task(name: Any) -> bool:
-    """Task ``name``'s problems are programs (``TaskSpec.is_code``): its runs get a
-    question-answering retention set. False for a name the registry does not know."""
-    from pmd_jax.tasks.registry import get_spec, task_names
-
-    return name in task_names() and get_spec(name).is_code
 
 
 def _task_styles(name: str) -> tuple[str, ...]:

@@ -192,6 +192,12 @@ def get_spec(name: str) -> TaskSpec:
     return _REGISTRY[name]
 
 
+def is_code_task(name: object) -> bool:
+    """Task ``name``'s problems are programs scored by running tests (``TaskSpec.is_code``);
+    False for a name the registry does not know."""
+    return isinstance(name, str) and name in _REGISTRY and _REGISTRY[name].is_code
+
+
 def get_task(name: str, **kwargs) -> Task:
     """Build a task by name. The tasks of ``PATH_TASKS`` need ``path=``."""
     spec = get_spec(name)
