@@ -49,7 +49,12 @@ from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors, parse_summary
-from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
+from pmd_jax.memory.sanitize import (
+    leaks_gold,
+    resanitize,
+    sanitize_text,
+    without_shared_preamble,
+)
 from pmd_jax.memory.schemas import evolution_schema, extraction_schema, summary_schema
 from pmd_jax.memory.types import Behavior, MemoryUpdateStats, Provenance
 from pmd_jax.memory.verify import evidence_key
@@ -137,6 +142,9 @@ class BehaviorBank:
             members[c] = [pids[i] for i in order]
         self.centroids, self.members = cent, members
         counts["clusters"] = len(cent)
+        # the problems as the summaries and evidence show them: without the instructions
+        # that every problem of the run opens with
+        problem_text = without_shared_preamble(problem_text)
         self.summaries = self._summaries(step, members, problem_text, success_rate, generator,
                                          mcfg, per_call["summary"])
         evid = {c: self._evidence(m, problem_text, evidence) for c, m in members.items()}

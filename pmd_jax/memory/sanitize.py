@@ -221,3 +221,26 @@ def resanitize(text: str, control_tokens: Sequence[str]) -> str:
     item already clean it is the identity.
     """
     return sanitize_text(text, max(len(text), 1), control_tokens)
+
+
+def without_shared_preamble(texts: dict[str, str]) -> dict[str, str]:
+    """The problem texts without the leading paragraphs they all share.
+
+    A task's prompt may open with the same instructions for every problem (the code tasks:
+    ``tasks.code.CODE_PROMPT``'s "You are a coding expert. ..." before the problem). Where the
+    behavior level shows a problem in a few hundred characters (the extractive summary's
+    examples, the summary and extraction prompts' evidence), that preamble filled the space
+    and the problem itself was cut off. Removed here: the longest prefix common to every text,
+    cut back to its last paragraph break (a blank line), so a word the problems happen to share
+    at their start is kept. Fewer than two texts, or no shared paragraph, leave them as given
+    (the question-answering tasks start with the question)."""
+    values = [t for t in texts.values() if t]
+    if len(values) < 2:
+        return dict(texts)
+    lo, hi = min(values), max(values)  # the common prefix of all = that of min and max
+    n = next((i for i, (a, b) in enumerate(zip(lo, hi, strict=False)) if a != b), len(lo))
+    cut = lo.rfind("\n\n", 0, n)
+    if cut < 0:
+        return dict(texts)
+    cut += 2
+    return {k: (t[cut:] if len(t) > cut else t) for k, t in texts.items()}
