@@ -84,6 +84,13 @@ _CELLS = flags.DEFINE_list("cells", [], "Run only these cells: mode:seed,mode:se
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "Run nothing: build the comparison from the finished cells.")
 _DRY = flags.DEFINE_bool("print_only", False, "Print the commands, run nothing.")
+_SHARE = flags.DEFINE_bool(
+    "share_start_eval", True,
+    "A cell takes its step-0 evaluation from another cell of the scratch folder whose "
+    "evaluation key matches (the same initial weights, settings and evaluated prompts: "
+    "pmd_jax.loop.eval_reuse) instead of running it again; on the Qwen2.5-Coder MBPP grid "
+    "that saves 16 minutes a cell. Memory-free evaluation only. --noshare_start_eval: every "
+    "cell evaluates its own.")
 _PRUNE = flags.DEFINE_bool(
     "prune_checkpoints", True,
     "Delete a finished cell's checkpoints/ folder from its run directory once its results are "
@@ -94,7 +101,7 @@ _PRUNE = flags.DEFINE_bool(
 log = logging.getLogger("pmd_jax")
 
 # Set per cell by the grid; an override of them would break the grid's identical budgets.
-GRID_KEYS: tuple[str, ...] = ("mode", "seed", "run_dir")
+GRID_KEYS: tuple[str, ...] = ("mode", "seed", "run_dir", "eval.reuse_from")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -120,7 +127,8 @@ def check_overrides(overrides: Sequence[str]) -> list[str]:
             raise GridError(
                 f"{a!r}: the grid sets {key} per cell (--modes / --seeds / --scratch); every "
                 "cell must get the same overrides, so --config.mode, --config.seed and "
-                "--config.run_dir are refused")
+                "--config.run_dir are refused (and --config.eval.reuse_from: the grid's "
+                "--share_start_eval sets it)")
         out.append(a)
     return out
 
@@ -148,11 +156,15 @@ def parse_cells(spec: Sequence[str], modes: Sequence[str], seeds: Sequence[int])
 
 
 def cell_command(
-    config: str, mode: str, seed: int, run_dir: Path, overrides: list[str]
+    config: str, mode: str, seed: int, run_dir: Path, overrides: list[str],
+    share_start_eval: bool = False,
 ) -> list[str]:
+    """A cell's command; with ``share_start_eval`` the cell may take its step-0 evaluation
+    from another cell in the scratch folder (``eval.reuse_from``, pmd_jax.loop.eval_reuse)."""
+    share = [f"--config.eval.reuse_from={run_dir.parent}"] if share_start_eval else []
     return [
         sys.executable, "-m", "pmd_jax.main", f"--config={config}", f"--config.mode={mode}",
-        f"--config.seed={seed}", f"--config.run_dir={run_dir}", *overrides,
+        f"--config.seed={seed}", f"--config.run_dir={run_dir}", *share, *overrides,
     ]
 
 
@@ -207,7 +219,7 @@ def _prune(cell: Cell, run_dir: Path) -> None:
 def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
              scratch: Path, overrides: Sequence[str], cells: Sequence[Cell] | None = None,
              print_only: bool = False, runner: Any = subprocess.call,
-             prune_checkpoints: bool = False) -> list[Cell]:
+             prune_checkpoints: bool = False, share_start_eval: bool = False) -> list[Cell]:
     """Runs the unfinished cells of ``cells`` (default: the whole grid), one process each;
     copies each finished cell's small files to ``out`` (and with ``prune_checkpoints``
     deletes its run directory's ``checkpoints/`` then). Returns the cells it launched."""
@@ -238,7 +250,8 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
                 _prune(cell, run_dir)
             continue
         check_budget(read_info(run_dir), budget, run_dir)
-        cmd = cell_command(config, cell.mode, cell.seed, run_dir, list(overrides))
+        cmd = cell_command(config, cell.mode, cell.seed, run_dir, list(overrides),
+                           share_start_eval)
         info = {**budget, "mode": cell.mode, "seed": cell.seed, "command": cmd[1:],
                 "run_dir": str(run_dir)}
         done, why = cell_state(run_dir, steps)
@@ -297,7 +310,8 @@ def main(argv: list[str]) -> None:
         cells = parse_cells(_CELLS.value, modes, seeds)
         if not _REPORT_ONLY.value:
             run_grid(_CONFIG.value, modes, seeds, out, scratch, overrides, cells,
-                     print_only=_DRY.value, prune_checkpoints=_PRUNE.value)
+                     print_only=_DRY.value, prune_checkpoints=_PRUNE.value,
+                     share_start_eval=_SHARE.value)
         if not _DRY.value:
             comp = write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
             print(comp["markdown"])

@@ -368,6 +368,12 @@ class EvalConfig(Section):
                           "other evaluation points take the KL of their step's rollouts; "
                           "needs train.kl_initial_every > 0; skipped when the weights never "
                           "change, mode pmd_frozen_policy).")
+    reuse_from: str = knob(
+        "", "A folder of other runs (a grid's scratch folder): the step-0 evaluation is "
+        "taken from one whose evaluation key (a hash of the initial weights, the model, "
+        "rollout, eval and task sections and the evaluated prompts) equals this run's, "
+        "instead of being run again; a run with it set writes its own key for the others. "
+        "Memory-free evaluation only; '' = always evaluate (pmd_jax/loop/eval_reuse.py).")
 
     def errors(self) -> list[str]:
         e = self

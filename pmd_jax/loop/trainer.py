@@ -44,7 +44,7 @@ import numpy as np
 
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill import assemble, kl, offload, train
-from pmd_jax.loop import build, teaching
+from pmd_jax.loop import build, eval_reuse, teaching
 from pmd_jax.loop.phases import TrainingError, retry, timed
 from pmd_jax.loop.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
 from pmd_jax.modes import get_mode
@@ -529,11 +529,14 @@ class Trainer:
         self.ckpt.wait()
         footprint.release_free_memory()
         t0 = time.perf_counter()
+        out_dir = self.run_dir / "eval" / f"step_{step:06d}"
+        key = None if step else eval_reuse.start_key(  # (eval.reuse_from)
+            self.cfg, self.mode, self.mode_rt, self.state.state.params, self.task,
+            self.eval_problems)
         # Process 0 evaluates and writes the results; the others serve its generate calls.
-        res = multihost.lead(
+        res = eval_reuse.taken(self.cfg, key, out_dir, self.run_dir) or multihost.lead(
             lambda: evaluation.evaluate(self.cfg, self.model, self.task, self.textgen,
-                                        self.eval_problems,
-                                        self.run_dir / "eval" / f"step_{step:06d}", self.memory,
+                                        self.eval_problems, out_dir, self.memory,
                                         context=self.mode_rt.eval_context()),
             self.leader_sampler, f"evaluation at step {step}")
         res["time_eval"] = time.perf_counter() - t0
@@ -543,6 +546,8 @@ class Trainer:
             res["time_kl_final"] = time.perf_counter() - t1
         footprint.release_free_memory()
         self.metrics.write("eval", step, res)
+        if key is not None and "eval_reused_from" not in res:
+            eval_reuse.write_key(out_dir, key, res)
         log.info(
             "eval @ step %d: accuracy %.4f [%.4f, %.4f]%s (%d problems x %d samples, %.0fs)",
             step, res["accuracy"], res.get("accuracy_ci_low", float("nan")),

@@ -253,9 +253,15 @@ def test_cell_state_and_budget_checks(tmp_path):
 
 def test_overrides_of_grid_keys_are_refused():
     assert ex.check_overrides(OVERRIDES) == OVERRIDES
-    for bad in ("--config.mode=pmd", "--config.seed=3", "--config.run_dir=/x"):
+    for bad in ("--config.mode=pmd", "--config.seed=3", "--config.run_dir=/x",
+                "--config.eval.reuse_from=/x"):
         with pytest.raises(GridError, match="refused"):
             ex.check_overrides([*OVERRIDES, bad])
+    # --share_start_eval: every cell may take its step-0 evaluation from the scratch folder
+    cmd = ex.cell_command(CONFIG, "pmd", 1, Path("/s/pmd_seed1"), OVERRIDES, True)
+    assert "--config.eval.reuse_from=/s" in cmd and cmd[-len(OVERRIDES):] == OVERRIDES
+    assert not any("reuse_from" in a for a in ex.cell_command(
+        CONFIG, "pmd", 1, Path("/s/pmd_seed1"), OVERRIDES))
 
 
 def test_parse_cells():
