@@ -7,7 +7,11 @@
 
 Each cell (mode, seed) is a normal run (``python -m pmd_jax.main``) launched as a subprocess,
 with the same ``--config.*`` overrides for every cell (only ``mode``, ``seed`` and ``run_dir``
-differ, set by the grid; overriding them is refused).
+differ, set by the grid; overriding them is refused). Every cell evaluates the initial weights
+first; with ``--share_start_eval`` (the default) a cell takes that evaluation from another cell
+of the scratch folder when their evaluation keys match (the same weights, settings and
+evaluated prompts: ``pmd_jax.loop.eval_reuse``), so a grid whose cells share their problems
+evaluates the initial model once.
 
 Where things go:
 - a cell's run directory (checkpoints, HF export, TensorBoard, plots, memory) is
@@ -16,7 +20,8 @@ Where things go:
 - when a cell has finished, its small files are copied to ``<out>/<mode>_seed<seed>/``:
   ``metrics.jsonl``, ``config.json``, ``eval/step_*/*.jsonl`` (per (problem, seed) evaluation
   records), plus ``cell.json`` (command, config, overrides, final step, wall time);
-- ``<out>/comparison.md``, ``<out>/comparison.json`` and ``<out>/accuracy_vs_step.png``.
+- ``<out>/comparison.md``, ``<out>/comparison.json`` and the plots
+  (``accuracy_vs_step.png``, ``accuracy_vs_kl.png``, ``train_reward_vs_step.png``).
   Everything under ``--out`` is small and meant to be committed.
 
 Resuming in pieces: a cell is finished when its metrics hold a train record for every step
@@ -36,9 +41,11 @@ the same problems), 95% percentile bootstrap CI resampling the pairs, and, for r
 of ``pmd_jax.grid.report.REFERENCE_MODES`` in the grid (SDPO, GRPO, sdpo_matched_sampling,
 PMD, pmd_verified_random_memory; each pair once): the paired difference over matched
 (problem, seed) pairs, its 95% paired bootstrap CI and p-value, and the exact two-sided sign
-test (ties dropped). Besides accuracy, the report tabulates drift and retention, generated
-tokens by purpose, the answers that are not an option, and the memory's check before use
-(``pmd_jax.grid.diagnostics``).
+test (ties dropped). The same statistics at every evaluated step, with each (problem, seed)
+pair's change from step 0 (``pmd_jax.grid.per_step``), for the task and the retention set;
+the training reward per step (table and plot). Besides accuracy, the report tabulates drift
+and retention, generated tokens by purpose, the answers that are not an option (tasks with
+options), and the memory's check before use (``pmd_jax.grid.diagnostics``).
 
 This module is the command line and the runner; a cell on disk is `pmd_jax.grid.cells`, the
 statistics, table and plot are `pmd_jax.grid.report`.
