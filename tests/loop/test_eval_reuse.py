@@ -19,25 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pmd_jax.config import apply_mode, base_config, freeze
 from pmd_jax.loop import eval_reuse
 from pmd_jax.tasks.base import Problem
+from tests.loop.test_retention import _cfg  # (base config + overrides, frozen)
 from tests.tiny_runs import ROOT, cmd, env
 
 STEP0 = ["--config.train.steps=0", "--config.train.eval_at_start=True",
          "--config.train.eval_every=0", "--config.train.export_hf=False"]
-
-
-def _cfg(**over):
-    c = base_config()
-    with c.unlocked():
-        for k, v in over.items():
-            node = c
-            *path, last = k.split(".")
-            for p in path:
-                node = node[p]
-            node[last] = v
-    return freeze(apply_mode(c))
 
 
 class _Task:
