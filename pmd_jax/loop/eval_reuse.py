@@ -12,7 +12,8 @@ to a folder of other runs (a grid's scratch folder), a run takes the results of 
 The key is a SHA-256 over what the evaluation reads: the initial weights' bytes (every array,
 with its shape and dtype), the config sections that shape the evaluation's sampling and
 problems (``model``, ``rollout``, ``eval`` with ``reuse_from`` left out, ``task``), the
-prompts of the evaluation problems and of the retention questions, and the package's version.
+prompts of the evaluation problems and of the retention questions, and the package's version
+and Python sources (a code change evaluates again).
 A run with ``eval.reuse_from`` writes its key beside its step-0 results
 (``eval/step_000000/eval_key.json``, with the memory-free metrics of its evaluation record),
 after the evaluation is complete, so a run killed mid-evaluation is never taken.
@@ -25,6 +26,7 @@ The taken record says where it came from (``eval_reused_from``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,7 +62,8 @@ def evaluation_key(cfg: RunConfig, params: Any, prompts: Iterable[Any]) -> str:
     h = hashlib.sha256()
     sections = {name: getattr(cfg, name).to_dict() for name in KEY_SECTIONS}
     sections["eval"].pop("reuse_from", None)
-    h.update(json.dumps({"version": getattr(pmd_jax, "__version__", ""), **sections},
+    h.update(json.dumps({"version": getattr(pmd_jax, "__version__", ""),
+                         "source": source_digest(), **sections},
                         sort_keys=True, default=str).encode())
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for path, leaf in leaves:
@@ -69,6 +72,21 @@ def evaluation_key(cfg: RunConfig, params: Any, prompts: Iterable[Any]) -> str:
         h.update(a.reshape(-1).view(np.uint8).data)
     for p in prompts:
         h.update(json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of the package's Python sources: the sampler, the tasks' prompts and graders
+    all live there, and the version string does not change between commits, so a grid resumed
+    after a code change evaluates again rather than take results of the old code."""
+    import pmd_jax
+
+    root = Path(pmd_jax.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 

@@ -62,6 +62,15 @@ def test_key_is_a_grid_cells_and_changes_with_what_the_evaluation_reads():
     assert _key(base, probs=[Problem("a", "Add 1 and 3.", PROBS[0].gold), PROBS[1]]) != k
     assert _key(base, probs=[Problem("a", PROBS[0].question, {"tests": []}), PROBS[1]]) != k
     assert _key(base, probs=PROBS[::-1]) != k
+    # the package's sources are hashed once per process
+    src = eval_reuse.source_digest()
+    assert len(src) == 64 and eval_reuse.source_digest() == src
+
+
+def test_a_code_change_changes_the_key(monkeypatch):
+    k = _key(_cfg(mode="sdpo"))
+    monkeypatch.setattr(eval_reuse, "source_digest", lambda: "0" * 64)
+    assert _key(_cfg(mode="sdpo")) != k
 
 
 def test_find_needs_the_key_and_every_file(tmp_path):
