@@ -3,8 +3,6 @@ params (``train.kl_initial_every``)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +32,7 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
 
     from pmd_jax.distill import align
     from pmd_jax.distill.chunked import chunked_token_logprobs
-    from pmd_jax.distill.offload import DiskParams
+    from pmd_jax.distill.offload import DiskParams, optimizer_set_aside
     from pmd_jax.models import decoder
 
     mc = model.cfg
@@ -51,7 +49,7 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
                                           b["responses"], temp)
 
         _KL_FNS[key] = jax.jit(fn)
-    with _optimizer_set_aside(bundle, cfg):
+    with optimizer_set_aside(bundle, cfg.run_dir, cfg.train.offload_optimizer_during_kl):
         params = bundle.initial_params
         if isinstance(params, DiskParams):  # train.offload_initial_policy: read for it
             params = params.load()
@@ -74,26 +72,3 @@ def _initial_logprobs(cfg: RunConfig, mc: Any, fn: Any, params: Any,
     packed = share_prefixes(batch, mc, mode=cfg.train.shared_prefix, sides=("student",))[0]
     return to_host(fn(  # (gathered when sharded over several processes)
         params, {k: packed[k] for k in keys if k in packed}))
-
-
-@contextlib.contextmanager
-def _optimizer_set_aside(bundle: Any, cfg: RunConfig) -> Iterator[None]:
-    """``train.offload_optimizer_during_kl``: the optimizer state waits in a file (its own,
-    named by the run directory and the process) while the block runs, and comes back bit for
-    bit with its shardings after it, even when the block raises. Nothing reads the moments
-    between one update and the next, so the forward cannot see the difference."""
-    if not cfg.train.offload_optimizer_during_kl:
-        yield
-        return
-    from pmd_jax.distill.offload import DiskParams
-    from pmd_jax.run import footprint
-
-    disk = DiskParams.write_temp(bundle.state.opt_state, f"{cfg.run_dir}#optimizer",
-                                 kind="optimizer")
-    bundle.state = bundle.state.replace(opt_state=None)
-    footprint.release_free_memory()
-    try:
-        yield
-    finally:
-        bundle.state = bundle.state.replace(opt_state=disk.load())
-        disk.remove()

@@ -14,10 +14,12 @@ holds (its own file: ``_p<process index>``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +107,7 @@ class DiskParams:
         import jax
 
         if not self.path.is_file() or self.path.stat().st_size != self.nbytes_on_disk:
-            raise FileNotFoundError(f"{self.path}: the offloaded initial policy is missing or "
+            raise FileNotFoundError(f"{self.path}: the offloaded arrays' file is missing or "
                                     f"not {self.nbytes_on_disk} bytes (was it deleted?)")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r")
 
@@ -126,3 +128,28 @@ class DiskParams:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def optimizer_set_aside(bundle: Any, run_key: str, enabled: bool = True) -> Iterator[None]:
+    """The optimizer state of ``bundle.state`` waits in a file (its own, named by
+    ``run_key``, the run directory, and the process) while the block runs, and comes back bit
+    for bit with its shardings after it, even when the block raises; nothing when not
+    ``enabled``. For the blocks that read no moments: the KL forward of the initial policy
+    (``train.offload_optimizer_during_kl``) and the train step's gradient program
+    (``train.offload_optimizer_during_grads``). Nothing reads the moments between one
+    update and the next, so neither can see the difference."""
+    if not enabled:
+        yield
+        return
+    from pmd_jax.run import footprint
+
+    disk = DiskParams.write_temp(bundle.state.opt_state, f"{run_key}#optimizer",
+                                 kind="optimizer")
+    bundle.state = bundle.state.replace(opt_state=None)
+    footprint.release_free_memory()
+    try:
+        yield
+    finally:
+        bundle.state = bundle.state.replace(opt_state=disk.load())
+        disk.remove()

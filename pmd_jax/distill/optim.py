@@ -102,6 +102,10 @@ class FusedUpdate(NamedTuple):
     teacher: Any
     grad_norm: jax.Array  # global L2 norm of the gradient, before clipping
     finite: jax.Array  # bool scalar: loss and gradient norm finite (update applied)
+    # The clipped gradient the moments read. Nothing needs it after the update; a program
+    # that was handed the gradient donated returns it so that XLA writes it over the
+    # gradient's buffer instead of a temporary (TrainStep.apply_gradients).
+    clipped_grads: Any = None
 
 
 def _adam_states(cfg: OptimConfig, opt_state: Any) -> tuple[Any, Any]:
@@ -168,13 +172,14 @@ def fused_update(
     step_size = -1 * warmup_constant_schedule(cfg.lr, cfg.warmup_steps)(sched.count)
 
     # stage 1: the new moments (in place over the old ones)
+    clipped = jax.tree.map(clip, grads)
+
     def moments(g: jax.Array, mu: jax.Array, nu: jax.Array) -> tuple[jax.Array, jax.Array]:
-        g = clip(g)
         mu1 = (1 - b1) * (g**1) + b1 * mu
         nu1 = (1 - b2) * (g**2) + b2 * nu
         return keep(mu1.astype(mu.dtype), mu), keep(nu1.astype(nu.dtype), nu)
 
-    mn = jax.tree.map(moments, grads, adam.mu, adam.nu)
+    mn = jax.tree.map(moments, clipped, adam.mu, adam.nu)
     mu_new = jax.tree.map(lambda _, x: x[0], adam.mu, mn)
     nu_new = jax.tree.map(lambda _, x: x[1], adam.nu, mn)
     mu_new, nu_new = lax.optimization_barrier((mu_new, nu_new))
@@ -210,7 +215,7 @@ def fused_update(
         count=keep(optax.safe_increment(sched.count), sched.count))
     adamw_new = (adam_new, opt_state[-1][1], sched_new)
     new_opt = (opt_state[0], adamw_new) if len(opt_state) == 2 else (adamw_new,)
-    return FusedUpdate(new_params, new_opt, teacher, g_norm, finite)
+    return FusedUpdate(new_params, new_opt, teacher, g_norm, finite, clipped)
 
 
 def learning_rate_at(cfg: OptimConfig, step: Any) -> Any:

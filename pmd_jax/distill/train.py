@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pmd_jax.distill.offload import optimizer_set_aside
 from pmd_jax.run import footprint
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ class TrainBundle:
     step_fn: Any  # distill.step.TrainStep
     state: Any  # distill.step.TrainState
     initial_params: Any  # for KL(policy || initial) at eval (None to skip)
+    # train.offload_optimizer_during_grads: the run key its optimizer file is named by
+    optimizer_offload_key: str | None = None
 
 
 def init_train_state(cfg: RunConfig, model: Any) -> TrainBundle:
@@ -35,7 +38,8 @@ def init_train_state(cfg: RunConfig, model: Any) -> TrainBundle:
                    lesson_nll_weight=float(cfg.mel.nll_weight),  # used by the mel loss only
                    shared_prefix=cfg.train.shared_prefix)
     state = ts.init(model.params, rng=int(cfg.seed))
-    return TrainBundle(ts, state, model.params)
+    key = str(cfg.run_dir) if cfg.train.offload_optimizer_during_grads else None
+    return TrainBundle(ts, state, model.params, key)
 
 
 def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: str) -> str:
@@ -69,7 +73,15 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
         # Every process holds the same global host batch; jit refuses numpy inputs with
         # shardings that span processes, so place them first (each process its own shards).
         batch = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
-    bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
+    if bundle.optimizer_offload_key is None:
+        bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
+    else:  # train.offload_optimizer_during_grads: the moments wait in a file meanwhile
+        with optimizer_set_aside(bundle, bundle.optimizer_offload_key):
+            loss, metrics, grads = bundle.step_fn.gradients(bundle.state.params,
+                                                            bundle.state.teacher, batch)
+        bundle.state, metrics = bundle.step_fn.apply_gradients(bundle.state, loss, metrics,
+                                                               grads)
+        del grads
     # The step is dispatched (compiled the first time a batch shape comes): the compiler's
     # freed working memory goes back to the kernel while the step runs, not beside its
     # temporaries (footprint module docstring).

@@ -36,16 +36,21 @@ CI = 0.95
 N_BOOT = 10_000
 
 
-def step_scores(folder: Path, file: str, name: str) -> dict[int, dict[str, float]]:
+def step_scores(folder: Path, file: str, name: str,
+                known: dict[int, dict[str, float]] | None = None
+                ) -> dict[int, dict[str, float]]:
     """step -> problem_id -> mean reward, for every ``eval/step_*/<file>`` of a run folder
-    (``results.jsonl`` for the task, ``retention.jsonl`` for the retention set)."""
+    (``results.jsonl`` for the task, ``retention.jsonl`` for the retention set); the steps
+    in ``known`` (already read by the caller) are taken from it, not read again."""
     from pmd_jax.tasks import evaluation
 
     out: dict[int, dict[str, float]] = {}
     for d in sorted((folder / "eval").glob("step_*")):
         step = d.name.removeprefix("step_")
         if step.isdigit() and (d / file).is_file() and d == eval_dir(folder, int(step)):
-            out[int(step)] = evaluation.load_results(d / file, name=name).problem_scores()
+            got = (known or {}).get(int(step))
+            out[int(step)] = (got if got is not None else
+                              evaluation.load_results(d / file, name=name).problem_scores())
     return out
 
 

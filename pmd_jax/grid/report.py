@@ -96,12 +96,14 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     reasons = {s: dg.reason_fractions(eval_dir(folder, s) / "results.jsonl")
                for s in sorted({0, step})}
-    return CellResult(cell, step, res.problem_scores(), curve, res.in_sample,
+    scores = res.problem_scores()
+    return CellResult(cell, step, scores, curve, res.in_sample,
                       eval_kl_points(recs), kls[-1] if kls else None, rscores, rtask,
                       dg.generated_tokens(recs, config), in_prompt,
                       {s: v for s, v in reasons.items() if v}, dg.run_counters(recs),
-                      ps.step_scores(folder, "results.jsonl", cell.name),
-                      ps.step_scores(folder, "retention.jsonl", cell.name),
+                      ps.step_scores(folder, "results.jsonl", cell.name, {step: scores}),
+                      ps.step_scores(folder, "retention.jsonl", cell.name,
+                                     {step: rscores} if rscores is not None else None),
                       ps.train_rewards(recs), str(config.get("task", {}).get("name", "")))
 
 
