@@ -49,7 +49,8 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
                                           b["responses"], temp)
 
         _KL_FNS[key] = jax.jit(fn)
-    with optimizer_set_aside(bundle, cfg.run_dir, cfg.train.offload_optimizer_during_kl):
+    offload = bool(cfg.train.offload_optimizer_during_kl)
+    with optimizer_set_aside(bundle, str(cfg.run_dir) if offload else "", offload):
         params = bundle.initial_params
         if isinstance(params, DiskParams):  # train.offload_initial_policy: read for it
             params = params.load()
