@@ -147,17 +147,12 @@ def log_attention_plan(cfg: RunConfig, model_cfg: Any) -> None:
 def load_model(cfg: RunConfig) -> ModelBundle:
     from pmd_jax.models import hf_io
     from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.models.config import from_hf_config
-    from pmd_jax.models.gguf_io import embedded_hf_dir
     from pmd_jax.models.tokenizer import Tokenizer
 
     mesh, rules = build_mesh(cfg)
     t0 = time.perf_counter()
     embedded = EMBEDDED_MODELS.get(cfg.model.source)
-    src = embedded_hf_dir(embedded.name) if embedded else Path(cfg.model.source)
-    model_cfg = from_hf_config(hf_io.read_hf_config(src)).replace(
-        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **attention_options(cfg)
-    )
+    src, model_cfg = source_model_config(cfg)
     if cfg.model.random_init:
         model_cfg, params = _random_model(cfg, mesh, rules)
     else:
@@ -173,6 +168,21 @@ def load_model(cfg: RunConfig) -> ModelBundle:
     )
     log_attention_plan(cfg, model_cfg)
     return ModelBundle(model_cfg, params, tok, mesh, rules)
+
+
+def source_model_config(cfg: RunConfig) -> tuple[Path, ModelConfig]:
+    """The folder model.source reads from (an embedded model's HF export, made once from
+    its GGUF, or the given checkpoint folder) and its ModelConfig with the run's dtypes and
+    attention options; no weights are read."""
+    from pmd_jax.models import hf_io
+    from pmd_jax.models.assets import EMBEDDED_MODELS
+    from pmd_jax.models.config import from_hf_config
+    from pmd_jax.models.gguf_io import embedded_hf_dir
+
+    embedded = EMBEDDED_MODELS.get(cfg.model.source)
+    src = embedded_hf_dir(embedded.name) if embedded else Path(cfg.model.source)
+    return src, from_hf_config(hf_io.read_hf_config(src)).replace(
+        dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, **attention_options(cfg))
 
 
 def _random_model(cfg: RunConfig, mesh: Any, rules: Any):
