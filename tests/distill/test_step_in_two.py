@@ -58,7 +58,9 @@ def _assert_bitwise(got, want) -> None:
             np.testing.assert_array_equal(a, b, err_msg=f"{name}{jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("micro", [0, 4])
+# without microbatches as a slow test: the microbatched step runs the same update, and
+# test_train_step_keeps_the_moments_in_a_file_during_the_gradient checks it bitwise too
+@pytest.mark.parametrize("micro", [pytest.param(0, marks=pytest.mark.slow), 4])
 def test_two_programs_give_the_one_program_step(micro):
     """Three SDPO steps with an EMA teacher (clip, AdamW, EMA, metrics): the same bits."""
     ts = st.TrainStep(TINY, ema_step_config("sdpo", 2), microbatch_rows=micro)
