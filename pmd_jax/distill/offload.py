@@ -177,3 +177,33 @@ def optimizer_set_aside(bundle: Any, run_key: str, enabled: bool = True) -> Iter
     finally:
         bundle.state = bundle.state.replace(opt_state=disk.load())
         disk.remove()
+
+
+def local_nbytes(tree: Any) -> int:
+    """Bytes of ``tree`` that this process writes to its file (:meth:`DiskParams.write`):
+    each addressable shard once, host values whole."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            seen = {repr(sh.index): sh.data.nbytes for sh in x.addressable_shards}
+            total += sum(int(v) for v in seen.values())
+        elif hasattr(x, "nbytes"):
+            total += int(x.nbytes)
+    return total
+
+
+def temp_files(train_cfg: Any, bundle: Any) -> list[tuple[str, int]]:
+    """The files the run's offload options write to the system temp directory, with this
+    process's bytes: the initial policy (kept for the whole run) and the optimizer state (one
+    file at a time, during the KL forward or the gradient)."""
+    out = []
+    if train_cfg.offload_initial_policy and train_cfg.kl_initial_every > 0 \
+            and bundle.initial_params is not None:
+        out.append(("the initial policy (train.offload_initial_policy)",
+                    local_nbytes(bundle.initial_params)))
+    if train_cfg.offload_optimizer_during_kl or train_cfg.offload_optimizer_during_grads:
+        out.append(("the AdamW moments (train.offload_optimizer_during_kl / _grads)",
+                    local_nbytes(bundle.state.opt_state)))
+    return out

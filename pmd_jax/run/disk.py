@@ -33,7 +33,9 @@ CHECKPOINT_OVERHEAD_PER_ARRAY = 1 << 10
 
 class DiskSpaceError(RuntimeError):
     """The run directory's file system cannot hold the two checkpoints a run needs (the kept
-    one and the next, written in full before the old one is deleted); raised at start-up."""
+    one and the next, written in full before the old one is deleted), or the system temp
+    directory the files of the offload options (:func:`check_temp_space`); raised at
+    start-up."""
 
 
 def slot_bytes(value: Any) -> int:
@@ -72,6 +74,27 @@ def free_bytes(directory: str | os.PathLike) -> int | None:
     if paths.is_remote(directory):
         return None
     return int(shutil.disk_usage(os.fspath(directory)).free)
+
+
+def check_temp_space(files: list[tuple[str, int]]) -> str:
+    """One line for the start-up log: the temp files the run's offload options write
+    (:func:`pmd_jax.distill.offload.temp_files`) against the free space of the system temp
+    directory. Raises :class:`DiskSpaceError` when they cannot fit, naming the options and
+    the directory, before the run computes anything (a full temp disk would otherwise stop
+    it at the first write, mid-step)."""
+    import tempfile
+
+    directory = tempfile.gettempdir()
+    need = sum(n for _, n in files)
+    free = free_bytes(directory)
+    what = "; ".join(f"{name} ~{_size(n)}" for name, n in files)
+    if free is not None and free < need:
+        raise DiskSpaceError(
+            f"not enough disk in the system temp directory {directory} for the files of the "
+            f"offload options: {what}: ~{_size(need)} needed, {_size(free)} free. Point "
+            "TMPDIR at a larger disk, free space there or turn those options off")
+    return f"temp files: {what}; free in {directory}: " + (
+        "not measured" if free is None else _size(free))
 
 
 def _size(n: float) -> str:

@@ -208,3 +208,38 @@ def test_load_reads_without_a_mapping_and_lets_go_of_its_host_copies(tmp_path, m
     assert all(r() is None for r in made), "host copies still alive after load"
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_offload_files_are_sized_and_checked_against_the_temp_disk(tmp_path, monkeypatch):
+    """offload.temp_files: the initial policy's and the moments' bytes, as the options say;
+    disk.check_temp_space names the directory and the options when they cannot fit."""
+    from pmd_jax.distill import offload
+    from pmd_jax.distill.step import TrainState
+    from pmd_jax.run import disk
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    init = {"w": jnp.ones((100, 10)), "b": jnp.ones((10,))}  # 4,040 bytes
+    opt = {"mu": init, "nu": init, "count": jnp.int32(0)}  # 8,084 bytes
+    bundle = types.SimpleNamespace(initial_params=init, state=TrainState(
+        step=jnp.int32(0), params=init, opt_state=opt, teacher={},
+        rng=jnp.zeros((2,), jnp.uint32)))
+
+    def train_cfg(**kw):
+        base = dict(offload_initial_policy=False, kl_initial_every=1,
+                    offload_optimizer_during_kl=False, offload_optimizer_during_grads=False)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    assert offload.temp_files(train_cfg(), bundle) == []
+    assert offload.temp_files(train_cfg(offload_initial_policy=True, kl_initial_every=0),
+                              bundle) == []
+    files = offload.temp_files(train_cfg(offload_initial_policy=True,
+                                         offload_optimizer_during_grads=True), bundle)
+    assert [n for _, n in files] == [4040, 8084]
+    assert "offload_initial_policy" in files[0][0] and "_grads" in files[1][0]
+    assert str(tmp_path) in disk.check_temp_space(files)
+    monkeypatch.setattr(disk, "free_bytes", lambda d: 10_000)
+    with pytest.raises(disk.DiskSpaceError, match=r"temp directory .*offload_initial_policy"):
+        disk.check_temp_space(files)

@@ -171,3 +171,26 @@ def test_refuses_to_start_without_disk_for_two_checkpoints(tmp_path):
     assert "checkpoints: one takes up to ~" in p.stderr  # the start-up log's line came first
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or '"train"' not in metrics.read_text()  # no step ran
+
+
+def test_refuses_to_start_without_temp_disk_for_the_offload_files(tmp_path):
+    """The real set-up with train.offload_optimizer_during_grads and the system temp
+    directory reporting 1 MiB free (the run directory plenty): one line naming the directory
+    and the options, before any step."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    full = ("import collections, shutil, tempfile\n"
+            f"tempfile.tempdir = {str(tmp)!r}\n"
+            "_U = collections.namedtuple('_U', 'total used free')\n"
+            "_real = shutil.disk_usage\n"
+            f"shutil.disk_usage = lambda p: (_U(1 << 40, (1 << 40) - (1 << 20), 1 << 20) "
+            f"if str(p).startswith({str(tmp)!r}) else _real(p))\n")
+    p = _main(f"--config={SCIQ}", *TINY, "--config.mode=sdpo",
+              "--config.train.offload_optimizer_during_grads=True",
+              f"--config.run_dir={tmp_path}/run", code=full, timeout=600)
+    line = _one_line(p)
+    assert line.startswith(f"cannot start: not enough disk in the system temp directory {tmp} "
+                           "for the files of the offload options: "), line
+    assert "offload_initial_policy" in line and "offload_optimizer_during_kl / _grads" in line
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"train"' not in metrics.read_text()  # no step ran
