@@ -120,7 +120,7 @@ class DiskParams:
             a = np.empty(shard.shape, leaf.dtype)
             f.seek(shard.offset)
             flat = a.reshape(-1).view(np.uint8)
-            if f.readinto(flat) != flat.nbytes:
+            if f.readinto(flat.data) != flat.nbytes:
                 raise FileNotFoundError(f"{self.path}: ended before the leaf at byte "
                                         f"{shard.offset} (was it changed?)")
             return a
