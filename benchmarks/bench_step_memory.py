@@ -31,15 +31,15 @@ import json
 import time
 from typing import Any
 
-GiB = 1024**3
-
 
 def _analysis(compiled: Any) -> dict[str, float]:
-    ma = compiled.memory_analysis()
-    out = {k: getattr(ma, f"{k}_size_in_bytes") / GiB
-           for k in ("argument", "output", "alias", "temp")}
-    out["resident"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
+    """The dry run's reading of ``memory_analysis()`` (GiB), under short names."""
+    from pmd_jax.dry_run.distill_step import memory_gib
+
+    m = memory_gib(compiled.memory_analysis())
+    return {"argument": m["argument_size_gib"], "output": m["output_size_gib"],
+            "alias": m["alias_size_gib"], "temp": m["temp_size_gib"],
+            "resident": m["total_estimate_gib"]}
 
 
 def step_memory(cfg: Any) -> dict[str, Any]:

@@ -42,6 +42,24 @@ def init_train_state(cfg: RunConfig, model: Any) -> TrainBundle:
     return TrainBundle(ts, state, model.params, key)
 
 
+def prepare_offloads(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: str
+                     ) -> list[str]:
+    """Start-up, before any step: the offload options' temp files checked against the temp
+    disk (``DiskSpaceError`` when they cannot fit; ``main``: exit 2), then the initial
+    policy placed (:func:`place_initial_policy`). Returns the lines for the log."""
+    from pmd_jax.distill.offload import temp_files
+    from pmd_jax.run.disk import check_temp_space
+
+    lines = []
+    files = temp_files(cfg.train, bundle)
+    if files:
+        lines.append(check_temp_space(files))
+    placed = place_initial_policy(cfg, bundle, model, run_key)
+    if placed:
+        lines.append(f"initial policy {placed}; process RSS {footprint.rss_gib():.2f} GiB")
+    return lines
+
+
 def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: str) -> str:
     """The initial policy is read by the KL to it only (``distill/kl.py``): dropped when that
     is never measured (``train.kl_initial_every=0``), written to a file with

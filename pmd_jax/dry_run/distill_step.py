@@ -133,18 +133,26 @@ def distill_step_report(cfg: RunConfig, model_cfg: Any, mesh: Any, rules: Any, b
         "seq_x_seq_shapes": seq_sq,
     }
     if ma is not None:
-        for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                  "temp_size_in_bytes", "peak_memory_in_bytes", "generated_code_size_in_bytes"):
-            v = getattr(ma, k, None)
-            if v is not None:
-                out[k.replace("_in_bytes", "_gib")] = round(v / GiB, 3)
-        if all(k in out for k in ("argument_size_gib", "output_size_gib", "temp_size_gib")):
-            # XLA:CPU reports no peak (0): arguments + outputs - donated/aliased + temp bounds it
-            out["total_estimate_gib"] = round(
-                out["argument_size_gib"] + out["output_size_gib"]
-                - out.get("alias_size_gib", 0.0) + out["temp_size_gib"], 3)
+        out.update(memory_gib(ma))
         full_logits = batch * response_len * model_cfg.vocab_size * 4 / mesh.size
         out["one_fp32_logits_tensor_per_device_gib"] = round(full_logits / GiB, 3)
+    return out
+
+
+def memory_gib(ma: Any) -> dict[str, float]:
+    """``compiled.memory_analysis()`` in GiB (``argument_size_gib``, ...) and
+    ``total_estimate_gib``: XLA:CPU reports no peak (0), so arguments + outputs -
+    donated/aliased + temporaries bounds what the program's arrays need."""
+    out = {}
+    for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes", "peak_memory_in_bytes", "generated_code_size_in_bytes"):
+        v = getattr(ma, k, None)
+        if v is not None:
+            out[k.replace("_in_bytes", "_gib")] = round(v / GiB, 3)
+    if all(k in out for k in ("argument_size_gib", "output_size_gib", "temp_size_gib")):
+        out["total_estimate_gib"] = round(
+            out["argument_size_gib"] + out["output_size_gib"]
+            - out.get("alias_size_gib", 0.0) + out["temp_size_gib"], 3)
     return out
 
 

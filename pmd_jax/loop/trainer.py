@@ -48,7 +48,7 @@ from pmd_jax.loop import build, eval_reuse, teaching
 from pmd_jax.loop.phases import TrainingError, retry, timed
 from pmd_jax.loop.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
 from pmd_jax.modes import get_mode
-from pmd_jax.run import disk, footprint, multihost, paths
+from pmd_jax.run import footprint, multihost, paths
 from pmd_jax.run.checkpoint import build_checkpointer
 from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
 from pmd_jax.run.slots import load_pickle
@@ -136,13 +136,9 @@ class Trainer:
         log.info(self.ckpt.check_disk(self.state, {"memory": self.memory.state_dict()} if
                                       self.memory is not None else None,
                                       export_hf=cfg.train.export_hf))
-        # the offload options' temp files; no room raises DiskSpaceError (main: exit 2)
-        files = offload.temp_files(cfg.train, self.state)
-        if files:
-            log.info(disk.check_temp_space(files))
-        placed = train.place_initial_policy(cfg, self.state, self.model, str(self.run_dir))
-        if placed:
-            log.info("initial policy %s; process RSS %.2f GiB", placed, footprint.rss_gib())
+        # the offload options' temp files (no room: DiskSpaceError), the initial policy placed
+        for line in train.prepare_offloads(cfg, self.state, self.model, str(self.run_dir)):
+            log.info(line)
 
     def _build_overlap(self):
         """Checks that overlap can run here; returns the sampler for reflections/evaluation.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 # isort: off
 from tests.distill.distill_common import (  # first: sets 8 fake devices
-    TINY, ema_step_config, make_mesh8, start_state)
+    TINY, assert_same_steps, ema_step_config, make_mesh8, start_state)
 # isort: on
 
 import types
@@ -45,17 +45,7 @@ def _steps(ts: st.TrainStep, two: bool, steps: int = 3):
 
 
 def _assert_bitwise(got, want) -> None:
-    (s_a, ms_a), (s_b, ms_b) = got, want
-    for ma, mb in zip(ms_a, ms_b, strict=True):
-        assert set(ma) == set(mb)
-        for k in mb:
-            np.testing.assert_array_equal(ma[k], mb[k], err_msg=k)
-    for name in ("params", "opt_state", "teacher"):
-        la = jax.tree_util.tree_leaves_with_path(getattr(s_a, name))
-        lb = jax.tree.leaves(getattr(s_b, name))
-        assert len(la) == len(lb) > 0
-        for (path, a), b in zip(la, lb, strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=f"{name}{jax.tree_util.keystr(path)}")
+    assert_same_steps(got, want, dict(rtol=0, atol=0))  # (assert_allclose at 0: equality)
 
 
 # without microbatches as a slow test: the microbatched step runs the same update, and
@@ -77,13 +67,7 @@ def test_two_programs_on_the_mesh():
     mk = lambda: st.TrainStep(TINY, ema_step_config("hybrid", 2), mesh=mesh,  # noqa: E731
                               rules=rules, microbatch_rows=4)
     want, got = _steps(mk(), two=False, steps=2), _steps(mk(), two=True, steps=2)
-    (s_a, ms_a), (s_b, ms_b) = got, want
-    for ma, mb in zip(ms_a, ms_b, strict=True):
-        for k in mb:
-            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-6, atol=1e-7, err_msg=k)
-    for a, b in zip(jax.tree.leaves((s_a.params, s_a.opt_state, s_a.teacher)),
-                    jax.tree.leaves((s_b.params, s_b.opt_state, s_b.teacher)), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert_same_steps(got, want, dict(rtol=1e-6, atol=1e-7))
     # the update's state keeps its shardings
     ts = mk()
     state = start_state(ts)
