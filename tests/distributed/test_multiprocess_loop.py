@@ -124,8 +124,9 @@ def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str
             "PMD_PROCESS_ID": str(pid), "PMD_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
         }
         log = run_dir.parent / f"{run_dir.name}.{tag}.p{pid}.log"
+        # the mode after FLAGS: TINY names mode pmd, and the last flag wins
         cmd = [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
-               f"--config.run_dir={run_dir}", f"--config.mode={mode}", *FLAGS, *cache_flags(),
+               f"--config.run_dir={run_dir}", *FLAGS, f"--config.mode={mode}", *cache_flags(),
                *flags]
         fh = open(log, "wb")  # noqa: SIM115 - the child holds it; closed when we return
         p = subprocess.Popen(cmd, cwd=ROOT, env=_proc_env(8 // nproc, extra), stdout=fh,
@@ -384,6 +385,9 @@ def test_grpo_two_processes_equal_one_process(grpo_runs):
     gradient math is what the PMD run (and tests/distributed/test_multiprocess.py) checks. Slow: the
     default suite's PMD runs cover the same plumbing (evaluation included)."""
     single, multi = grpo_runs["grpo_1"], grpo_runs["grpo_2"]
+    for run in (single, multi):  # the runs are GRPO's (a flag order once made them PMD's)
+        cfg = json.loads((run / "config.json").read_text())
+        assert (cfg["mode"], cfg["distill"]["loss"]["name"]) == ("grpo", "grpo")
     _assert_state_equal(single, multi, trained=False)
     _assert_hf_equal(single, multi)
     _assert_metrics_equal(single, multi)
