@@ -58,6 +58,7 @@ class CellResult:
     step_retention: dict[int, dict[str, float]] = field(default_factory=dict)
     train_reward: dict[int, float] = field(default_factory=dict)  # step -> rollouts' reward
     task: str = ""  # the run's task.name (config.json)
+    cost: dict[str, float] = field(default_factory=dict)  # diagnostics.cell_cost
 
 
 # Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context
@@ -104,7 +105,8 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
                       ps.step_scores(folder, "results.jsonl", cell.name, {step: scores}),
                       ps.step_scores(folder, "retention.jsonl", cell.name,
                                      {step: rscores} if rscores is not None else None),
-                      ps.train_rewards(recs), str(config.get("task", {}).get("name", "")))
+                      ps.train_rewards(recs), str(config.get("task", {}).get("name", "")),
+                      dg.cell_cost(recs))
 
 
 def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
@@ -407,13 +409,15 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
                       "rollouts).")
     comp["answers_not_options"] = dg.answers_not_options(finished, modes)
     comp["memory"] = dg.memory_rows(finished, modes)
+    comp["cost"] = dg.cost_rows(finished, modes)
     table = report_markdown(comp, header, seeds) + "\n".join(
         ps.step_markdown(comp["per_step"], "Held-out accuracy")
         + ps.step_markdown(comp["retention_per_step"], "Retention-set accuracy")
         + ps.reward_markdown(comp["train_reward"])
         + drift_markdown(comp["drift"]) + dg.tokens_markdown(comp["drift"])
         + dg.answers_markdown(comp["answers_not_options"])
-        + dg.memory_markdown(comp["memory"], int(budget["train_steps"])))
+        + dg.memory_markdown(comp["memory"], int(budget["train_steps"]))
+        + dg.cost_markdown(comp["cost"]))
     table = table.rstrip("\n") + "\n"
     (out / "comparison.md").write_text(table)
     (out / "comparison.json").write_text(json.dumps(comp, indent=2, default=str) + "\n")

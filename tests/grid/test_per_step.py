@@ -155,3 +155,38 @@ def test_a_long_run_shows_at_most_30_steps():
                        "per_seed": {}}}
     md = "\n".join(ps.reward_markdown(curves))
     assert "(every 4th step and the last)" in md and "| 99 | 0.500 |" in md
+
+
+def test_cost_per_cell_from_its_records(tmp_path):
+    """Each cell's training-step and evaluation minutes and its peak host memory, from the
+    records: a step redone after a resume counts once (its last record), an evaluated step
+    once, and a cell that logged none of it (run before the counters) shows '-'."""
+    out, _, _, _, _ = _grid(tmp_path, "mbpp")
+    path = out / Cell("pmd", 0).name / "metrics.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in recs:
+        s = r["step"]
+        if r["kind"] == "train":
+            r.update(time_step=100.0 + s, rss_peak_gib_after_sample=2.0 + 0.1 * s,
+                     rss_peak_gib_after_train=3.0 + 0.1 * s)
+        else:
+            r.update(time_eval=30.0 + s, **({"time_kl_final": 12.0} if s == STEPS else {}))
+    # the run was killed in step 1 and resumed: step 1's first record (a larger peak from a
+    # process that did not finish the step) and step 0's evaluation were logged twice
+    recs.insert(2, {"kind": "train", "step": 1, "reward_mean": 0.0, "time_step": 1000.0,
+                    "rss_peak_gib_after_train": 9.0})
+    recs.insert(0, {"kind": "eval", "step": 0, "accuracy": 0.0, "time_eval": 500.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    comp = ex.write_report(out, [Cell(m, s) for m in ("sdpo", "pmd") for s in (0, 1)],
+                           ["sdpo", "pmd"], [0, 1])
+    rows = {r["cell"]: r for r in comp["cost"]}
+    assert list(rows) == ["sdpo:0", "sdpo:1", "pmd:0", "pmd:1"]
+    steps_s = sum(100.0 + s for s in range(STEPS))
+    eval_s = sum(30.0 + s for s in EVAL_STEPS) + 12.0
+    assert rows["pmd:0"] == {"cell": "pmd:0", "steps_s": steps_s, "eval_s": eval_s,
+                             "rss_peak_gib": pytest.approx(3.0 + 0.1 * (STEPS - 1))}
+    assert rows["sdpo:0"] == {"cell": "sdpo:0"}
+    md = (out / "comparison.md").read_text()
+    assert (f"| pmd:0 | {steps_s / 60:.1f} | {eval_s / 60:.1f} | "
+            f"{3.0 + 0.1 * (STEPS - 1):.2f} |") in md
+    assert "| sdpo:0 | - | - | - |" in md
