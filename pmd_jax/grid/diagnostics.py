@@ -60,10 +60,10 @@ def _num(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def train_records(recs: Sequence[dict]) -> list[dict]:
-    """The train records, one per step (the last: a run resumed from a checkpoint logs the
-    steps it redoes again), in step order."""
-    by_step = {int(r["step"]): r for r in recs if r.get("kind") == "train"}
+def train_records(recs: Sequence[dict], kind: str = "train") -> list[dict]:
+    """The records of ``kind`` (train, or eval), one per step (the last: a run resumed from a
+    checkpoint logs the steps it redoes again), in step order."""
+    by_step = {int(r["step"]): r for r in recs if r.get("kind") == kind}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -111,15 +111,16 @@ def cell_cost(recs: Sequence[dict]) -> dict[str, float]:
     update, the KL measurement); ``eval_s``, its evaluations' (:data:`EVAL_TIMES`, each
     evaluated step once); ``rss_peak_gib``, the largest host high-water mark a train record
     logged (``rss_peak_gib_after_<phase>``: the process's peak resident set so far, so it
-    covers the evaluations before a step, not one after the last step). A key no record logged
-    is absent."""
+    covers the evaluations before a step, not one after the last step). A step redone after a
+    resume counts once (its last record): the cost of one pass, not of the killed attempt. A
+    key no record logged is absent."""
     train = train_records(recs)
     out: dict[str, float] = {}
     steps = [float(r["time_step"]) for r in train if _num(r.get("time_step"))]
     if steps:
         out["steps_s"] = sum(steps)
-    evals = {int(r["step"]): r for r in recs if r.get("kind") == "eval"}
-    times = [float(r[k]) for r in evals.values() for k in EVAL_TIMES if _num(r.get(k))]
+    times = [float(r[k]) for r in train_records(recs, "eval") for k in EVAL_TIMES
+             if _num(r.get(k))]
     if times:
         out["eval_s"] = sum(times)
     rss = [float(v) for r in train for k, v in r.items() if k.startswith(RSS_PREFIX) and _num(v)]
@@ -149,7 +150,8 @@ def cost_markdown(rows: Sequence[dict]) -> list[str]:
         "evaluations (a step-0 evaluation taken from another cell, eval.reuse_from, counts "
         "the seconds of reading it), in minutes; and the largest peak host memory (resident "
         "set) a training step logged, which covers the evaluations before it but not the one "
-        "after the last step. Times depend on what else the machine ran.", "",
+        "after the last step. A step redone after a resume counts once (the killed attempt is "
+        "left out). Times depend on what else the machine ran.", "",
         "| cell | training steps (min) | evaluations (min) | peak host memory (GiB) |",
         "|---|---|---|---|",
     ]
