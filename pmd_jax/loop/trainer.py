@@ -479,8 +479,15 @@ class Trainer:
         }
         self.ckpt.save(self.step, self.state, extras)  # (names the step of a failed write)
 
+    def _initial_state(self) -> Any:
+        """The train state a run starts from, made again from the model's source weights
+        (the resume let go of the first one before restoring; no checkpoint was usable)."""
+        log.info("loading the initial weights again to start from step 0")
+        return self.state.step_fn.init(build.load_model(self.cfg).params, rng=int(self.cfg.seed))
+
     def _restore(self) -> None:
-        restored = self.ckpt.restore_latest(self.state) if self.cfg.resume else None
+        restored = (self.ckpt.restore_latest(self.state, rebuild=self._initial_state)
+                    if self.cfg.resume else None)
         if restored is None:
             # the run starts at step 0: records of an earlier attempt in this run directory
             # that left no checkpoint would otherwise stay beside the new ones (the grid's

@@ -347,3 +347,62 @@ def save_fails_past_2_mib(ck, state, step: int) -> None:
                 time.sleep(0.02)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _bundle(seed: int):
+    import types
+
+    state = _state(seed)
+    sds = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sds), state)
+    return types.SimpleNamespace(
+        state=state, step_fn=types.SimpleNamespace(abstract_state=lambda: abstract))
+
+
+def test_resume_lets_go_of_the_state_before_restoring_and_rebuilds_it_when_none_is_usable(
+        tmp_path, monkeypatch):
+    """RunCheckpointer.restore_latest with ``rebuild`` (the trainer's resume): the arrays the
+    bundle held are freed before the checkpoint's are read, so the two are never resident
+    together (a Qwen2.5-Coder-0.5B resume holding both was killed on 24 GiB); the restored
+    state is the saved one; with every checkpoint corrupt the run starts from ``rebuild()``.
+    Without ``rebuild`` the state is kept (no way to make it again)."""
+    import weakref
+
+    from pmd_jax.run.checkpoint import RunCheckpointer
+
+    saved = _bundle(1)
+    ck = RunCheckpointer(tmp_path, keep=2)
+    ck.save(4, saved, {"data_cursor": {"pos": 3}})
+    ck.wait()
+
+    bundle = _bundle(0)
+    held = weakref.ref(bundle.state["params"]["w"])
+    ck = RunCheckpointer(tmp_path, keep=2)
+    real = ck.ckpt.restore
+    alive_at_restore = []
+
+    def restore(target, **kw):
+        alive_at_restore.append(held() is not None)
+        return real(target, **kw)
+
+    monkeypatch.setattr(ck.ckpt, "restore", restore)
+    got, extras = ck.restore_latest(bundle, rebuild=lambda: pytest.fail("rebuilt"))
+    assert alive_at_restore == [False], "the old state was resident during the restore"
+    assert extras["step"] == 4 and extras["data_cursor"] == {"pos": 3}
+    _assert_tree_equal(got.state, saved.state)
+
+    kept = _bundle(0)
+    ck = RunCheckpointer(tmp_path, keep=2)
+    real_kept = ck.ckpt.restore
+    monkeypatch.setattr(ck.ckpt, "restore",
+                        lambda target, **kw: (alive_at_restore.append(kept.state is not None),
+                                              real_kept(target, **kw))[1])
+    ck.restore_latest(kept)
+    assert alive_at_restore == [False, True]
+
+    _corrupt_no_marker(tmp_path / "checkpoints" / "4")
+    fresh = _bundle(0)
+    assert RunCheckpointer(tmp_path, keep=2).restore_latest(
+        fresh, rebuild=lambda: _state(7)) is None
+    _assert_tree_equal(fresh.state, _state(7))
+

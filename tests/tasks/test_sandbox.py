@@ -464,6 +464,25 @@ def _charged_slots() -> dict[int, str]:
     return out
 
 
+def test_a_waiting_sandbox_is_charged_and_its_cleanup_uncharges_it():
+    """The slot's pids counter (what ``cleanup`` waits on before the uid goes back) counts a
+    started sandbox's processes and is zero once it is cleaned up."""
+    if not nproc_contained() or BACKEND == "rlimits":
+        pytest.skip("no pid namespace or no cgroup pids counter here")
+    pool = sandbox.WarmPool("import sys\nexec(sys.stdin.read())", None, LIM, size=1)
+    try:
+        st = pool.acquire()
+        assert st.cg is not None
+        cg = st.cg
+        # (the started shell joins the slot's cgroup itself, then execs the backend)
+        up = sandbox.process._poll(lambda: cg.charged() >= 2 or None, 10.0)
+        assert up, cg.charged()  # bwrap or unshare, the init shell, python
+        sandbox.process.cleanup(st)
+        assert st.cg.charged() == 0
+    finally:
+        pool.close()
+
+
 def test_runs_in_a_row_leave_nothing_charged():
     """Every run must be reaped by the time it returns, however it ended. bwrap's own namespace
     init used to be left a zombie of the host's pid 1 at every run (and, after that fix, at

@@ -84,6 +84,15 @@ class Cgroup:
         if "pids" in self.dirs:
             (self.dirs["pids"] / "pids.max").write_text(str(limits.nproc + 8))
 
+    def charged(self) -> int:
+        """Processes (and threads) the slot's pids counter still holds: a task is uncharged
+        only when it is reaped, so a zombie nobody has reaped yet still counts."""
+        for ctrl in ("unified", "pids"):
+            if ctrl in self.dirs:
+                with contextlib.suppress(OSError, ValueError):
+                    return int((self.dirs[ctrl] / "pids.current").read_text())
+        return 0
+
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 

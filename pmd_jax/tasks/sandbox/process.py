@@ -4,6 +4,7 @@ how it ended, and remove everything it left."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import selectors
 import signal
@@ -21,6 +22,8 @@ from pmd_jax.tasks.sandbox.command import build_command, interpreter_for, prlimi
 from pmd_jax.tasks.sandbox.uids import acquire_uid, release_uid
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_DRAIN_S = 2.0  # how long a finished run's slot may take to be uncharged
 
 
 @dataclass
@@ -103,6 +106,19 @@ def cleanup(st: Started) -> None:
     # nothing of the run may outlive it (daemons, stopped processes)
     if st.cg is not None:
         st.cg.kill_all()
+        # and the slot goes back with its whole pids.max: a killed task stays charged until
+        # it is reaped, which can trail the kill (seen once in CI: one task still charged
+        # right after a run that ended normally)
+        cg = st.cg
+        if _poll(lambda: cg.charged() == 0 or None, _DRAIN_S) is None:
+            log.warning(
+                "sandbox slot %s still holds %d processes %.0f s after its run was reaped "
+                "(zombies of a parent that does not reap them); its next runs have fewer "
+                "processes",
+                st.uid,
+                cg.charged(),
+                _DRAIN_S,
+            )
     elif st.uid is not None:
         sweep.kill_uid(st.uid)
     if st.uid is not None:
@@ -266,6 +282,7 @@ def wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int | None, flo
     The rusage of a reaped child includes its descendants that were reaped in turn (bwrap and
     unshare reap theirs), so CPU-limit kills are recognised in every backend.
     """
+
     def reaped() -> tuple[int, float] | None:
         try:
             pid, status, ru = os.wait4(proc.pid, 0 if timeout is None else os.WNOHANG)
