@@ -144,6 +144,29 @@ def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
     assert not Path(path).exists()
 
 
+def test_no_usable_checkpoint_starts_from_the_initial_weights_again(
+        clean_run: Path, tmp_path: Path):
+    """A resume lets go of the train state before it reads the checkpoint (the restored and
+    the initial arrays are never resident together); when no checkpoint turns out to be
+    usable, the run loads the initial weights again and ends bitwise equal to a clean run."""
+    run_dir = tmp_path / "corrupt"
+    proc = start_until_checkpoint(run_dir)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for marker in (run_dir / "checkpoints").glob("*/pmd_commit.json"):
+        marker.unlink()
+    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "starting from scratch" in p.stderr and "initial weights again" in p.stderr
+    assert [r["step"] for r in _train_records(run_dir)] == [0, 1, 2]
+    for ra, rb in zip(_train_records(clean_run), _train_records(run_dir), strict=True):
+        assert (ra["loss"], ra["reward_mean"]) == (rb["loss"], rb["reward_mean"]), ra["step"]
+    pa, pb = _final_params(clean_run), _final_params(run_dir)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
 def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(
         clean_run: Path, tmp_path: Path):
     from pmd_jax.run.checkpoint import verify_step_dir
