@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64
 _COLLECT_EVERY = 256 * 2**20  # load(): collect the host copies every this many bytes
@@ -63,8 +66,23 @@ class DiskParams:
 
         path = Path(path)
         flat, treedef = jax.tree.flatten(tree)
-        leaves, offset = [], 0
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            leaves, offset = cls._write_leaves(flat, tmp)
+        except BaseException:
+            # a failed write (a full disk: the Qwen grid's 4.7 GiB of moments once) leaves no
+            # partial file behind to fill the disk further
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+        return cls(path, treedef, tuple(leaves), offset)
+
+    @staticmethod
+    def _write_leaves(flat: list[Any], tmp: Path) -> tuple[list[_Leaf], int]:
+        import jax
+
+        leaves: list[_Leaf] = []
+        offset = 0
         with open(tmp, "wb") as f:
             def put(a: np.ndarray) -> int:
                 nonlocal offset
@@ -88,8 +106,7 @@ class DiskParams:
                         written[key] = put(np.asarray(sh.data))
                     shards.append(_Shard(written[key], tuple(sh.data.shape), sh.device))
                 leaves.append(_Leaf(tuple(x.shape), x.dtype, x.sharding, tuple(shards)))
-        os.replace(tmp, path)
-        return cls(path, treedef, tuple(leaves), offset)
+        return leaves, offset
 
     @classmethod
     def write_temp(cls, tree: Any, key: str, kind: str = "initial_policy") -> DiskParams:
@@ -100,6 +117,7 @@ class DiskParams:
 
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         name = f"pmd_jax_{kind}_{digest}_p{jax.process_index()}.bin"
+        _remove_dead_writers_temps(Path(tempfile.gettempdir()), name)
         out = cls.write(tree, Path(tempfile.gettempdir()) / name)
         atexit.register(out.remove)  # (a second registration of a removed file is a no-op)
         return out
@@ -207,3 +225,31 @@ def temp_files(train_cfg: Any, bundle: Any) -> list[tuple[str, int]]:
         out.append(("the AdamW moments (train.offload_optimizer_during_kl / _grads)",
                     local_nbytes(bundle.state.opt_state)))
     return out
+
+
+def _remove_dead_writers_temps(directory: Path, name: str) -> list[Path]:
+    """Removes ``<name>.<pid>.tmp`` files whose writer is gone: a process killed while it
+    wrote (SIGKILL, the OOM killer) cannot remove its own, and its restart writes under a new
+    pid. Returns the removed paths."""
+    removed = []
+    for p in directory.glob(f"{name}.*.tmp"):
+        pid = p.name[len(name) + 1 : -len(".tmp")]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    if removed:
+        log.info("removed %d partial file(s) of killed writers: %s", len(removed),
+                 ", ".join(str(p) for p in removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

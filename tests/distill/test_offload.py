@@ -2,6 +2,7 @@
 KL to it (pmd_jax/distill/offload.py). Round trip bit for bit with each leaf's sharding, the
 KL equal to the one computed from the arrays in memory, a missing file named in the error."""
 
+import os
 import types
 
 import jax
@@ -74,6 +75,41 @@ def test_write_temp_names_the_file_by_run_and_remove_cleans_up(tmp_path, monkeyp
     disk.remove()
     other.remove()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_leaves_no_partial_file_and_a_killed_writers_is_removed(
+        tmp_path, monkeypatch):
+    """A write that fails (a full disk) removes its temporary file and raises; the temporary
+    file of a writer that was killed (it cannot remove its own) is removed by the next write
+    of the same file, while a live writer's is kept."""
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    real = np.ascontiguousarray
+    calls = []
+
+    def disk_full_on_second(a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(a)
+
+    monkeypatch.setattr(np, "ascontiguousarray", disk_full_on_second)
+    with pytest.raises(OSError, match="No space left"):
+        DiskParams.write({"a": jnp.ones((3,)), "b": jnp.ones((4,))}, tmp_path / "x.bin")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(np, "ascontiguousarray", real)
+
+    name = DiskParams.write_temp({"w": jnp.ones((3,))}, "/runs/a").path.name
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f"{name}.{dead}.tmp").write_bytes(b"partial")
+    (tmp_path / f"{name}.{os.getppid()}.tmp").write_bytes(b"being written")
+    DiskParams.write_temp({"w": jnp.zeros((3,))}, "/runs/a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, f"{name}.{os.getppid()}.tmp"]
 
 
 def _run_cfg(run_dir, offload_optimizer: bool):
