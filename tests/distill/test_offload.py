@@ -241,7 +241,13 @@ def test_load_reads_without_a_mapping_and_lets_go_of_its_host_copies(tmp_path, m
     monkeypatch.setattr(offload, "_COLLECT_EVERY", 1_000_000)  # one collection mid-load too
     back = disk.load()
     assert len(made) == 3
-    assert all(r() is None for r in made), "host copies still alive after load"
+    # On CPU, device_put may place a 64-byte-aligned host array without copying it (the
+    # placed array's buffer is that array): alive then, but not a second copy. Which arrays
+    # happen to be aligned depends on the allocator, so only those may still be alive.
+    placed = {s.data.unsafe_buffer_pointer()
+              for x in jax.tree.leaves(back) for s in x.addressable_shards}
+    alive = [r() for r in made if r() is not None]
+    assert all(a.ctypes.data in placed for a in alive), "host copies still alive after load"
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
