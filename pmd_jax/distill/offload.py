@@ -231,10 +231,12 @@ def _remove_dead_writers_temps(directory: Path, name: str) -> list[Path]:
     """Removes ``<name>.<pid>.tmp`` files whose writer is gone: a process killed while it
     wrote (SIGKILL, the OOM killer) cannot remove its own, and its restart writes under a new
     pid. Returns the removed paths."""
+    from pmd_jax.tasks.sandbox.sweep import proc_start_time  # (a live process's start, or None)
+
     removed = []
     for p in directory.glob(f"{name}.*.tmp"):
         pid = p.name[len(name) + 1 : -len(".tmp")]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or proc_start_time(int(pid)) is not None:  # (alive)
             continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -243,13 +245,3 @@ def _remove_dead_writers_temps(directory: Path, name: str) -> list[Path]:
         log.info("removed %d partial file(s) of killed writers: %s", len(removed),
                  ", ".join(str(p) for p in removed))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
