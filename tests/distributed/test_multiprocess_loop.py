@@ -33,7 +33,11 @@ decay alone, came out bitwise equal). We allow ``ATOL_STATE=2e-6`` on the state
 (far below the 2e-3 the two Adam steps at lr 1e-3 move each tensor; checked to be > 1e-4),
 ``rtol=1e-3, atol=1e-6`` on float metrics. Host-side results (sampled tokens, hence rewards,
 response lengths, the memory's records and the teacher prompts) must be identical: a rounding
-difference that flipped one sampled token would show there. Two runs of the same job are
+difference that flipped one sampled token would show there. That holds because the sampler's
+draw resolves ~1-ulp logit differences (sample_ops.inverse_cdf_sample, two uniforms: about
+6e-5 of draws flip). With one uniform against the whole CDF about 1e-3 flipped, and on an
+AVX2-only CPU (and in CI, with the same numbers) one of the ~110 draws here did: the step-1
+states were 1 ulp apart and one rollout's 10th token differed. Two runs of the same job are
 bitwise reproducible (not asserted here: that would double the time).
 
 Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
