@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from pmd_jax.fast_slow.contexts import (
 )
 from pmd_jax.fast_slow.pareto import pareto_front
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -71,7 +71,7 @@ class ContextPool:
 
     # ------------------------------------------------------------------ rollouts
     def _rng(self, *key: int) -> np.random.Generator:
-        return np.random.default_rng([int(self.cfg.seed) % (2**32), 0xF57, *key])
+        return np.random.default_rng(derive_seed("fast_slow.draw", int(self.cfg.seed), *key))
 
     def draw(self, step: int, position: int) -> Candidate:
         c = self.candidates[int(self._rng(step, position).integers(len(self.candidates)))]
@@ -178,7 +178,8 @@ class ContextPool:
         sp = SamplingParams(n=1, temperature=float(r.temperature), top_p=float(r.top_p),
                             top_k=int(r.top_k), max_tokens=int(r.max_tokens),
                             stop_token_ids=tuple(self.model.stop_token_ids),
-                            seed=(int(r.seed) + 7919 * int(step)) % (2**31))
+                            seed=derive_seed("fast_slow.rewrite", int(self.cfg.seed),
+                                             int(r.seed), int(step)))
         replies = textgen.generate_replies(convs, sp) if convs else []
         out = []
         extra = tuple(getattr(self.model.tokenizer, "special_tokens", ()))
@@ -226,7 +227,7 @@ class ContextPool:
                             top_k=int(ro.top_k),
                             max_tokens=int(fs.val_max_tokens or ro.max_tokens),
                             stop_token_ids=tuple(self.model.stop_token_ids),
-                            seed=(zlib.crc32(f"{self.cfg.seed}/val/{step}".encode())) % (2**31))
+                            seed=derive_seed("fast_slow.val", int(self.cfg.seed), int(step)))
         rollouts = textgen.sampler.generate(prompts, sp)
         texts: list[list[str]] = [[] for _ in prompts]
         for r in rollouts:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pmd_jax.loop.teaching import response_prefix, teacher_messages, user_text
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -60,7 +61,7 @@ def make_generate_fn(
         prefixes.update((user_text(c), p) for c, p in zip(convs, pre, strict=True))
         sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
                             max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-                            seed=int(seed))
+                            seed=derive_seed("eval", int(seed)))
         # One request: the sampler sorts the rows by prompt length and cuts them into batches
         # (for the JAX sampler, the plan of sampling/batching.py: little padding, programs
         # it has already compiled); it reports rows as batches finish.

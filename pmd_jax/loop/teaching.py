@@ -23,6 +23,7 @@ import numpy as np
 from pmd_jax.distill.assemble import TrainRows, assemble
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -169,7 +170,7 @@ def extra_demonstrations(cfg: RunConfig, model: Any, task: Any, sb: Any, sampler
     params = SamplingParams(
         n=int(tp.extra_demo_samples), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-        seed=hash((int(cfg.seed), int(sb.step), "extra_demos")) % (2**31))
+        seed=derive_seed("extra_demos", int(cfg.seed), int(sb.step)))
     rollouts = sampler.generate(sb.student_prompts, params)
     probs = [sb.problems[ro.prompt_index] for ro in rollouts]
     texts = [response_prefix(task, p) + model.decode(ro.tokens.tolist())
@@ -219,7 +220,8 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     params = SamplingParams(
         n=int(cfg.memory.verify.replays), temperature=r.temperature, top_p=r.top_p,
         top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-        seed=hash((int(cfg.memory.verify.seed), int(sb.step), "verify")) % (2**31))
+        seed=derive_seed("verify", int(cfg.seed), int(cfg.memory.verify.seed),
+                         int(sb.step)))
     budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
 
     found: dict[int, str] = {}  # problem index -> its first successful replay's text

@@ -54,6 +54,7 @@ from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
 from pmd_jax.run.slots import load_pickle
 from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
+from pmd_jax.sampling.seeds import derive_seed
 
 log = logging.getLogger("pmd_jax")
 
@@ -315,7 +316,7 @@ class Trainer:
         return SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_tokens=r.max_tokens, stop_token_ids=tuple(self.model.stop_token_ids),
-            seed=hash((self.cfg.seed, step)) % (2**31),
+            seed=derive_seed("rollout", int(self.cfg.seed), int(step)),
         )
 
     def sample(self, step: int) -> StepBatch:

@@ -19,6 +19,7 @@ import numpy as np
 from pmd_jax.memory import parsing, prompts
 from pmd_jax.memory.schemas import mel_reflection_schema, schema_param, validate
 from pmd_jax.sampling.base import Messages, SamplingParams
+from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -153,7 +154,8 @@ def reflection_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
     r, mel = cfg.mel.reflection, cfg.mel
     return SamplingParams(
         n=1, temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k),
-        max_tokens=int(r.max_tokens), seed=int(r.seed) + int(step),
+        max_tokens=int(r.max_tokens),
+        seed=derive_seed("mel.reflection", int(cfg.seed), int(r.seed), int(step)),
         stop_token_ids=tuple(model.stop_token_ids),
         json_schema=schema_param(mel_reflection_schema(mel)) if mel.structured_output else None)
 
@@ -164,7 +166,7 @@ def replay_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
         n=int(mel.replays), temperature=float(mel.replay_temperature), top_p=float(r.top_p),
         top_k=int(r.top_k), max_tokens=int(mel.replay_max_tokens or r.max_tokens),
         stop_token_ids=tuple(model.stop_token_ids),
-        seed=hash((int(cfg.seed), int(step), 7919)) % (2**31))
+        seed=derive_seed("mel.replay", int(cfg.seed), int(step)))
 
 
 def lesson_messages(task_messages: Messages, lesson: str) -> Messages:

@@ -159,8 +159,8 @@ class BehaviorBank:
             call, schema = "extraction", extraction_schema(cfg)
             convs = [self._extraction_conv(self.summaries[c], evid[c]) for c in clusters]
             cc = per_call[call]
-            replies = generate_first(generator, convs, call_params(cfg.sampling, step, mcfg,
-                                                                   schema), cc)
+            replies = generate_first(generator, convs, call_params(call, cfg.sampling, step,
+                                                                   mcfg, schema), cc)
             for c, reply in zip(clusters, replies):
                 items = parse_behaviors(reply, cc, max_items=cfg.max_behaviors, schema=schema,
                                         **bounds)
@@ -176,8 +176,8 @@ class BehaviorBank:
                 existing = self.retrieve(cent[c], cfg.retrieve_for_evolution)
                 convs.append(self._evolution_conv(c, evid[c], existing))
             cc = per_call[call]
-            replies = generate_first(generator, convs, call_params(cfg.sampling, step, mcfg,
-                                                                   schema), cc)
+            replies = generate_first(generator, convs, call_params(call, cfg.sampling, step,
+                                                                   mcfg, schema), cc)
             for c, reply in zip(clusters, replies):
                 for a in parse_actions(reply, cc, max_items=cfg.max_actions, schema=schema,
                                        **bounds):
@@ -214,7 +214,7 @@ class BehaviorBank:
                 convs.append([{"role": "system", "content": prompts.SUMMARY_SYSTEM},
                               {"role": "user", "content": prompts.SUMMARY_USER.format(
                                   problems=probs, chars=chars)}])
-            params = call_params(cfg.sampling, step, mcfg, schema)
+            params = call_params("summary", cfg.sampling, step, mcfg, schema)
             for i, reply in enumerate(generate_first(generator, convs, params, counts)):
                 s = parse_summary(reply, counts, max_chars=cfg.max_summary_chars,
                                   min_chars=cfg.min_summary_chars,

@@ -29,20 +29,23 @@ from typing import Any
 
 from pmd_jax.memory.schemas import Schema, schema_param
 from pmd_jax.sampling.base import Messages, SamplingParams
+from pmd_jax.sampling.seeds import derive_seed
 
 CALL_COUNTS = ("reflections", "parsed", "json_error", "schema_error", "truncated")
 COUNT_KEYS = (*CALL_COUNTS, "generated_tokens")  # every per-call key, reply counts first
 BEHAVIOR_CALLS = ("summary", "extraction", "evolution")
 
 
-def call_params(sampling_cfg: Any, step: int, memory_cfg: Any, schema: Schema) -> SamplingParams:
-    """SamplingParams of one memory call: ``sampling_cfg`` (temperature, top_p, top_k,
-    max_tokens, seed; the seed is offset by ``step``), the memory's stop tokens, and the
-    schema when ``memory_cfg.structured_output`` is on."""
+def call_params(call: str, sampling_cfg: Any, step: int, memory_cfg: Any, schema: Schema
+                ) -> SamplingParams:
+    """SamplingParams of one memory call named ``call`` (``insight``, ``summary``,
+    ``extraction``, ``evolution``): ``sampling_cfg`` (temperature, top_p, top_k, max_tokens,
+    seed; the sampling seed is ``derive_seed("memory.<call>", seed, step)``), the memory's
+    stop tokens, and the schema when ``memory_cfg.structured_output`` is on."""
     return SamplingParams(
         n=1, temperature=float(sampling_cfg.temperature), top_p=float(sampling_cfg.top_p),
         top_k=int(sampling_cfg.top_k), max_tokens=int(sampling_cfg.max_tokens),
-        seed=int(sampling_cfg.seed) + int(step),
+        seed=derive_seed(f"memory.{call}", int(sampling_cfg.seed), int(step)),
         stop_token_ids=tuple(int(t) for t in memory_cfg.stop_token_ids),
         json_schema=schema_param(schema) if memory_cfg.structured_output else None,
     )

@@ -263,7 +263,8 @@ class InsightLevel(MemoryLevel):
         pids = list(batch.by_problem)
         convs = [reflection_conversation(exp.problem_text[p], *shown[p], c.insight,
                                          mem.extra_tokens) for p in pids]
-        params = call_params(c.insight.sampling, batch.step, c, reflection_schema(c.insight))
+        params = call_params("insight", c.insight.sampling, batch.step, c,
+                             reflection_schema(c.insight))
         counts: Counter = Counter()
         tg = time.perf_counter()
         texts = generate_first(batch.generator, convs, params, counts)

@@ -13,7 +13,6 @@ import html
 import json
 import logging
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from pmd_jax.memory.schemas import call_token_bounds
 from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
 from pmd_jax.memory.verify import EvidenceStore, evidence_key
 from pmd_jax.sampling.base import TextGenerator
+from pmd_jax.sampling.seeds import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,8 @@ class ProceduralMemory:
 
     # --------------------------------------------------------------- teacher context --
     def _rng(self, problem_id: str) -> np.random.Generator:
-        seed = zlib.crc32(f"{self.config.control_seed}/{problem_id}/{self.last_update_step}"
-                          .encode())
-        return np.random.default_rng(seed)
+        return np.random.default_rng(derive_seed("memory.control", int(self.config.control_seed),
+                                                  str(problem_id), int(self.last_update_step)))
 
     def teacher_context(
         self,

@@ -8,7 +8,8 @@ work in two kinds, and this module holds the few tools that keep the processes i
   checkpoint saves and restores (orbax coordinates a multi-process save: every process
   writes the array shards it owns, process 0 the metadata). Inputs are host data that every
   process computes identically: problems come from the same seeded ``ProblemStream``,
-  prompts from the same tokenizer, the rollout seed from ``(cfg.seed, step)``. The sampler's
+  prompts from the same tokenizer, the rollout seed from ``derive_seed("rollout", cfg.seed,
+  step)`` (``sampling/seeds.py``: no per-process salt). The sampler's
   outputs are global arrays; :func:`to_host` pulls them with ``process_allgather`` when they
   are not fully addressable, so every process decodes the very same tokens and log-probs.
 * **Leader work, on process 0 alone**: verifying rollouts (a sandbox whose timing, and so

@@ -7,8 +7,11 @@
 gradient reductions, the sampler's batch split) crosses the process boundary through gloo.
 A tiny random Llama (``tiny-llama``, SmolLM2's tokenizer, real SciQ problems) runs 2 steps
 with the JAX sampler, in PMD mode (memory with reflections, the default MiniLM embedder, as
-tests/loop/test_trainer.py), evaluating after the last step; the same in GRPO mode is a slow test
-(the default suite runs the PMD jobs alone).
+tests/loop/test_trainer.py), evaluating after the last step; the embedded default's mode,
+``pmd_verified`` (the check before use: paired replays drawn by process 0), the same way with
+tests/loop/test_trainer_verified.py's flags, every launch and process under its own
+``PYTHONHASHSEED``; the same in GRPO and in ``sdpo_matched_sampling`` mode (one process
+against two, no kill) are slow tests.
 
 The PMD two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
 process 0 must stop on its own with jax's error naming the dead task within
@@ -116,9 +119,11 @@ def _proc_env(devices: int, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str
-           ) -> list[tuple[subprocess.Popen, Path]]:
-    """Starts a run as ``nproc`` processes (8 devices in all); returns (process, log) pairs."""
+def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str,
+           hashseed: int | None = None) -> list[tuple[subprocess.Popen, Path]]:
+    """Starts a run as ``nproc`` processes (8 devices in all); returns (process, log) pairs.
+    ``hashseed``: process ``i`` runs under ``PYTHONHASHSEED=hashseed + i`` (every process of
+    the job, and every launch, salts Python's string hashes differently)."""
     smollm2_gguf()  # the runs read SmolLM2's tokenizer: skipped with the install command
     port = _free_port()
     out = []
@@ -127,6 +132,8 @@ def _start(run_dir: Path, nproc: int, mode: str, tag: str, *flags: str
             "PMD_COORDINATOR": f"127.0.0.1:{port}", "PMD_NUM_PROCESSES": str(nproc),
             "PMD_PROCESS_ID": str(pid), "PMD_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S),
         }
+        if hashseed is not None:
+            extra["PYTHONHASHSEED"] = str(hashseed + pid)
         log = run_dir.parent / f"{run_dir.name}.{tag}.p{pid}.log"
         # the mode after FLAGS: TINY names mode pmd, and the last flag wins
         cmd = [sys.executable, "-m", "pmd_jax.main", "--config=configs/smollm2_sciq.py",
@@ -177,25 +184,31 @@ def _wait(jobs: list[tuple[subprocess.Popen, Path]], deadline: float) -> None:
         _kill(jobs)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """PMD in one process, and in two processes killed after checkpoint 1 and resumed; both
-    evaluate after the last step (process 0 evaluates, process 1 serves its sampler calls)."""
-    tmp = tmp_path_factory.mktemp("mp_loop")
+def _one_and_two_killed_resumed(tmp: Path, mode: str, *flags: str,
+                                hashseed: int | None = None) -> dict:
+    """``mode`` in one process, and in two processes killed after checkpoint 1 (process 1
+    gets SIGKILL) and resumed; both evaluate after the last step (process 0 evaluates,
+    process 1 serves its sampler calls). ``hashseed``: the one-process run has
+    ``PYTHONHASHSEED=hashseed``, the killed job's processes ``hashseed + 1 + i``, the resumed
+    job's ``hashseed + 3 + i``: no two processes salt string hashes alike."""
     t0 = time.monotonic()
     deadline = t0 + RUN_TIMEOUT_S
-    d = {k: tmp / k for k in ("pmd_1", "pmd_2")}
-    # wave 1: PMD in one process, and in two processes until its first checkpoint
-    pmd_1 = _start(d["pmd_1"], 1, "pmd", "run", *EVAL_AT_END)
-    pmd_2 = _start(d["pmd_2"], 2, "pmd", "killed", *EVAL_AT_END)
+    one, two = tmp / f"{mode}_1", tmp / f"{mode}_2"
+
+    def salt(k: int) -> int | None:
+        return None if hashseed is None else hashseed + k
+
+    # wave 1: one process, and two processes until the first checkpoint
+    single = _start(one, 1, mode, "run", *EVAL_AT_END, *flags, hashseed=salt(0))
+    killed = _start(two, 2, mode, "killed", *EVAL_AT_END, *flags, hashseed=salt(1))
     kill: dict = {}
     try:
-        marker = d["pmd_2"] / "checkpoints" / "1" / "pmd_commit.json"
+        marker = two / "checkpoints" / "1" / "pmd_commit.json"
         while not marker.exists():
-            if any(p.poll() is not None for p, _ in pmd_2) or time.monotonic() > deadline:
-                pytest.fail(f"no checkpoint 1 in the two-process run:\n{_tails(pmd_2)}")
+            if any(p.poll() is not None for p, _ in killed) or time.monotonic() > deadline:
+                pytest.fail(f"no checkpoint 1 in the two-process run:\n{_tails(killed)}")
             time.sleep(0.05)
-        (p0, log0), (p1, _) = pmd_2
+        (p0, log0), (p1, _) = killed
         os.killpg(p1.pid, signal.SIGKILL)
         p1.wait()
         t_kill = time.monotonic()
@@ -205,16 +218,49 @@ def runs(tmp_path_factory) -> dict:
             rc0 = None
         kill = {"rc0": rc0, "seconds": time.monotonic() - t_kill,
                 "log0": log0.read_text(errors="replace"),
-                "final_hf": (d["pmd_2"] / "final_hf").exists()}
+                "final_hf": (two / "final_hf").exists()}
     finally:
-        _kill(pmd_2)
+        _kill(killed)
     # wave 2: the killed job restarted with the same command
-    resumed = _start(d["pmd_2"], 2, "pmd", "resumed", *EVAL_AT_END)
-    _wait(pmd_1 + resumed, deadline)
-    print(f"PMD runs took {time.monotonic() - t0:.0f}s; process 0 stopped "
+    resumed = _start(two, 2, mode, "resumed", *EVAL_AT_END, *flags, hashseed=salt(3))
+    _wait(single + resumed, deadline)
+    print(f"{mode} runs took {time.monotonic() - t0:.0f}s; process 0 stopped "
           f"{kill.get('seconds', float('nan')):.0f}s after process 1 was killed")
-    return {**d, "kill": kill,
+    return {one.name: one, two.name: two, "kill": kill,
             "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """PMD in one process, and in two processes killed after checkpoint 1 and resumed."""
+    return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop"), "pmd")
+
+
+@pytest.fixture(scope="module")
+def verified_runs(tmp_path_factory) -> dict:
+    """The embedded default's mode (pmd_verified) the same way, with tests/loop/
+    test_trainer_verified.py's flags (every row's demonstration is the check's first replay,
+    so the replays' draws reach the loss), every launch and process under its own
+    PYTHONHASHSEED."""
+    from tests.loop.test_trainer_verified import DEMO_FROM_DRAWS, MODES
+
+    return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop_verified"),
+                                       "pmd_verified", *DEMO_FROM_DRAWS,
+                                       *MODES["pmd_verified"], hashseed=11)
+
+
+@pytest.fixture(scope="module")
+def matched_runs(tmp_path_factory) -> dict:
+    """sdpo_matched_sampling in one process and in two (slow), each under its own salt."""
+    from tests.loop.test_trainer_verified import DEMO_FROM_DRAWS, MODES
+
+    tmp = tmp_path_factory.mktemp("mp_loop_matched")
+    d = {k: tmp / k for k in ("matched_1", "matched_2")}
+    flags = (*EVAL_AT_END, *DEMO_FROM_DRAWS, *MODES["sdpo_matched_sampling"])
+    jobs = (_start(d["matched_1"], 1, "sdpo_matched_sampling", "run", *flags, hashseed=21)
+            + _start(d["matched_2"], 2, "sdpo_matched_sampling", "run", *flags, hashseed=22))
+    _wait(jobs, time.monotonic() + RUN_TIMEOUT_S)
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -399,3 +445,50 @@ def test_grpo_two_processes_equal_one_process(grpo_runs):
     assert not (multi / "memory.jsonl").exists()
     _assert_eval_equal(single, multi)
     _assert_written_once(multi)
+
+
+# ------------------------------------------------------ the default mode and its control
+DRAW_METRICS = ("verify_", "extra_demo_", "demo_from_")
+
+
+def _assert_draws_equal(single: Path, multi: Path) -> None:
+    """The check's replays and the extra attempts: every count (sequences, tokens, arms,
+    items tested / admitted / rejected, the demonstration shares) equal, not just close."""
+    a, b = _train_records(single), _train_records(multi)
+    keys = [k for k in a[0] if k.startswith(DRAW_METRICS) and k != "time_verify_replays"]
+    assert keys
+    for ra, rb in zip(a, b, strict=True):
+        for k in keys:
+            assert rb[k] == ra[k], (k, ra["step"], ra[k], rb[k])
+
+
+def test_pmd_verified_two_processes_killed_and_resumed_under_other_salts_equal_one(
+        verified_runs):
+    """The embedded default's mode across processes and a kill: process 0 draws the check's
+    replays and broadcasts the requests, and the resumed job redoes step 1's replays under
+    other salts; the state, weights, metrics, the check's counts and the memory (evidence
+    included) end where the one-process run ends. With the replay seed from a salted
+    ``hash()`` the resumed job's step-1 demonstrations differed (tests/loop/
+    test_trainer_verified.py: the same flags in one process)."""
+    single, multi = verified_runs["pmd_verified_1"], verified_runs["pmd_verified_2"]
+    for log in verified_runs["resumed_logs"]:
+        assert "resumed from checkpoint at step 1" in log, log[-3000:]
+    _assert_state_equal(single, multi)
+    _assert_hf_equal(single, multi)
+    _assert_metrics_equal(single, multi)
+    _assert_draws_equal(single, multi)
+    recs = _train_records(multi)
+    assert recs[-1]["verify_sequences"] > 0 and recs[-1]["demo_from_replay_fraction"] == 1.0
+    assert (multi / "memory.jsonl").read_bytes() == (single / "memory.jsonl").read_bytes()
+    _assert_eval_equal(single, multi)
+
+
+@pytest.mark.slow
+def test_sdpo_matched_sampling_two_processes_equal_one(matched_runs):
+    single, multi = matched_runs["matched_1"], matched_runs["matched_2"]
+    _assert_state_equal(single, multi)
+    _assert_hf_equal(single, multi)
+    _assert_metrics_equal(single, multi)
+    _assert_draws_equal(single, multi)
+    assert all(r["extra_demo_found_fraction"] == 1.0 for r in _train_records(multi))
+    _assert_eval_equal(single, multi)

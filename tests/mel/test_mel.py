@@ -21,6 +21,7 @@ from pmd_jax.mel import lessons as mel
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.models import decoder
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams
+from pmd_jax.sampling.seeds import derive_seed
 from tests.distill.distill_common import TINY, small_distill_config
 from tests.fakes import FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
@@ -213,7 +214,11 @@ def test_replay_filter_keeps_and_drops_as_the_sampler_dictates():
     assert s["mel_generated_tokens"] == s["mel_reflect_tokens"] + s["mel_replay_tokens"]
     refl, replay = sampler.params
     assert json.loads(refl.json_schema)["required"] == ["split_point", "critique", "lesson"]
-    assert refl.seed == 3 and replay.n == 2 and replay.json_schema is None
+    # the reflection's seed: the recipe of sampling/seeds.py on (run seed, the knob's, step)
+    cfg = _cfg()
+    want = derive_seed("mel.reflection", cfg.seed, cfg.mel.reflection.seed, 3)
+    assert refl.seed == want and replay.seed == derive_seed("mel.replay", cfg.seed, 3)
+    assert replay.n == 2 and replay.json_schema is None
     # the reflection shows the pair; the replay prompt holds the problem and the lesson
     assert "attempt 0 of problem 0" in sampler.prompts[0][0]
     assert "attempt 1 of problem 0" in sampler.prompts[0][0]
