@@ -195,8 +195,10 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     proposed for each problem are tested by paired replays where due, then every context
     keeps only admitted items. The replays are also attempts at the problem, graded by the
     verifier: with ``memory.verify.replays_as_demonstrations`` a row shown no success (no
-    sibling's, no remembered one) is shown its problem's first successful replay (a baseline
-    arm's before an item arm's), as SDPO shows a sibling's. Returns the step's counts and costs
+    sibling's, no remembered one) is shown its problem's first successful replay, as SDPO
+    shows a sibling's: a baseline arm's, else one from the arm of an item the check admitted
+    (an item arm's replay of an item not admitted is never shown: its text would reach the
+    teacher through the door the check closes). Returns the step's counts and costs
     (``verify_*``)."""
     from pmd_jax.memory.context import TeacherContext
     from pmd_jax.memory.verify import Proposal, check_before_use
@@ -224,7 +226,11 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
                          int(sb.step)))
     budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
 
-    found: dict[int, str] = {}  # problem index -> its first successful replay's text
+    found: dict[int, str] = {}  # problem index -> its first successful baseline replay's text
+    # (problem index, section, item) -> the first success of that item's arm: shown only if
+    # the check admits the item (an item the check has not admitted reaches no teacher, not
+    # even through a replay its text produced)
+    item_found: dict[tuple[int, str, str], str] = {}
 
     def run_arms(arms: list[Any]) -> list[list[tuple[bool, bool]]]:
         prompts, probs = [], []
@@ -252,8 +258,12 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
         for ro, text, res in zip(rollouts, texts, results, strict=True):
             ok = float(res.reward) >= thr
             out[ro.prompt_index].append((ok, bool(res.ok)))
-            if ok:  # the baseline arms run first: their successes are found first
-                found.setdefault(arms[ro.prompt_index][0], text)
+            if ok:
+                i, section, value = arms[ro.prompt_index]
+                if section is None:
+                    found.setdefault(i, text)
+                else:
+                    item_found.setdefault((i, section, value), text)
         return out
 
     t0 = time.perf_counter()
@@ -263,6 +273,11 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     proposed = sum(len(x) for x in props)
     for ctx in ctxs:
         ctx.keep_items(memory.evidence.visible)
+    for i, items in enumerate(props):  # a baseline's success first, then an admitted item's
+        for prop in items:
+            text = item_found.get((i, prop.section, prop.value))
+            if text and i not in found and memory.evidence.visible(prop.key):
+                found[i] = text
     demos = 0
     if cfg.memory.verify.replays_as_demonstrations:
         from pmd_jax.memory.sanitize import sanitize_text

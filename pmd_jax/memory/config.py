@@ -209,8 +209,9 @@ class MemoryVerify(Section):
     replays_as_demonstrations: bool = knob(
         True, "A replay is an attempt at the problem graded by the verifier: a row shown no "
         "success (no sibling's, no remembered one) is shown its problem's first successful "
-        "replay as the demonstration (the samples the check spends also do what "
-        "sdpo_matched_sampling's extra samples do; on the grid's seed 0 those took SDPO from "
+        "replay as the demonstration: a baseline arm's, else an admitted item's arm's (never "
+        "one written with an item not admitted). The samples the check spends also do what "
+        "sdpo_matched_sampling's extra samples do (on the grid's seed 0 those took SDPO from "
         "0.37 to 0.48).")
 
 

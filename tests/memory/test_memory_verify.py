@@ -376,3 +376,24 @@ def test_a_successful_replay_is_the_demonstration_of_a_group_without_one(model):
     ctxs = teaching.build_teacher_contexts(cfg, model, GradedTask(), mem, sb, sampler)
     assert ctxs[0].successful_attempt_source == "sibling"
     assert ctxs[1].successful_attempt_source == "replay"  # (its own success is never shown)
+
+
+@pytest.mark.parametrize("z, admitted", [(1.645, True), (2.64, False)])
+def test_an_item_arms_success_is_shown_only_once_the_item_is_admitted(model, z, admitted):  # noqa: F811
+    """The side door (issue 48): a replay from an item's arm carries what the item made the
+    policy write. The baseline never succeeds here and the item's arm always does (4 wins, no
+    loss): at z = 1.645 that admits the item, and its arm's success is the demonstration of
+    the rows shown none; at z = 2.64 the item stays pending (it takes 7 wins), and no row is
+    shown its arm's success: an item the check has not admitted reaches no teacher."""
+    cfg = verified_config(**{"memory.verify.z": z})
+    mem, items = make_memory(cfg, model, ["pA"])
+    del mem.experience.successes["pA"]
+    good = items["pA"]["strategies"][0]
+    sampler = ScriptedSampler(model.tokenizer, {good: "right"}, baseline_right=False)
+    sb = step_batch(cfg, model, ["pA"])
+    ctxs = teaching.build_teacher_contexts(cfg, model, GradedTask(), mem, sb, sampler)
+    ev = mem.evidence.items[key_of(mem, good)]
+    assert (ev.wins, ev.losses) == (4, 0) and ev.visible is admitted
+    want = ["replay", "replay"] if admitted else [None, None]
+    assert [c.successful_attempt_source for c in ctxs] == want
+    assert all((c.successful_attempt == f"The answer is {RIGHT}.") is admitted for c in ctxs)
