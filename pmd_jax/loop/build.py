@@ -120,10 +120,20 @@ class ModelBundle:
 
 
 def build_mesh(cfg: RunConfig):
-    from pmd_jax.run.sharding import ShardingRules, make_mesh
+    from pmd_jax.run.sharding import ShardingError, ShardingRules, make_mesh
 
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
     rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
+    # Every step's rows are split over the batch axes: a batch that does not divide would
+    # fail at the first train step, after a step's sampling (before the model is loaded now).
+    rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
+    split = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    if rows % split:
+        raise ShardingError(
+            f"rollout.problems_per_step x rollout.n = {rows} rows do not split over the "
+            f"mesh's batch axes (data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = "
+            f"{split} devices): make the rows a multiple of {split}, or set mesh.data / "
+            "mesh.fsdp (and mesh.tensor) so that data x fsdp divides them")
     return mesh, rules
 
 

@@ -1,7 +1,8 @@
 """Bad input a new user gives the entry point ends in one line and exit 2, before any compute,
 never a traceback (issue 38, item 5): a run_dir the OS refuses, no vLLM server, a HF folder
-that is not a usable model, train.keep_checkpoints=0, a mesh larger than the devices, no disk
-for two checkpoints, a section given a value, an embedder that is not there."""
+that is not a usable model, train.keep_checkpoints=0, a mesh larger than the devices, rows
+that do not split over the batch axes, no disk for two checkpoints, a section given a value,
+an embedder that is not there."""
 
 from __future__ import annotations
 
@@ -155,6 +156,19 @@ def test_a_mesh_larger_than_the_devices(tmp_path):
                            "--config.mesh.fsdp=1024"))
     assert line.startswith("invalid config: mesh shape {'data': 1, 'fsdp': 1024, 'tensor': 1} "
                            "needs 1024 devices, have "), line
+
+
+def test_rows_that_do_not_split_over_the_batch_axes(tmp_path):
+    """3 rows a step on 2 batch devices failed at the first train step (jax's
+    IndivisibleError, after a step's sampling); now one line before the model loads."""
+    two = "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'; "
+    line = _one_line(_main(f"--config={SCIQ}", *TINY, f"--config.run_dir={tmp_path}/run",
+                           "--config.rollout.problems_per_step=3", "--config.rollout.n=1",
+                           "--config.mesh.fsdp=-1", code=two))
+    assert line.startswith("invalid config: rollout.problems_per_step x rollout.n = 3 rows do "
+                           "not split over the mesh's batch axes (data x fsdp = 1 x 2 = 2 "
+                           "devices)"), line
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_refuses_to_start_without_disk_for_two_checkpoints(tmp_path):
