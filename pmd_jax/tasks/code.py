@@ -12,6 +12,7 @@ text to 2000.
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import json
@@ -287,14 +288,58 @@ class CodeTask(BaseTask):
             )
 
     def gold_leak_strings(self, problem: Problem) -> list[str]:
+        """What model-written memory must not quote: the expected outputs, the reference
+        program, and the expected values of assert-style tests (``assert f(x) == 26``:
+        ``26``) that the problem's text does not show. Those tests grade evaluation (every
+        split but "train" runs all of them), so a lesson that quotes "Expected 26" from a
+        step's feedback would hand the grader's answer to a teacher."""
         out: list[str] = []
-        for o in problem.gold.get("outputs", []) if isinstance(problem.gold, dict) else []:
+        gold = problem.gold if isinstance(problem.gold, dict) else {}
+        for o in gold.get("outputs", []):
             s = str(o).strip()
             if s:
                 out.append(s)
+        for test in gold.get("inputs", []):
+            if isinstance(test, str) and test.strip() not in problem.question:
+                out.extend(v for v in assert_expected_values(test) if v not in out)
         if problem.meta.get("reference"):
             out.append(str(problem.meta["reference"]).strip())
         return out
+
+
+# Expected values too common to be a leak of one problem's answer (and, matched on word
+# boundaries, found in ordinary prose: "return True", "step 1").
+_COMMON_EXPECTED = {"True", "False", "None", "''", '""', "[]", "()", "{}", "set()"}
+
+
+def assert_expected_values(test: str) -> list[str]:
+    """The expected values of the ``assert <expr> == <literal>`` statements in ``test`` (as
+    written, and as Python normalises them, e.g. ``[1,2]`` and ``[1, 2]``; a string also
+    bare, as feedback prints it); values of one character and the common ones (``True``,
+    ``None``, ``[]``, ...) are left out. A test that does not parse gives none.
+    """
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return []
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+                and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+            continue
+        left, right = node.test.left, node.test.comparators[0]
+        for side in (right, left):
+            try:
+                value = ast.literal_eval(side)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            bare = value if isinstance(value, str) else None  # "heo" as feedback prints it
+            for text in (ast.get_source_segment(test, side), ast.unparse(side), bare):
+                text = (text or "").strip()
+                if len(text) > 1 and text not in _COMMON_EXPECTED and text not in out:
+                    out.append(text)
+            break
+    return out
 
 
 # ----------------------------------------------------------------------------- loaders

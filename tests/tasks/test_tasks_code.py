@@ -16,6 +16,7 @@ from pmd_jax.tasks import get_task
 from pmd_jax.tasks.base import Problem
 from pmd_jax.tasks.code import (
     CodeTask,
+    assert_expected_values,
     extract_code,
     format_feedback,
     load_livecodebench,
@@ -503,3 +504,40 @@ def test_harness_fork_waits_out_a_transient_process_limit(monkeypatch):
     monkeypatch.setattr(code_runner.os, "fork", refuse)
     with pytest.raises(BlockingIOError):
         code_runner._fork(tries=3, wait=0.0)
+
+
+def test_mbpp_leak_strings_hold_the_graded_tests_expected_values(mbpp):
+    """Issue 48: MBPP's tests are asserts whose expected outputs are stored empty, so the
+    leak strings held only the reference program and a lesson could quote "Expected bcd"
+    from a step's feedback. Now the expected value of every test the prompt does not show
+    (evaluation runs them all) is a leak string, as written and bare; the example the prompt
+    shows is not (quoting it leaks nothing)."""
+    from pmd_jax.memory.sanitize import leaks_gold
+
+    p = next(q for q in mbpp.problems("all") if q.id == "mbpp/11")
+    shown, *hidden = p.gold["inputs"]
+    assert shown in p.question and not any(h in p.question for h in hidden)
+    leaks = mbpp.gold_leak_strings(p)
+    assert {'"bcd"', "bcd"} <= set(leaks)  # hidden: remove_Occ("abcda","a") == "bcd"
+    assert "heo" not in leaks  # the prompt's own example
+    assert "H" not in leaks  # one character: would match ordinary prose
+    assert leaks[-1] == p.meta["reference"].strip()
+    assert leaks_gold("Lesson: for abcda the expected output is bcd, so drop every a.", leaks)
+    assert leaks_gold("Expected 'bcd'", leaks)
+    assert not leaks_gold("Remove every occurrence of the character, e.g. heo.", leaks)
+    # a list-valued expected output, as written and as Python prints it
+    q = next(q for q in mbpp.problems("all") if q.id == "mbpp/12")
+    assert "[[2, 1, 4], [6, 4, 3], [5, 8, 9]]" in mbpp.gold_leak_strings(q)
+    assert leaks_gold("Expected [[2, 1, 4], [6, 4, 3], [5, 8, 9]]",
+                      mbpp.gold_leak_strings(q))
+
+
+def test_assert_expected_values_parses_what_it_can():
+    assert assert_expected_values("assert f(3) == 26") == ["26"]
+    assert assert_expected_values("assert 26 == f(3)") == ["26"]
+    assert assert_expected_values("assert f([1,2])==[1,2]") == ["[1,2]", "[1, 2]"]
+    assert assert_expected_values("assert f(1) == True\nassert f(2) == None") == []
+    assert assert_expected_values("assert f(1) == g(2)") == []  # no literal side
+    assert assert_expected_values("assert f(1) != 26") == []
+    assert assert_expected_values("def check(c):\n    assert c(1) == 'ab'\n") == ["'ab'", "ab"]
+    assert assert_expected_values("assert f(") == []  # does not parse
