@@ -236,6 +236,11 @@ def runs(tmp_path_factory) -> dict:
     return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop"), "pmd")
 
 
+# rollout.n=1 (DEMO_FROM_DRAWS): 4 problems a step, so the rows split over fsdp=4; the same 4
+# problems every step, so step 1 tests the items written at step 0
+MP_ROWS = ("--config.rollout.problems_per_step=4", "--config.task.max_train_problems=4")
+
+
 @pytest.fixture(scope="module")
 def verified_runs(tmp_path_factory) -> dict:
     """The embedded default's mode (pmd_verified) the same way, with tests/loop/
@@ -245,7 +250,7 @@ def verified_runs(tmp_path_factory) -> dict:
     from tests.loop.test_trainer_verified import DEMO_FROM_DRAWS, MODES
 
     return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop_verified"),
-                                       "pmd_verified", *DEMO_FROM_DRAWS,
+                                       "pmd_verified", *DEMO_FROM_DRAWS, *MP_ROWS,
                                        *MODES["pmd_verified"], hashseed=11)
 
 
@@ -256,7 +261,7 @@ def matched_runs(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("mp_loop_matched")
     d = {k: tmp / k for k in ("matched_1", "matched_2")}
-    flags = (*EVAL_AT_END, *DEMO_FROM_DRAWS, *MODES["sdpo_matched_sampling"])
+    flags = (*EVAL_AT_END, *DEMO_FROM_DRAWS, *MP_ROWS, *MODES["sdpo_matched_sampling"])
     jobs = (_start(d["matched_1"], 1, "sdpo_matched_sampling", "run", *flags, hashseed=21)
             + _start(d["matched_2"], 2, "sdpo_matched_sampling", "run", *flags, hashseed=22))
     _wait(jobs, time.monotonic() + RUN_TIMEOUT_S)
@@ -478,7 +483,9 @@ def test_pmd_verified_two_processes_killed_and_resumed_under_other_salts_equal_o
     _assert_metrics_equal(single, multi)
     _assert_draws_equal(single, multi)
     recs = _train_records(multi)
-    assert recs[-1]["verify_sequences"] > 0 and recs[-1]["demo_from_replay_fraction"] == 1.0
+    # step 1: 2 item tests (memory.verify.max_items_per_step), on 2 of the 4 problems, whose
+    # rows are shown a replay (the others run no replay)
+    assert recs[-1]["verify_sequences"] > 0 and recs[-1]["demo_from_replay_fraction"] == 0.5
     assert (multi / "memory.jsonl").read_bytes() == (single / "memory.jsonl").read_bytes()
     _assert_eval_equal(single, multi)
 
