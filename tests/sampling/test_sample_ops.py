@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from scipy import optimize, stats
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pmd_jax.sampling import sample_ops
@@ -163,22 +166,6 @@ def test_sampled_logprob_is_unfiltered_at_temperature():
     assert allowed[np.arange(8), tok].all()
 
 
-def test_empirical_distribution_matches_filtered_softmax():
-    # one row repeated with many different keys: frequencies ~ renormalised filtered probs
-    rng = np.random.default_rng(4)
-    row = rng.normal(size=(12,)).astype(np.float32)
-    n = 20000
-    x = jnp.broadcast_to(jnp.asarray(row), (n, 12))
-    keys = sample_ops.row_keys(1, jnp.zeros(n, jnp.int32), jnp.arange(n), 0)
-    tok, _ = jax.jit(lambda a, k: sample_ops.sample_tokens(a, k, 1.3, 6, 0.85))(x, keys)
-    freq = np.bincount(np.asarray(tok), minlength=12) / n
-    f = _np_top_p(_np_top_k(row[None] / 1.3, 6), 0.85)[0]
-    probs = np.where(np.isfinite(f), np.exp(f - f[np.isfinite(f)].max()), 0.0)
-    probs /= probs.sum()
-    assert (freq[probs == 0] == 0).all()
-    np.testing.assert_allclose(freq, probs, atol=0.015)
-
-
 def test_row_keys_depend_on_each_coordinate_only():
     base = sample_ops.row_keys(3, jnp.array([0, 1]), jnp.array([2, 2]), 5)
     again = sample_ops.row_keys(3, jnp.array([1]), jnp.array([2]), 5)
@@ -200,6 +187,229 @@ def test_traced_needs_filter_skips_sort():
     t2, l2 = f(x, keys, jnp.array(False))
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2))
+
+
+# ------------------------------------------------------------- draws vs the target distribution
+#
+# The sampler's draws against the distribution they should follow, computed here with numpy in
+# float64 from its definition (softmax of the temperature-scaled logits, top-k then top-p), not
+# with sample_ops: a chi-square goodness-of-fit test on many independent draws of one row (one
+# key per sample index, as decode gives each sample of a prompt its own key), plus an exact
+# check that no token the filters exclude is ever drawn.
+#
+# Cells: each token holding >= CELL_MASS (0.5%) of the target mass is its own cell; the rarer
+# tokens are pooled in id order, within each 256-token block, into runs of consecutive ids
+# holding >= CELL_MASS each (expected counts are then >= 80, far above the 5 the chi-square
+# approximation needs, and the degrees of freedom stay low enough for the power below). Level
+# ALPHA = 1e-3 per case: with the fixed seeds the p-values are fixed (asserted > ALPHA; they
+# are 0.13-0.93); were the seeds changed, a correct sampler would still fail a case only once
+# per 1,000 seeds.
+#
+# Power (noncentral chi-square, scipy.stats.ncx2; _min_detectable_shift): moving delta of the
+# probability mass from any one cell to any other gives the noncentrality
+# n * delta**2 * (1/p_a + 1/p_b) >= n * delta**2 * (1/p_1 + 1/p_2), p_1, p_2 the two largest
+# cells, so per case every such shift of at least this many points of probability is detected
+# with power >= 0.9 at level ALPHA (computed once; test_chi_square_design_has_the_stated_power
+# asserts these bounds, STATED_SHIFT):
+#   temperature 0.6, no filter, V=1000 (4 blocks), 16,384 draws:        1.1 points
+#   top-k 40 at T=1.3, V=1000, 8,192 draws:                              1.16 points
+#   top-k 100 + top-p 0.5 at T=0.8, V=1000 (fast filter), 8,192 draws:   1.4 points
+#   top-p 0.7 at T=0.8, V=1000 (fast filter, 143 tokens), 16,384 draws:  0.91 points
+#   top-k 280 + top-p 0.3, V=300 (sorting filters), 8,192 draws:         1.8 points
+#   top-k 6 + top-p 0.85 at T=1.3, V=12 (one block), 32,768 draws:       1.16 points
+# (between two tokens of ~4% each, 1 point is a 25% relative bias). Any other bias whose
+# noncentrality n * sum((q - p)**2 / p) over the cells reaches the same value (28-77 for these
+# 4-98 degrees of freedom) is detected with the same power. The temperature case is built for
+# biases at the ends of either level's CDF (a uniform scaled or clamped, a total or cumsum off
+# by one): its outer blocks and the first and last token of each inner block are cells of
+# ~0.6% that such a bias empties, noncentrality >= 0.006 n = 97 each, power >= 0.98 (with the
+# fixed seed, either uniform scaled by 0.99 gives p < 1e-8; by 0.995, p = 1e-5 (block) and
+# 7e-4 (inner), the edge of what this case detects).
+# The draw count is the cost: ~0.1 ms a draw at this suite's XLA -O0 on a 2-core machine.
+
+ALPHA = 1e-3
+POWER = 0.9
+CELL_MASS = 0.005
+BLOCK_EDGES = (0, 1, 254, 255, 256, 257, 510, 511, 512, 513, 766, 767, 768, 769, 998, 999)
+
+
+def _cdf_ends_logits(seed: int, temperature: float) -> np.ndarray:
+    """Logits (V=1000) whose softmax at ``temperature`` puts 0.6% of the mass on each of the
+    outer blocks (ids 0-255, 768-999) and 49.4% on each inner one. In each inner block six
+    likely tokens hold 48% of the block (two on each side of the 511|512 boundary), the first
+    and the last token 1.2% each, a log-normal tail the rest. Either end of either level's CDF
+    is then a cell of its own that a bias there empties: the outer blocks for the block uniform,
+    the first and last token of each inner block for the inner uniform."""
+    rng = np.random.default_rng(seed)
+    w = np.zeros(1000)
+    inner = {256: [300, 350, 400, 450, 509, 510], 512: [513, 514, 600, 650, 700, 750]}
+    for lo, hi in ((0, 256), (256, 512), (512, 768), (768, 1000)):
+        ids = np.arange(lo, hi)
+        tail = np.exp(rng.normal(size=hi - lo))
+        if lo not in inner:
+            w[ids] = 0.006 * tail / tail.sum()
+            continue
+        likely, ends = inner[lo], [lo, hi - 1]
+        tail[np.isin(ids, likely + ends)] = 0.0
+        w[ids] = 0.494 * 0.496 * tail / tail.sum()
+        w[likely] = 0.494 * 0.48 * rng.dirichlet(np.full(len(likely), 20.0))
+        w[ends] = 0.494 * 0.012
+    return (temperature * np.log(w)).astype(np.float32)
+
+
+def _spread_logits(seed: int, v: int = 1000) -> np.ndarray:
+    """Standard normal logits but 20 tokens at 3-3.6: 16 on both sides of the 256-token block
+    boundaries (and the first and last ids, the last one in the padded fourth block) and 4
+    inside blocks, so the likely mass straddles every block boundary and every block matters."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=v)
+    heavy = [i for i in (*BLOCK_EDGES, 100, 400, 640, 900) if i < v]
+    x[heavy] = rng.uniform(3.0, 3.6, size=len(heavy))
+    return x.astype(np.float32)
+
+
+def _target_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float
+                  ) -> np.ndarray:
+    """The distribution the sampler must follow, in float64 from the definitions (vLLM / HF
+    order: temperature, top-k, then top-p on the top-k-renormalised probabilities)."""
+    x = _np_top_k(logits.astype(np.float64)[None] / temperature, top_k)[0]
+    if top_p < 1.0:
+        e = np.exp(x - x.max())
+        probs = np.sort(e / e.sum())[::-1]
+        before = np.cumsum(probs) - probs
+        # design check: no token's mass-before within float32 rounding of top_p
+        assert np.abs(before - top_p).min() > 1e-4, "ambiguous nucleus: choose another row"
+        x = _np_top_p(x[None], top_p)[0]
+    p = np.where(np.isfinite(x), np.exp(x - x.max()), 0.0)
+    return p / p.sum()
+
+
+def _cells(p: np.ndarray, block: int = 256) -> list[np.ndarray]:
+    """Token ids of each chi-square cell (see above): tokens with p >= CELL_MASS alone; the
+    other tokens with p > 0 pooled in id order, within each 256-token block, into runs of
+    >= CELL_MASS (a block's short last run joins the block's previous run, if it has one)."""
+    cells: list[np.ndarray] = []
+    for start in range(0, len(p), block):
+        runs: list[list[int]] = []
+        run: list[int] = []
+        for i in range(start, min(start + block, len(p))):
+            if p[i] >= CELL_MASS:
+                cells.append(np.array([i]))
+            elif p[i] > 0:
+                run.append(i)
+                if p[run].sum() >= CELL_MASS:
+                    runs.append(run)
+                    run = []
+        if run and runs:
+            runs[-1] += run
+        elif run:
+            runs.append(run)
+        cells += [np.array(r) for r in runs]
+    return cells
+
+
+def _min_detectable_shift(cell_probs: np.ndarray, n: int) -> float:
+    """Smallest mass shift between two cells that the test detects with probability POWER
+    (the two largest cells: the hardest pair)."""
+    df = len(cell_probs) - 1
+    crit = stats.chi2.ppf(1 - ALPHA, df)
+    lam = optimize.brentq(lambda nc: stats.ncx2.sf(crit, df, nc) - POWER, 1e-3, 1e4)
+    p1, p2 = np.sort(cell_probs)[-2:]
+    return float(np.sqrt(lam / (n * (1 / p1 + 1 / p2))))
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _draw_counts(logits: jax.Array, prompt: jax.Array, start: jax.Array, temperature: jax.Array,
+                 top_k: jax.Array, top_p: jax.Array, *, rows: int) -> jax.Array:
+    """Token counts of ``rows`` draws from one logits row: sample indices ``start + i`` of one
+    prompt, each with its own key, through ``sample_tokens`` as decode calls it."""
+    x = jnp.broadcast_to(logits, (rows, logits.shape[0]))
+    keys = sample_ops.row_keys(11, jnp.full((rows,), prompt), start + jnp.arange(rows), 0)
+    tok, _ = sample_ops.sample_tokens(x, keys, temperature, top_k, top_p)
+    return jnp.bincount(tok, length=logits.shape[0])
+
+
+# (id, logits, temperature, top_k, top_p, draws): prompt index = the case's position
+GOF_CASES = [
+    ("temperature", _cdf_ends_logits(20, 0.6), 0.6, 0, 1.0, 1 << 14),
+    ("top_k", _spread_logits(21), 1.3, 40, 1.0, 1 << 13),
+    ("top_k_top_p", _spread_logits(22), 0.8, 100, 0.5, 1 << 13),
+    ("top_p", _spread_logits(23), 0.8, 0, 0.7, 1 << 14),
+    ("top_k_top_p_sorting", _spread_logits(24, 300), 1.0, 280, 0.3, 1 << 13),
+    ("small_vocab", np.random.default_rng(4).normal(size=12).astype(np.float32), 1.3, 6, 0.85,
+     1 << 15),
+]
+STATED_SHIFT = {"temperature": 0.011, "top_k": 0.0116, "top_k_top_p": 0.014, "top_p": 0.0091,
+                "top_k_top_p_sorting": 0.018, "small_vocab": 0.0116}
+
+
+def _gof_case(name: str) -> tuple:
+    return next(c for c in GOF_CASES if c[0] == name)
+
+
+def _sample_counts(case: int) -> np.ndarray:
+    _, logits, t, k, p, n = GOF_CASES[case]
+    rows = min(n, 8192)
+    got = np.zeros(logits.shape[0], np.int64)
+    for start in range(0, n, rows):
+        got += np.asarray(_draw_counts(jnp.asarray(logits), jnp.int32(case), jnp.int32(start),
+                                       jnp.float32(t), jnp.int32(k), jnp.float32(p), rows=rows))
+    return got
+
+
+@pytest.mark.parametrize("case", range(len(GOF_CASES)), ids=[c[0] for c in GOF_CASES])
+def test_draws_follow_the_target_distribution(case: int) -> None:
+    """``sample_tokens``'s draws from one row, with a key per sample index, follow the softmax
+    of the temperature-scaled, top-k / top-p filtered logits computed here in float64: no
+    excluded token is ever drawn (exact), and a chi-square test at level ALPHA does not reject
+    (its power is in the comment above). The V=1000 rows span four 256-token blocks of the
+    two-uniform draw with likely tokens on both sides of block boundaries; the temperature
+    case's CDF ends are small cells of their own, so a bias of either uniform, of the block
+    sums or of a cumsum shows; the top-p cases take the fast filter (nucleus within the 256
+    largest logits) and the sorting filters (top-k 280 > FAST_FILTER_K)."""
+    name, logits, t, k, p, n = GOF_CASES[case]
+    target = _target_probs(logits, t, k, p)
+    got = _sample_counts(case)
+    assert got.sum() == n
+    excluded = np.flatnonzero(target == 0)
+    assert got[excluded].sum() == 0, f"excluded tokens drawn: {excluded[got[excluded] > 0]}"
+    cells = _cells(target)
+    obs = np.array([got[c].sum() for c in cells])
+    exp = np.array([target[c].sum() for c in cells]) * n
+    assert exp.min() >= 5
+    stat, pval = stats.chisquare(obs, exp)
+    worst = np.argsort(-(obs - exp) ** 2 / exp)[:3]
+    assert pval > ALPHA, (
+        f"{name}: chi2 {stat:.1f} on {len(cells) - 1} df, p = {pval:.2e}; worst cells (first "
+        f"token, observed, expected): "
+        f"{[(int(cells[i][0]), int(obs[i]), round(float(exp[i]), 1)) for i in worst]}")
+
+
+def test_chi_square_design_has_the_stated_power() -> None:
+    """The power figures quoted above hold for the cases as they are (draw counts, cells):
+    for each case, a mass shift of STATED_SHIFT between any two cells is detected with
+    probability >= POWER at level ALPHA. Also what the cases are built for: every block of
+    the spread V=1000 rows holds > 5% of the mass; in the temperature case the outer blocks
+    and the ends of the inner blocks are cells of their own holding 0.5-1% (so a 1% bias at
+    either end of either level's CDF empties at least one of them); the top-p cases take
+    the filter path they are meant to cover."""
+    for name, logits, t, k, p, n in GOF_CASES:
+        target = _target_probs(logits, t, k, p)
+        cells = _cells(target)
+        shift = _min_detectable_shift(np.array([target[c].sum() for c in cells]), n)
+        assert shift <= STATED_SHIFT[name], (name, shift)
+        if logits.shape[0] == 1000:
+            blocks = np.pad(target, (0, 24)).reshape(4, 256).sum(-1)
+            assert blocks.min() > (0.005 if name == "temperature" else 0.05), (name, blocks)
+    _, logits, t, k, p, _ = _gof_case("temperature")
+    target = _target_probs(logits, t, k, p)
+    ends = {tuple(c) for c in _cells(target)}
+    for end in (range(256), [256], [511], [512], [767], range(768, 1000)):
+        assert tuple(end) in ends and 0.005 <= target[list(end)].sum() <= 0.01, end
+    for name, fast in (("top_k_top_p", True), ("top_p", True), ("top_k_top_p_sorting", False)):
+        _, logits, t, k, p, _ = _gof_case(name)
+        x = jnp.asarray(logits[None] / t)
+        assert bool(sample_ops.fast_filter(x, k, p)[1][0]) == fast, name
 
 
 def _two_level_reference(logp: np.ndarray, u: np.ndarray, block: int

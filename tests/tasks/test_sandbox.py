@@ -2,19 +2,25 @@
 
 The fork bombs are bounded: they run only when a process-count containment really applies
 here (a dropped uid under RLIMIT_NPROC or a cgroup pids limit); otherwise the test is skipped
-with a message rather than running an unbounded fork bomb on a shared machine.
+with a message rather than running an unbounded fork bomb on a shared machine. Where they run
+they must be stopped by that containment (fork fails with EAGAIN) within ``process_bound()``
+processes, counted by the bomb's own processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +44,13 @@ BACKEND = INFO["backend"]
 
 def nproc_contained() -> bool:
     return bool(INFO["uid_drop"] or "pids" in INFO["cgroup"] or "unified" in INFO["cgroup"])
+
+
+def process_bound() -> int:
+    """The most processes a program may have at once: RLIMIT_NPROC = ``nproc`` for the
+    dedicated uid where the uid is dropped (it also counts the namespace's init shell), else
+    the slot cgroup's ``pids.max`` = ``nproc + 8`` (which also counts bwrap)."""
+    return LIM.nproc if INFO["uid_drop"] else LIM.nproc + 8
 
 
 def run(src: str, backend: str = BACKEND, **kw) -> sandbox.ExecResult:
@@ -79,35 +92,61 @@ def test_uid_and_privileges_dropped():
 # ----------------------------------------------------------------------------- hostile kinds
 
 
-def test_fork_bomb():
+# Every process forks until fork fails; then it prints how many children it made and holds
+# its slot (a child sleeps until the run is torn down, so no slot frees up for a later fork),
+# and the first process, after 2 s for the others to report, lets the error end the program.
+FORK_BOMB = """\
+import os, time
+first, forks = os.getpid(), 0
+try:
+    while True:
+        if os.fork():
+            forks += 1
+        else:
+            forks = 0
+finally:
+    print("forks", forks, flush=True)
+    time.sleep(2 if os.getpid() == first else 60)
+"""
+
+
+def test_fork_bomb() -> None:
+    """A fork bomb is stopped by the process-count containment itself: fork fails with EAGAIN
+    (the program ends on the uncaught BlockingIOError, well before the wall-clock limit), and
+    the processes it made, each reporting its own forks, are at most ``process_bound()``."""
     if not nproc_contained():
         pytest.skip(
             "no process-count containment here (root without uid drop and no pids "
             "cgroup): not running a fork bomb"
         )
-    src = (
-        "import os\nn=0\nwhile True:\n    try:\n        os.fork(); n+=1\n"
-        "    except OSError:\n        break\nprint('forks', n)\nimport time; time.sleep(0.5)"
-    )
     t0 = time.time()
-    r = run(src)
+    r = run(FORK_BOMB)
     assert time.time() - t0 < LIM.wall_s + 5
-    # contained: either the bomb hit the limit and exited, or the tree was killed
-    assert r.status in ("ok", "exit_nonzero", "timeout", "signal", "cpu_limit"), r.reason
+    assert r.status == "exit_nonzero" and "BlockingIOError" in r.reason, (r.status, r.reason)
+    forks = [int(ln.split()[1]) for ln in r.stdout.decode().splitlines()]
+    # one line per process: the first one plus every child the others report
+    assert len(forks) == sum(forks) + 1 >= 2, forks
+    assert len(forks) <= process_bound(), (len(forks), process_bound(), forks)
 
 
-def test_fork_bomb_counted_limit():
+def test_fork_bomb_counted_limit() -> None:
+    """Children that hold their slot (sleep 3 s) while the parent forks up to 200: the loop is
+    ended by fork failing with EAGAIN (not by the 200), after at most ``process_bound()`` - 1
+    children. The program catches the error and exits normally, so the run is "ok"."""
     if not nproc_contained():
         pytest.skip("no process-count containment here: not running a fork bomb")
     src = (
-        "import os,time\nn=0\nfor _ in range(200):\n    try:\n        pid=os.fork()\n"
-        "    except OSError:\n        break\n    if pid==0:\n"
+        "import errno,os,time\nn=0\nerr=None\nfor _ in range(200):\n    try:\n"
+        "        pid=os.fork()\n    except OSError as e:\n"
+        "        err=errno.errorcode[e.errno]\n        break\n    if pid==0:\n"
         "        time.sleep(3); os._exit(0)\n"
-        "    n+=1\nprint(n)"
+        "    n+=1\nprint(n, err)"
     )
     r = run(src)
     assert r.ok, r.reason
-    assert int(r.stdout) < LIM.nproc + 8  # the process limit really bites
+    n, err = r.stdout.decode().split()
+    assert err == "EAGAIN", r.stdout  # the process limit really bites
+    assert 1 <= int(n) <= process_bound() - 1, (n, process_bound())
 
 
 def test_thread_bomb():
@@ -247,15 +286,62 @@ def test_read_parent_environment(monkeypatch):
     assert r.ok, r.reason
 
 
-def test_kill_parent():
+# Runs one program through run_python in a separate host process (the sandbox's caller),
+# so that this test process outlives a sandbox that fails to protect its caller. Its
+# arguments: the limits (JSON), the backend, the program, the program's arguments; the
+# caller's own pid is appended to them.
+_CALLER = """\
+import json, os, sys
+from pmd_jax.tasks.sandbox import Limits, run_python
+r = run_python(sys.argv[3], backend=sys.argv[2], limits=Limits(**json.loads(sys.argv[1])),
+               args=[*sys.argv[4:], str(os.getpid())])
+print(json.dumps({"status": r.status, "reason": r.reason, "stdout": r.stdout.decode()}))
+"""
+
+
+def test_kill_parent() -> None:
+    """The program SIGKILLs its parent, pid 1, a host process (a sleeping child of this test
+    process) and the host process that called ``run_python`` (a separate process here, so
+    this test outlives it). Contained (a pid namespace and/or the dedicated uid), both host
+    processes are out of its reach (no such pid in the namespace, or EPERM for the uid): the
+    sleeper is still alive and the caller returns the result. The program must have tried all
+    four and lived on to print 'alive' (in a namespace its parent is the init, which ignores
+    signals from inside), or the first check would prove nothing."""
+    if not (INFO["pid_namespace"] or os.geteuid() != 0 or INFO["uid_drop"]):
+        pytest.skip("program would run as root on the host's pids: killing them is not safe")
     src = (
-        "import os,signal\nfor t in (os.getppid(), 1):\n    try:\n"
-        "        os.kill(t, signal.SIGKILL)\n    except OSError as e:\n        print('no', t)\n"
+        "import os, signal, sys\n"
+        "for name, pid in (('sleeper', int(sys.argv[1])), ('caller', int(sys.argv[2])),\n"
+        "                  ('parent', os.getppid()), ('init', 1)):\n"
+        "    try:\n        os.kill(pid, signal.SIGKILL)\n        print(name, 'sent')\n"
+        "    except OSError as e:\n        print(name, type(e).__name__)\n"
         "print('alive')"
     )
-    r = run(src)
-    assert r.status in ("ok", "signal", "exit_nonzero")
-    assert os.getpid() > 0  # we are still here
+    sleeper = os.fork()
+    if sleeper == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        root = str(Path(sandbox.__file__).resolve().parents[3])  # the pmd_jax imported here
+        caller = subprocess.run(
+            [sys.executable, "-c", _CALLER, json.dumps(dataclasses.asdict(LIM)), BACKEND, src,
+             str(sleeper)],
+            capture_output=True, timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root},
+        )
+        sleeper_alive = os.waitpid(sleeper, os.WNOHANG) == (0, 0)
+        assert sleeper_alive and caller.returncode == 0, (
+            f"the program killed host processes: sleeper alive {sleeper_alive}, caller exit "
+            f"status {caller.returncode} {caller.stderr[-300:]!r}")
+        r = json.loads(caller.stdout)
+        # it did try all four kills and lived on (so the check above is not vacuous)
+        tried = sorted(ln.split()[0] for ln in r["stdout"].splitlines()[:-1])
+        assert (r["status"], tried, r["stdout"].splitlines()[-1]) == (
+            "ok", ["caller", "init", "parent", "sleeper"], "alive"), r
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(sleeper, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(sleeper, 0)
 
 
 def test_kill_everything():
