@@ -6,20 +6,22 @@
 ``(data=1, fsdp=4, tensor=2)`` mesh, so in the two-process job the fsdp axis (FSDP gathers,
 gradient reductions, the sampler's batch split) crosses the process boundary through gloo.
 A tiny random Llama (``tiny-llama``, SmolLM2's tokenizer, real SciQ problems) runs 2 steps
-with the JAX sampler, in PMD mode (memory with reflections, the default MiniLM embedder, as
-tests/loop/test_trainer.py), evaluating after the last step; the embedded default's mode,
-``pmd_verified`` (the check before use: paired replays drawn by process 0), the same way with
-tests/loop/test_trainer_verified.py's flags, every launch and process under its own
-``PYTHONHASHSEED``; the same in GRPO and in ``sdpo_matched_sampling`` mode (one process
-against two, no kill) are slow tests.
+with the JAX sampler, evaluating after the last step. The default suite runs the embedded
+default's mode, ``pmd_verified`` (memory with reflections, the default MiniLM embedder, and
+the check before use: paired replays drawn by process 0), with
+tests/loop/test_trainer_verified.py's flags (every row's demonstration is the check's first
+replay, so a replay drawn differently would change the loss), every launch and process under
+its own ``PYTHONHASHSEED``. Slow: the same in ``pmd`` mode (every item supervises, the
+experience level on; the default suite's job until 2026-11-28), and GRPO and
+``sdpo_matched_sampling`` (one process against two, no kill).
 
-The PMD two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
+The two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
 process 0 must stop on its own with jax's error naming the dead task within
 ``HEARTBEAT_S + KILL_SLACK_S`` seconds (``PMD_HEARTBEAT_TIMEOUT_S`` sets jax.distributed's
 ``heartbeat_timeout_seconds``; jax's default is 100 s). Rerunning both processes with the same
 command resumes from checkpoint 1, so its end state also shows that params, optimizer and
 teacher state, the memory (held and checkpointed by process 0 alone) and the data cursor came
-back intact: the resumed PMD job and the clean GRPO job must both end where the one-process
+back intact: the resumed job and the clean GRPO job must both end where the one-process
 runs end.
 
 Compared: the final checkpoint's whole train state (params, optimizer state, teacher, step,
@@ -46,7 +48,7 @@ bitwise reproducible (not asserted here: that would double the time).
 Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
 and process 1's cache keys differ, so process 1 compiles every program in every launch
 (~40 s per train-step shape on a busy 2-core machine). With the GRPO jobs the module took
-5:56 and 6:38 on the 2-core machine at load 11-16 (7 launches); the default suite's PMD jobs
+5:56 and 6:38 on the 2-core machine at load 11-16 (7 launches); the default suite's jobs
 are 4 launches (one-process, two-process, its restart). It needs no accelerator.
 """
 
@@ -230,28 +232,30 @@ def _one_and_two_killed_resumed(tmp: Path, mode: str, *flags: str,
             "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """PMD in one process, and in two processes killed after checkpoint 1 and resumed."""
-    return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop"), "pmd")
-
-
 # rollout.n=1 (DEMO_FROM_DRAWS): 4 problems a step, so the rows split over fsdp=4; the same 4
 # problems every step, so step 1 tests the items written at step 0
 MP_ROWS = ("--config.rollout.problems_per_step=4", "--config.task.max_train_problems=4")
 
 
-@pytest.fixture(scope="module")
-def verified_runs(tmp_path_factory) -> dict:
-    """The embedded default's mode (pmd_verified) the same way, with tests/loop/
-    test_trainer_verified.py's flags (every row's demonstration is the check's first replay,
-    so the replays' draws reach the loss), every launch and process under its own
-    PYTHONHASHSEED."""
+def _verified_flags() -> tuple[str, ...]:
     from tests.loop.test_trainer_verified import DEMO_FROM_DRAWS, MODES
 
-    return _one_and_two_killed_resumed(tmp_path_factory.mktemp("mp_loop_verified"),
-                                       "pmd_verified", *DEMO_FROM_DRAWS, *MP_ROWS,
-                                       *MODES["pmd_verified"], hashseed=11)
+    return (*DEMO_FROM_DRAWS, *MP_ROWS, *MODES["pmd_verified"])
+
+
+@pytest.fixture(scope="module", params=[
+    "pmd_verified", pytest.param("pmd", marks=pytest.mark.slow)])
+def runs(request, tmp_path_factory) -> dict:
+    """A job in one process, and in two processes killed after checkpoint 1 and resumed.
+    The default suite's is the embedded default's mode, ``pmd_verified``, with tests/loop/
+    test_trainer_verified.py's flags (every row's demonstration is the check's first replay,
+    so the replays' draws reach the loss), every launch and process under its own
+    PYTHONHASHSEED; ``pmd`` (every item supervises, the experience level on) is slow."""
+    mode = request.param
+    flags = _verified_flags() if mode == "pmd_verified" else ()
+    out = _one_and_two_killed_resumed(tmp_path_factory.mktemp(f"mp_loop_{mode}"), mode,
+                                      *flags, hashseed=11 if flags else None)
+    return {**out, "mode": mode, "one": out[f"{mode}_1"], "two": out[f"{mode}_2"]}
 
 
 @pytest.fixture(scope="module")
@@ -367,18 +371,30 @@ def _assert_metrics_equal(single: Path, multi: Path) -> None:
                                            err_msg=f"{k} at step {ra['step']}")
 
 
-def test_pmd_two_processes_resumed_equal_one_process(runs):
-    single, multi = runs["pmd_1"], runs["pmd_2"]
+def test_two_processes_killed_and_resumed_equal_one_process(runs):
+    """pmd_verified: process 0 draws the check's replays and broadcasts the requests, and the
+    resumed job redoes step 1's replays under other salts (with the replay seed from a
+    salted ``hash()`` its step-1 demonstrations differed: tests/loop/test_trainer_verified.py,
+    the same flags in one process); the state, weights, metrics and every count of the check
+    end where the one-process run ends."""
+    single, multi = runs["one"], runs["two"]
     _assert_state_equal(single, multi)
     _assert_hf_equal(single, multi)
     _assert_metrics_equal(single, multi)
     recs = _train_records(multi)
-    assert recs[-1]["memory_experiences"] == STEPS * 4  # 2 problems x 2 rollouts per step
     assert recs[-1]["loss"] != 0.0
+    if runs["mode"] == "pmd":
+        assert recs[-1]["memory_experiences"] == STEPS * 4  # 2 problems x 2 rollouts a step
+    else:
+        _assert_draws_equal(single, multi)
+        # step 1: 2 item tests (memory.verify.max_items_per_step), on 2 of the 4 problems,
+        # whose rows are shown a replay (the others run no replay)
+        assert recs[-1]["verify_sequences"] > 0
+        assert recs[-1]["demo_from_replay_fraction"] == 0.5
 
 
-def test_pmd_memory_identical_and_written_once(runs):
-    single, multi = runs["pmd_1"], runs["pmd_2"]
+def test_memory_identical_and_written_once(runs):
+    single, multi = runs["one"], runs["two"]
     # the memory as exported at the end of the run, and as checkpointed (process 0's slot)
     assert (multi / "memory.jsonl").read_bytes() == (single / "memory.jsonl").read_bytes()
     assert (multi / "memory.html").exists()
@@ -388,7 +404,8 @@ def test_pmd_memory_identical_and_written_once(runs):
     assert isinstance(mem, dict) and "process" not in mem  # not process 1's placeholder
     # (equal content; the pickle bytes themselves may differ in memo layout)
     _assert_same(pickle.loads(ref.read_bytes()), mem)
-    assert len(mem["experience"]["items"]) == STEPS * 4  # both steps' records: resume kept them
+    if runs["mode"] == "pmd":  # both steps' records: the resume kept them
+        assert len(mem["experience"]["items"]) == STEPS * 4
 
 
 def test_killed_process_stops_the_other_and_both_resume(runs):
@@ -424,12 +441,12 @@ def _assert_written_once(run: Path) -> None:
     assert len(list((run / "tensorboard").iterdir())) >= 1
 
 
-def test_pmd_evaluation_across_processes(runs):
-    _assert_eval_equal(runs["pmd_1"], runs["pmd_2"])
+def test_evaluation_across_processes(runs):
+    _assert_eval_equal(runs["one"], runs["two"])
 
 
 def test_files_written_once_by_process_0(runs):
-    _assert_written_once(runs["pmd_2"])
+    _assert_written_once(runs["two"])
 
 
 @pytest.mark.slow
@@ -465,29 +482,6 @@ def _assert_draws_equal(single: Path, multi: Path) -> None:
     for ra, rb in zip(a, b, strict=True):
         for k in keys:
             assert rb[k] == ra[k], (k, ra["step"], ra[k], rb[k])
-
-
-def test_pmd_verified_two_processes_killed_and_resumed_under_other_salts_equal_one(
-        verified_runs):
-    """The embedded default's mode across processes and a kill: process 0 draws the check's
-    replays and broadcasts the requests, and the resumed job redoes step 1's replays under
-    other salts; the state, weights, metrics, the check's counts and the memory (evidence
-    included) end where the one-process run ends. With the replay seed from a salted
-    ``hash()`` the resumed job's step-1 demonstrations differed (tests/loop/
-    test_trainer_verified.py: the same flags in one process)."""
-    single, multi = verified_runs["pmd_verified_1"], verified_runs["pmd_verified_2"]
-    for log in verified_runs["resumed_logs"]:
-        assert "resumed from checkpoint at step 1" in log, log[-3000:]
-    _assert_state_equal(single, multi)
-    _assert_hf_equal(single, multi)
-    _assert_metrics_equal(single, multi)
-    _assert_draws_equal(single, multi)
-    recs = _train_records(multi)
-    # step 1: 2 item tests (memory.verify.max_items_per_step), on 2 of the 4 problems, whose
-    # rows are shown a replay (the others run no replay)
-    assert recs[-1]["verify_sequences"] > 0 and recs[-1]["demo_from_replay_fraction"] == 0.5
-    assert (multi / "memory.jsonl").read_bytes() == (single / "memory.jsonl").read_bytes()
-    _assert_eval_equal(single, multi)
 
 
 @pytest.mark.slow
