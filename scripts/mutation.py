@@ -7,7 +7,8 @@ printed and every result is written to ``<out>/<target>.json``.
     pip install -e ".[mutation]"
     python scripts/mutation.py                                   # every target
     python scripts/mutation.py pmd_jax/memory/verify.py          # one file
-    python scripts/mutation.py pmd_jax/memory/verify.py --only 'x_paired_effect*'  # functions
+    python scripts/mutation.py pmd_jax/memory/verify.py \\
+        --only 'pmd_jax.memory.verify.x_paired_effect*'            # some functions
     mutmut show NAME  (in the scratch folder printed for the target)    # one mutant's diff
 
 docs/mutation.md holds the last run's counts and its survivors, each explained or killed.
@@ -69,15 +70,18 @@ def prepare(target: str, tests: list[str], scratch: Path) -> None:
     py.write_text(text)
 
 
-def run_target(target: str, tests: list[str], out: Path, only: str | None,
+def run_target(target: str, tests: list[str], out: Path, only: list[str] | None,
                children: int) -> dict:
     scratch = out / "scratch" / target.replace("/", "__").removesuffix(".py")
     prepare(target, tests, scratch)
-    env = {**os.environ, "PYTHONPATH": ""}  # the scratch copy's pmd_jax, not the checkout's
+    # the scratch copy's pmd_jax, not the checkout's; jax.jit off: mutmut forks every mutant's
+    # run from one process, whose jit caches would otherwise serve the unmutated function's
+    # compiled program to every mutant of a jitted function (false survivors)
+    env = {**os.environ, "PYTHONPATH": "", "JAX_DISABLE_JIT": "1"}
     t0 = time.monotonic()
     cmd = [*MUTMUT, "run", f"--max-children={children}"]
     if only:
-        cmd.append(only)
+        cmd.extend(only)
     print(f"[mutation] {target}: mutmut {' '.join(cmd[len(MUTMUT):])} in {scratch}",
           flush=True)
     p = subprocess.run(cmd, cwd=scratch, env=env, text=True, capture_output=True)
@@ -115,7 +119,9 @@ def run_target(target: str, tests: list[str], out: Path, only: str | None,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("targets", nargs="*", help="target files (default: every configured one)")
-    ap.add_argument("--only", help="mutmut's mutant name glob, e.g. 'x_paired_effect*'")
+    ap.add_argument("--only", action="append",
+                    help="mutmut's mutant name glob (repeatable), e.g. "
+                         "'pmd_jax.memory.verify.x_paired_effect*'")
     ap.add_argument("--out", default=str(ROOT / "runs" / "mutation"), help="results folder")
     ap.add_argument("--max-children", type=int, default=1, help="parallel mutants")
     a = ap.parse_args(argv)

@@ -181,3 +181,67 @@ def test_check_before_use_counts_calls_arms_and_transitions():
     assert (counts["calls"], counts["arms"]) == (3, 2 + 3)
     assert (counts["tested"], counts["admitted"]) == (3, 3)
     assert st.items["p1i0"].problems == ["B"] and st.items["p0i1"].problems == ["A"]
+
+
+def test_below_z_1_one_discordant_loss_rejects_and_no_text_stays_empty():
+    """z may be any positive level: at z = 0.9 one loss alone (l - w = 1 >= z sqrt(1))
+    puts the upper bound below zero and rejects; a record given no text keeps none."""
+    st = _store(z=0.9)
+    assert st.record("k", "insight", 0, "p", [(False, True, True, True)]) == "rejected"
+    assert st.items["k"].text == ""
+    assert st.record("t", "insight", 0, "p", [(False, False, True, True)]) == ""
+
+
+def test_an_untested_item_goes_before_one_tested_at_step_0():
+    st = _store(max_items_per_step=1, max_items_per_problem=1)
+    props = _props(0, 2)
+    st.record(props[0].key, "insight", 0, "x", [(False, False, True, True)])
+    assert select_tests(st, 1, [props]) == [[props[1]]]
+
+
+def test_run_arms_must_grade_every_replay_of_every_arm():
+    """A sampler that returned fewer replays for an item arm than for its baseline would pair
+    the wrong samples: refused (zip strict), not silently shortened."""
+    st = _store(z=1.645)
+
+    def short(arms):
+        return [[(True, True)] * (2 if a[1] is None else 1) for a in arms]
+
+    with pytest.raises(ValueError):
+        check_before_use(st, 0, ["A"], [_props(0, 1)], short)
+
+
+# ----------------------------------------------------------------- the experience control
+def test_the_control_adds_no_success_where_the_real_context_shows_none():
+    """random_other_problem replaces a remembered success, never adds one: Q's real context
+    at step 2 shows none (its only success is of the latest step), so its control shows none
+    either, though P has earlier successes to draw."""
+    from tests.memory.test_memory_guards import context, experience_memory, shown, update_through
+
+    mem = experience_memory()
+    update_through(mem, [0, 1, 2])
+    assert shown(context(mem, "Q", 2)) == (None, None, [])
+    mem.config = mem.config.replace(control_mode="random_other_problem")
+    assert shown(context(mem, "Q", 2)) == (None, None, [])
+
+
+def test_the_control_draws_the_other_problems_success_from_an_earlier_step():
+    """The drawn problem's success must be from an earlier step too: P succeeds again at the
+    latest update step (4); Q's control at step 4 shows P's step-2 success, not step 4's."""
+    from pmd_jax.memory import RolloutRecord
+    from tests.memory.test_memory_guards import (
+        PROBLEMS,
+        context,
+        experience_memory,
+        shown,
+        update_through,
+    )
+
+    mem = experience_memory()
+    update_through(mem, [0, 1, 2, 3])
+    mem.update(4, [RolloutRecord("P", PROBLEMS["P"], 4, 0, "P solved at step 4", 1.0, ""),
+                   RolloutRecord("Q", PROBLEMS["Q"], 4, 1, "Q failed at step 4", 0.0,
+                                 "Wrong.")], None)
+    assert shown(context(mem, "Q", 4))[1] == "memory"  # the real one shows Q's step-2 success
+    mem.config = mem.config.replace(control_mode="random_other_problem")
+    assert shown(context(mem, "Q", 4)) == ("P solved at step 2", "memory", ["exp/P/2/0"])
