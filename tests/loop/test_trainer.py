@@ -50,10 +50,12 @@ def clean_run(tmp_path_factory) -> Path:
 
 
 def start_until_checkpoint(run_dir: Path, *extra: str, step: int = 1,
-                           stderr: Path | None = None) -> subprocess.Popen:
-    """Starts a run and returns once checkpoint ``step`` is committed (the run goes on)."""
+                           stderr: Path | None = None,
+                           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts a run and returns once checkpoint ``step`` is committed (the run goes on).
+    ``env``: the run's environment (default: tiny_runs.env())."""
     err = open(stderr, "wb") if stderr is not None else subprocess.PIPE  # noqa: SIM115
-    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, env=_env(),
+    proc = subprocess.Popen(_cmd(run_dir, *extra), cwd=ROOT, env=env or _env(),
                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     marker = run_dir / "checkpoints" / str(step) / "pmd_commit.json"
     t0 = time.time()

@@ -22,12 +22,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.loop.test_trainer import start_until_checkpoint
 from tests.tiny_runs import ROOT, cmd, env, final_params, train_records
 
 # every row's demonstration is the first replay / extra attempt drawn (module doc)
@@ -66,22 +66,9 @@ def _run(run_dir: Path, flags: tuple[str, ...], hashseed: int) -> str:
 
 
 def _killed_at_checkpoint_1(run_dir: Path, flags: tuple[str, ...], hashseed: int) -> None:
-    proc = subprocess.Popen(cmd(run_dir, *DEMO_FROM_DRAWS, *flags), cwd=ROOT,
-                            env=_env(hashseed), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    marker = run_dir / "checkpoints" / "1" / "pmd_commit.json"
-    t0 = time.time()
-    try:
-        while not marker.exists():
-            if proc.poll() is not None:
-                raise AssertionError(proc.stderr.read().decode()[-4000:])
-            assert time.time() - t0 < 900, "no checkpoint after 900 s"
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stderr.close()
+    proc = start_until_checkpoint(run_dir, *DEMO_FROM_DRAWS, *flags, env=_env(hashseed))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
     assert not (run_dir / "final_hf").exists()
 
 
