@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING
 from absl import app, flags
 from ml_collections import config_flags
 
+from pmd_jax.config.cli import CONFIG_ERROR_EXIT
+from pmd_jax.config.cli import report_errors as _report
+from pmd_jax.config.cli import setup_logging as _setup_logging
+
 if TYPE_CHECKING:
     from pmd_jax.config.cli import CommandLine
     from pmd_jax.config.sections import RunConfig
@@ -41,27 +45,7 @@ _DRY_RUN_DEVICES = flags.DEFINE_integer(
 )
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-    for noisy in ("absl", "jax._src", "orbax", "urllib3", "httpx", "sentence_transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-# Set by run(): what check_command_line found before absl parsed argv.
 _COMMAND_LINE: list[CommandLine] = []
-CONFIG_ERROR_EXIT = 2
-
-
-def _report(errs: list[str]) -> int:
-    from pmd_jax.config import format_errors
-
-    print(format_errors(errs), file=sys.stderr, flush=True)
-    return CONFIG_ERROR_EXIT
 
 
 def _refuse(msg: str) -> int:

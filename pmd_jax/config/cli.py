@@ -305,3 +305,33 @@ def set_none(c: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
         holder[name] = None
 
 
+
+
+# ----------------------------------------------------------------------------- front doors
+CONFIG_ERROR_EXIT = 2
+
+
+def setup_logging() -> None:
+    """The commands' log format on stderr (pmd_jax.main, pmd_jax.probe); noisy libraries at
+    WARNING."""
+    import logging
+    import sys
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    for noisy in ("absl", "jax._src", "orbax", "urllib3", "httpx", "sentence_transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def report_errors(errs: list[str]) -> int:
+    """Prints every problem, one line each, on stderr; returns the exit status 2."""
+    import sys
+
+    from pmd_jax.config import format_errors
+
+    print(format_errors(errs), file=sys.stderr, flush=True)
+    return CONFIG_ERROR_EXIT

@@ -16,6 +16,7 @@ Nothing numeric happens here beyond host-side bookkeeping.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -189,6 +190,28 @@ def extra_demonstrations(cfg: RunConfig, model: Any, task: Any, sb: Any, sampler
 
 
 # ----------------------------------------------------------------------------- check before use
+def memory_prompt(cfg: RunConfig, model: Any, task: Any, problem: Any, messages: Messages,
+                  items: Sequence[tuple[str, Any]] = (), successful_attempt: str | None = None
+                  ) -> list[int]:
+    """The prompt tokens of an attempt at ``problem`` with memory text in its prompt: the
+    teacher's reprompt template (the problem, then ``items``, each ``(section, value)`` of a
+    list section such as ``("lessons", text)`` or ``("behaviors", (name, instruction))``, and
+    ``successful_attempt`` under "Correct solution:"), cut to the teacher's token budget, as
+    the user turn of the task's conversation ``messages``, with the task's response prefix.
+    The check's replays and the memory probe (pmd_jax/probe) attempt problems this way; with
+    no items it is SDPO's reprompt without a demonstration."""
+    from pmd_jax.memory.context import TeacherContext
+
+    ctx = TeacherContext(problem_text=user_text(messages), signal_rule="sdpo",
+                         truncation_order=tuple(cfg.memory.context.truncation_order),
+                         successful_attempt=successful_attempt or None)
+    for k, (section, value) in enumerate(items):
+        ctx.add_item(section, value, f"item{k}")
+    budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
+    msgs = teacher_messages(messages, ctx.render(model.count_tokens, budget))
+    return model.encode_prompt(msgs, response_prefix(task, problem))
+
+
 def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ctxs: list[Any],
                  sampler: Any) -> dict[str, float]:
     """The check before use (memory/verify.py) on this step's teacher contexts: the items
@@ -200,7 +223,6 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     (an item arm's replay of an item not admitted is never shown: its text would reach the
     teacher through the door the check closes). Returns the step's counts and costs
     (``verify_*``)."""
-    from pmd_jax.memory.context import TeacherContext
     from pmd_jax.memory.verify import Proposal, check_before_use
 
     g = cfg.rollout.n
@@ -216,7 +238,6 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
                     seen[i].add(key)
                     props[i].append(Proposal(key, levels.get(section, section), section,
                                              value))
-    users = [user_text(m) for m in sb.messages]
     cost = {"verify_sequences": 0, "verify_generated_tokens": 0, "verify_prompt_tokens": 0}
     r = cfg.rollout
     params = SamplingParams(
@@ -224,8 +245,6 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
         top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
         seed=derive_seed("verify", int(cfg.seed), int(cfg.memory.verify.seed),
                          int(sb.step)))
-    budget = int(min(cfg.teacher_prompt.max_tokens, cfg.memory.context.max_tokens))
-
     found: dict[int, str] = {}  # problem index -> its first successful baseline replay's text
     # (problem index, section, item) -> the first success of that item's arm: shown only if
     # the check admits the item (an item the check has not admitted reaches no teacher, not
@@ -235,13 +254,9 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     def run_arms(arms: list[Any]) -> list[list[tuple[bool, bool]]]:
         prompts, probs = [], []
         for i, section, value in arms:
-            ctx = TeacherContext(problem_text=users[i], signal_rule="sdpo",
-                                 truncation_order=tuple(cfg.memory.context.truncation_order))
-            if section is not None:
-                ctx.add_item(section, value, "replay")
             prob = sb.problems[i]
-            msgs = teacher_messages(sb.messages[i], ctx.render(model.count_tokens, budget))
-            prompts.append(model.encode_prompt(msgs, response_prefix(task, prob)))
+            items = [(section, value)] if section is not None else []
+            prompts.append(memory_prompt(cfg, model, task, prob, sb.messages[i], items))
             probs.append(prob)
         rollouts = sampler.generate(prompts, params)
         cost["verify_prompt_tokens"] += sum(len(x) for x in prompts)

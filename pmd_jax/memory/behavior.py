@@ -439,9 +439,13 @@ class BehaviorLevel(MemoryLevel):
     def export_rows(self) -> Iterator[dict[str, Any]]:
         bank = self.store
         for b in bank.behaviors.values():
+            # key_vector: what the bank retrieves it by (behavior.key), so that a reader of
+            # memory.jsonl (pmd_jax/probe) retrieves behaviors for a problem as the memory does
+            key = (bank.index.vector(b.docid).tolist() if b.docid in bank.index else None)
             yield dict(level="behavior", docid=b.docid, name=b.name, instruction=b.instruction,
                        cluster_id=b.cluster_id, version=b.version, created_step=b.created_step,
-                       updated_step=b.updated_step, provenance=b.provenance.to_json())
+                       updated_step=b.updated_step, provenance=b.provenance.to_json(),
+                       key_vector=key)
         for i, s in enumerate(bank.summaries):
             yield dict(level="cluster", cluster_id=i, summary=s, members=bank.members.get(i, []))
 

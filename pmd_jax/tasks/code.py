@@ -209,9 +209,17 @@ class CodeTask(BaseTask):
         ]
 
     def test_indices(self, problem: Problem, split: str) -> list[int]:
+        """The tests a split grades on: "train" the seeded public half (the only tests whose
+        results reach training feedback and so the memory), "hidden" the other half (what a
+        training problem can be graded on without grading the memory's own feedback: the
+        memory probe, pmd_jax/probe; empty when the problem has one test), every other split
+        all of them."""
         n = len(problem.gold["inputs"])
-        if split == "train" and problem.meta.get("split_tests", True):
-            return train_test_indices(n, problem.id, self.split_seed)
+        if split in ("train", "hidden") and problem.meta.get("split_tests", True):
+            public = train_test_indices(n, problem.id, self.split_seed)
+            if split == "train":
+                return public
+            return [i for i in range(n) if i not in public]
         return list(range(n))
 
     def build_program(self, problem: Problem, code: str) -> str:
