@@ -541,3 +541,20 @@ def test_assert_expected_values_parses_what_it_can():
     assert assert_expected_values("assert f(1) != 26") == []
     assert assert_expected_values("def check(c):\n    assert c(1) == 'ab'\n") == ["'ab'", "ab"]
     assert assert_expected_values("assert f(") == []  # does not parse
+
+
+def test_hidden_split_grades_the_tests_training_never_saw(mbpp):
+    """split "hidden" (the memory probe's grading of training problems) runs the tests that
+    "train" leaves out: disjoint from them and together all of them; a program that hard-codes
+    the public test's answer passes "train" and fails "hidden"; the reference passes both."""
+    for p in mbpp.problems("all")[:40]:
+        n = len(p.gold["inputs"])
+        public, hidden = mbpp.test_indices(p, "train"), mbpp.test_indices(p, "hidden")
+        assert not set(public) & set(hidden) and sorted(public + hidden) == list(range(n))
+    p = mbpp.problems("all")[0]  # mbpp/11: public test 0 ("hello", "l") -> "heo"
+    assert mbpp.test_indices(p, "train") == [0] and mbpp.test_indices(p, "hidden") == [1, 2]
+    cheat = fence('def remove_Occ(s, ch):\n    return "heo"')
+    assert mbpp.verify(p, cheat, "train").reward == 1.0
+    hidden = mbpp.verify(p, cheat, "hidden")
+    assert hidden.reward == 0.0 and hidden.details["total"] == 2
+    assert mbpp.verify(p, fence(p.meta["reference"]), "hidden").reward == 1.0
