@@ -19,6 +19,7 @@ raises :class:`MemoryFileError` naming the path.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ _SECTIONS = {"strategy": "strategies", "lesson": "lessons"}
 
 
 def load_memory_file(path: str | Path) -> ProbeMemory:
-    """Reads ``path`` (a ``memory.jsonl``, or a run folder holding one)."""
+    """Reads ``path`` (a ``memory.jsonl``, gzipped or not, or a run folder holding one)."""
     p = Path(path)
     if p.is_dir():
         p = p / "memory.jsonl"
@@ -86,7 +87,10 @@ def load_memory_file(path: str | Path) -> ProbeMemory:
     clusters: dict[int, list[str]] = {}
     best: dict[str, tuple[int, int, str]] = {}
     bad = 0
-    for line in p.read_text(encoding="utf-8").splitlines():
+    raw = p.read_bytes()
+    if p.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    for line in raw.decode("utf-8").splitlines():
         if not line.strip():
             continue
         try:

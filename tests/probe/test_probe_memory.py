@@ -4,6 +4,7 @@ that the memory's own ``teacher_context`` gives it; the arms differ in one thing
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -60,6 +61,9 @@ def _vectors(mem, pids):
 def test_export_read_back_is_what_the_memory_shows(memory):
     mem, path = memory
     pm = load_memory_file(path.parent)  # a run folder works too
+    gz = path.parent / "memory.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert load_memory_file(gz) == pm.__class__(**{**pm.__dict__, "source": str(gz)})
     assert pm.bad_rows == 0 and not pm.keys_rebuilt
     assert len(pm.behaviors) == len(mem.behaviors.behaviors) >= 6
     vectors = _vectors(mem, sorted(PROBLEMS))

@@ -1,0 +1,139 @@
+"""The power of the check before use (memory/verify.py), computed through its own decision
+code: P(an item is ever admitted during a run) at a given true effect.
+
+An item of true effect ``effect`` on a problem whose solve rate without it is ``base``: each
+replay pair draws (with item correct, without item correct) with marginals ``base + effect``
+and ``base``, coupled with probability ``coupling`` (the two arms share one uniform: paired
+sampling keys whose arms stay on the same tokens) and independent otherwise. Each of the
+item's ``tests`` tests adds ``replays`` such pairs through ``EvidenceStore.record`` (the rule
+the trainer runs, with its z, max_pairs and statuses); the item counts as admitted if it is
+ever admitted. ``exact_admission`` enumerates every outcome sequence (for checking the
+simulation and for small budgets); ``admission_rate`` samples.
+
+    python -m pmd_jax.memory.power [--tests=2 --replays=4 --base=0.3 --coupling=0,0.5]
+
+prints the curve at effects 0, 0.1, 0.2, 0.3 and 0.5 for the default check (``memory.verify``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pmd_jax.memory.verify import EvidenceStore
+
+EFFECTS = (0.0, 0.1, 0.2, 0.3, 0.5)
+
+
+def pair_probabilities(effect: float, base: float, coupling: float) -> tuple[float, float]:
+    """(P(win), P(loss)) of one replay pair: only the with-item answer correct, only the
+    without-item one. Under full coupling a positive effect has no losses."""
+    if not (0.0 <= base <= 1.0 and 0.0 <= base + effect <= 1.0):
+        raise ValueError(f"rates out of [0, 1]: base {base}, with item {base + effect}")
+    if not 0.0 <= coupling <= 1.0:
+        raise ValueError(f"coupling must be in [0, 1], got {coupling}")
+    p1, p0 = base + effect, base
+    indep_win, indep_loss = p1 * (1 - p0), p0 * (1 - p1)
+    shared_win, shared_loss = max(0.0, p1 - p0), max(0.0, p0 - p1)
+    return (coupling * shared_win + (1 - coupling) * indep_win,
+            coupling * shared_loss + (1 - coupling) * indep_loss)
+
+
+def _run(cfg: Any, tests: Sequence[Sequence[int]]) -> bool:
+    """One item's life under the real rule: each test a list of pair codes (1 win, -1 loss,
+    0 tie); True if it was admitted at some point."""
+    store = EvidenceStore(cfg)
+    admitted = False
+    for t, pairs in enumerate(tests):
+        ev = store.items.get("item")
+        if ev is not None and not ev.open:
+            break
+        out = [(c == 1, c == -1, True, True) for c in pairs]
+        admitted |= store.record("item", "insight", 4 * t, "p", out) == "admitted"
+    return admitted
+
+
+def exact_admission(cfg: Any, effect: float, base: float, coupling: float, tests: int,
+                    replays: int) -> float:
+    """P(ever admitted), enumerating each test's (wins, losses) counts (the rule reads only
+    counts, so the order of pairs within a test does not matter)."""
+    pw, pl = pair_probabilities(effect, base, coupling)
+    pt = max(0.0, 1.0 - pw - pl)
+    outcomes = []
+    for w in range(replays + 1):
+        for l_ in range(replays - w + 1):
+            t = replays - w - l_
+            prob = (math.factorial(replays) / (math.factorial(w) * math.factorial(l_)
+                                               * math.factorial(t))
+                    * pw ** w * pl ** l_ * pt ** t)
+            if prob > 0:
+                outcomes.append(([1] * w + [-1] * l_ + [0] * t, prob))
+    total = 0.0
+    for seq in itertools.product(outcomes, repeat=tests):
+        prob = math.prod(p for _, p in seq)
+        if prob > 0 and _run(cfg, [o for o, _ in seq]):
+            total += prob
+    return total
+
+
+def admission_rate(cfg: Any, effect: float, base: float, coupling: float, tests: int,
+                   replays: int, sims: int = 2000, seed: int = 0) -> float:
+    """P(ever admitted) by simulation (``sims`` items)."""
+    rng = np.random.default_rng(seed)
+    pw, pl = pair_probabilities(effect, base, coupling)
+    hits = 0
+    for _ in range(sims):
+        codes = rng.choice([1, -1, 0], size=(tests, replays),
+                           p=[pw, pl, max(0.0, 1.0 - pw - pl)])
+        hits += _run(cfg, codes.tolist())
+    return hits / sims
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvePoint:
+    effect: float
+    coupling: float
+    p_admit: float
+
+
+def power_curve(cfg: Any, *, base: float = 0.3, couplings: Sequence[float] = (0.0, 0.5),
+                tests: int = 2, replays: int = 4, effects: Sequence[float] = EFFECTS
+                ) -> list[CurvePoint]:
+    """P(ever admitted) at each effect and coupling (exact enumeration)."""
+    return [CurvePoint(e, c, exact_admission(cfg, e, base, c, tests, replays))
+            for c in couplings for e in effects if base + e <= 1.0]
+
+
+def main() -> None:
+    import argparse
+
+    from pmd_jax.memory.config import default_memory_config, freeze_memory_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tests", type=int, default=2)
+    ap.add_argument("--replays", type=int, default=4)
+    ap.add_argument("--base", type=float, default=0.3)
+    ap.add_argument("--coupling", default="0,0.5")
+    ap.add_argument("--z", type=float, default=None)
+    a = ap.parse_args()
+    c = default_memory_config()
+    if a.z is not None:
+        c.verify.z = a.z
+    cfg = freeze_memory_config(c).verify
+    couplings = [float(x) for x in a.coupling.split(",")]
+    print(f"check before use: z={cfg.z}, max_pairs={cfg.max_pairs}; {a.tests} tests x "
+          f"{a.replays} replays per item, base solve rate {a.base}")
+    print("coupling  " + "  ".join(f"+{e:.1f}" for e in EFFECTS))
+    for cpl in couplings:
+        pts = power_curve(cfg, base=a.base, couplings=[cpl], tests=a.tests,
+                          replays=a.replays)
+        print(f"{cpl:8.2f}  " + "  ".join(f"{p.p_admit:.3f}" for p in pts))
+
+
+if __name__ == "__main__":
+    main()
