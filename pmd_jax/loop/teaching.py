@@ -223,7 +223,7 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     (an item arm's replay of an item not admitted is never shown: its text would reach the
     teacher through the door the check closes). Returns the step's counts and costs
     (``verify_*``)."""
-    from pmd_jax.memory.verify import Proposal, check_before_use
+    from pmd_jax.memory.verify import JOINT, Proposal, check_before_use
 
     g = cfg.rollout.n
     nprob = len(sb.problems)
@@ -255,7 +255,9 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
         prompts, probs = [], []
         for i, section, value in arms:
             prob = sb.problems[i]
-            items = [(section, value)] if section is not None else []
+            # an item alone, several shown together (JOINT: level_sequential), or none
+            items = (list(value) if section == JOINT
+                     else [(section, value)] if section is not None else [])
             prompts.append(memory_prompt(cfg, model, task, prob, sb.messages[i], items))
             probs.append(prob)
         rollouts = sampler.generate(prompts, params)
@@ -292,6 +294,11 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
         for prop in items:
             text = item_found.get((i, prop.section, prop.value))
             if text and i not in found and memory.evidence.visible(prop.key):
+                found[i] = text
+    for (i, section, value), text in item_found.items():  # then a joint arm's, all shown
+        if section == JOINT and i not in found:
+            keys = [p.key for p in props[i] if (p.section, p.value) in value]
+            if keys and all(memory.evidence.visible(k) for k in keys):
                 found[i] = text
     demos = 0
     if cfg.memory.verify.replays_as_demonstrations:

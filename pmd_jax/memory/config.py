@@ -182,6 +182,9 @@ class MemoryContext(Section):
         as_list=True)
 
 
+VERIFY_RULES = ("item_wilson", "level_sequential")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryVerify(Section):
     """Admission of model-written items by paired replays (memory/verify.py; ours)."""
@@ -189,6 +192,16 @@ class MemoryVerify(Section):
     enabled: bool = knob(False, "Only insights and behaviors whose paired replays show that "
                          "they help reach a teacher context, and a row gets a memory signal "
                          "only from such items (mode pmd_verified sets it).")
+    rule: str = knob(
+        "item_wilson", "The admission rule (memory/verify.py). 'item_wilson': each item alone, "
+        "a Wilson bound at z pooled over its pairs, Bonferroni per step (no power at the "
+        "default run's budget: P(admit) < 0.01 at +0.2, memory/power.py). 'level_sequential': "
+        "a problem's items of one level are tested together (one arm per level), the pairs of "
+        "every problem and step pool into one anytime-valid test per level (a betting "
+        "e-process at alpha, Ville's inequality); an admitted level shows its items, each "
+        "then tested apart and dropped on evidence that it hurts.")
+    alpha: float = knob(0.05, "level_sequential: P(a level or item of no effect is ever "
+                        "admitted, or a harmless one dropped, over the whole run) <= alpha.")
     replays: int = knob(4, "Paired samples per item test (with the item / without it, same "
                         "sampling keys).")
     z: float = knob(2.64, "Wilson bound's z: admitted iff the lower bound of the paired "
@@ -334,6 +347,10 @@ def validate_memory_config(c: MemoryConfig) -> None:
         bad("verify.retest_every must be >= 0 (0: never)")
     if not v.z > 0:
         bad("verify.z must be > 0")
+    if v.rule not in VERIFY_RULES:
+        bad(f"verify.rule={v.rule!r}, expected one of {VERIFY_RULES}")
+    if not 0.0 < v.alpha < 1.0:
+        bad(f"verify.alpha={v.alpha} must be in (0, 1)")
 
 
 def small_model_memory_calls(mc: ml_collections.ConfigDict) -> None:

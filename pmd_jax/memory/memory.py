@@ -294,10 +294,16 @@ class ProceduralMemory:
         e = html.escape
         z = self.evidence.z
         evs = sorted(self.evidence.items.values(), key=lambda v: (v.status, v.key))
-        if not evs:
+        if not evs and not self.evidence.levels:
             return []
         out = ["<h2>Check before use (paired replays)</h2>",
                f"<p>{e(json.dumps(self.evidence.counts()))}</p>"]
+        for lv in self.evidence.levels.values():  # level_sequential: the pooled tests
+            j = lv.to_json()
+            out.append(f"<p>level {e(lv.level)}: <b>{e(lv.status)}</b>, {lv.pairs} pairs "
+                       f"({lv.wins} won / {lv.losses} lost), wealth for help "
+                       f"{j['help']:.3g}, for harm {j['harm']:.3g} (decides at "
+                       f"{self.evidence.threshold:.3g})</p>")
         for title, statuses in (("Admitted (shown to the teacher)", ("admitted",)),
                                 ("Pending (not shown)", ("pending",)),
                                 ("Rejected or retired (never shown)", ("rejected", "retired"))):

@@ -10,9 +10,11 @@ the trainer runs, with its z, max_pairs and statuses); the item counts as admitt
 ever admitted. ``exact_admission`` enumerates every outcome sequence (for checking the
 simulation and for small budgets); ``admission_rate`` samples.
 
-    python -m pmd_jax.memory.power [--tests=2 --replays=4 --base=0.3 --coupling=0,0.5]
+    python -m pmd_jax.memory.power [--rule=item_wilson|level_sequential] [--tests=N]
+        [--replays=N] [--base=0.3 | --base=0.1,0.6] [--coupling=0,0.5]
 
-prints the curve at effects 0, 0.1, 0.2, 0.3 and 0.5 for the default check (``memory.verify``).
+prints the curve at effects 0, 0.1, 0.2, 0.3 and 0.5 for the check of ``memory.verify``
+(``level_admission_rate`` samples the level rule; the item rule is enumerated exactly).
 """
 
 from __future__ import annotations
@@ -94,6 +96,31 @@ def admission_rate(cfg: Any, effect: float, base: float, coupling: float, tests:
     return hits / sims
 
 
+def level_admission_rate(cfg: Any, effect: float, base: float | tuple[float, float],
+                         coupling: float, tests: int, replays: int, sims: int = 2000,
+                         seed: int = 0) -> float:
+    """level_sequential: P(a level is ever admitted) when its joint arm has true effect
+    ``effect`` on each of ``tests`` (problem, step) tests of ``replays`` pairs, through
+    ``EvidenceStore.record_level``. ``base``: the solve rate without memory, or a (low, high)
+    range each test's problem draws its rate from uniformly (the effect is capped at 1)."""
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(sims):
+        store = EvidenceStore(cfg)
+        for t in range(tests):
+            b = float(rng.uniform(*base)) if isinstance(base, tuple) else float(base)
+            pw, pl = pair_probabilities(min(effect, 1.0 - b), b, coupling)
+            codes = rng.choice([1, -1, 0], size=replays, p=[pw, pl, max(0.0, 1.0 - pw - pl)])
+            moved = store.record_level("insight", t, [(c == 1, c == -1, True, True)
+                                                      for c in codes])
+            if moved == "admitted":
+                hits += 1
+                break
+            if moved:
+                break
+    return hits / sims
+
+
 @dataclasses.dataclass(frozen=True)
 class CurvePoint:
     effect: float
@@ -115,24 +142,42 @@ def main() -> None:
     from pmd_jax.memory.config import default_memory_config, freeze_memory_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tests", type=int, default=2)
-    ap.add_argument("--replays", type=int, default=4)
-    ap.add_argument("--base", type=float, default=0.3)
+    ap.add_argument("--rule", default="item_wilson", choices=("item_wilson", "level_sequential"))
+    ap.add_argument("--tests", type=int, default=None,
+                    help="tests of the item (item_wilson, default 2) or (problem, step) joint "
+                         "arms of the level (level_sequential, default 32)")
+    ap.add_argument("--replays", type=int, default=None,
+                    help="pairs per test (default: 4 item_wilson, 5 level_sequential)")
+    ap.add_argument("--base", default="0.3", help="solve rate without memory, or lo,hi")
     ap.add_argument("--coupling", default="0,0.5")
     ap.add_argument("--z", type=float, default=None)
+    ap.add_argument("--sims", type=int, default=2000)
     a = ap.parse_args()
     c = default_memory_config()
+    c.verify.rule = a.rule
     if a.z is not None:
         c.verify.z = a.z
     cfg = freeze_memory_config(c).verify
+    seq = a.rule == "level_sequential"
+    tests = a.tests if a.tests is not None else (32 if seq else 2)
+    replays = a.replays if a.replays is not None else (5 if seq else 4)
+    lo_hi = [float(x) for x in a.base.split(",")]
+    base: float | tuple[float, float] = lo_hi[0] if len(lo_hi) == 1 else (lo_hi[0], lo_hi[1])
     couplings = [float(x) for x in a.coupling.split(",")]
-    print(f"check before use: z={cfg.z}, max_pairs={cfg.max_pairs}; {a.tests} tests x "
-          f"{a.replays} replays per item, base solve rate {a.base}")
+    how = (f"alpha={cfg.alpha}, betting e-process" if seq
+           else f"z={cfg.z}, max_pairs={cfg.max_pairs}")
+    print(f"check before use ({a.rule}: {how}); {tests} tests x {replays} replays, base "
+          f"solve rate {a.base}; P(ever admitted)")
     print("coupling  " + "  ".join(f"+{e:.1f}" for e in EFFECTS))
     for cpl in couplings:
-        pts = power_curve(cfg, base=a.base, couplings=[cpl], tests=a.tests,
-                          replays=a.replays)
-        print(f"{cpl:8.2f}  " + "  ".join(f"{p.p_admit:.3f}" for p in pts))
+        if seq:
+            ps = [level_admission_rate(cfg, e, base, cpl, tests, replays, sims=a.sims)
+                  for e in EFFECTS]
+        else:
+            b = base if isinstance(base, float) else sum(base) / 2
+            ps = [p.p_admit for p in power_curve(cfg, base=b, couplings=[cpl], tests=tests,
+                                                 replays=replays)]
+        print(f"{cpl:8.2f}  " + "  ".join(f"{p:.3f}" for p in ps))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,71 @@ def paired_effect(wins: int, losses: int, pairs: int, z: float) -> tuple[float, 
     return est, share * (2 * lo - 1), share * (2 * hi - 1)
 
 
+# ----------------------------------------------------------------------------- sequential
+# The level_sequential rule's test (ours): a betting e-process over discordant pairs. Each
+# discordant pair is x = +1 (only the with-memory answer right) or -1 (only the other one);
+# ties carry no information and are skipped. Under "it does not help" (P(win) <= P(loss)
+# among discordant pairs) E[x] <= 0, so each factor 1 + lam * x (lam in [0, 1)) has
+# expectation <= 1 and the wealth, their product, is a nonnegative supermartingale; so is
+# the average over the fixed grid BET_FRACTIONS (a mixture: no bet size to tune). Ville's
+# inequality: P(the wealth ever reaches 1 / alpha) <= alpha, however many pairs arrive and
+# however often it is looked at (every step): evidence accumulates across steps with no
+# per-step correction. The harm test is the same on -x.
+BET_FRACTIONS = tuple(round(0.05 + 0.1 * i, 2) for i in range(10))
+
+
+def new_wealth() -> list[float]:
+    """The log-wealth of each bet fraction before any pair (wealth 1)."""
+    return [0.0] * len(BET_FRACTIONS)
+
+
+def bet(log_wealth: list[float], x: int) -> None:
+    """One discordant pair's bet (x = +1 or -1; 0, a tie, changes nothing)."""
+    if x:
+        for i, lam in enumerate(BET_FRACTIONS):
+            log_wealth[i] += math.log1p(lam * x)
+
+
+def wealth(log_wealth: Sequence[float]) -> float:
+    """The mixture's wealth: the mean of the bet fractions' wealths."""
+    return sum(math.exp(w) for w in log_wealth) / len(log_wealth)
+
+
+def pair_signs(w: bool, wo: bool, ok_w: bool, ok_wo: bool) -> tuple[int, int]:
+    """(reward sign, invalid-answer sign) of one pair: +1 / -1 / 0 for the with-memory arm
+    alone right / the other alone right / a tie; +1 when only the with-memory answer is
+    invalid (the memory causes invalid answers), -1 the reverse."""
+    return int(w and not wo) - int(wo and not w), int(ok_wo and not ok_w) - int(ok_w and not ok_wo)
+
+
+@dataclasses.dataclass
+class LevelEvidence:
+    """level_sequential: the pooled replay record of one memory level (its items shown
+    together, one arm per problem and step) and its anytime-valid tests."""
+
+    level: str
+    pairs: int = 0
+    wins: int = 0
+    losses: int = 0
+    format_wins: int = 0
+    format_losses: int = 0
+    tests: int = 0
+    help: list[float] = dataclasses.field(default_factory=new_wealth)
+    harm: list[float] = dataclasses.field(default_factory=new_wealth)  # since admission
+    format_harm: list[float] = dataclasses.field(default_factory=new_wealth)
+    status: str = "pending"
+    admitted_step: int = -1
+    ended_step: int = -1
+    last_tested_step: int = -1
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for k in ("help", "harm", "format_harm"):
+            out[k] = wealth(out.pop(k))
+        out["estimate"] = (self.wins - self.losses) / self.pairs if self.pairs else 0.0
+        return out
+
+
 @dataclasses.dataclass
 class Evidence:
     """The paired replay record of one memory item (module doc)."""
@@ -139,6 +204,9 @@ class Evidence:
     ended_step: int = -1  # rejected / retired at
     problems: list[str] = dataclasses.field(default_factory=list)  # tested on (first 16)
     text: str = ""  # the item as shown (for memory.jsonl / memory.html)
+    # level_sequential: its harm and invalid-answer tests when tested apart (log-wealth)
+    harm: list[float] = dataclasses.field(default_factory=new_wealth)
+    format_harm: list[float] = dataclasses.field(default_factory=new_wealth)
 
     def interval(self, z: float) -> tuple[float, float, float]:
         return paired_effect(self.wins, self.losses, self.pairs, z)
@@ -160,6 +228,7 @@ class Evidence:
         est, lo, hi = self.interval(z)
         fest, flo, _ = self.format_interval(z)
         out = dataclasses.asdict(self)
+        out["harm"], out["format_harm"] = wealth(self.harm), wealth(self.format_harm)
         out.update(estimate=est, low=lo, high=hi, invalid_answer_effect=fest,
                    invalid_answer_low=flo)
         return out
@@ -171,6 +240,18 @@ class EvidenceStore:
     def __init__(self, cfg: MemoryVerify) -> None:
         self.cfg = cfg
         self.items: dict[str, Evidence] = {}
+        # level_sequential: each level's pooled evidence, and the level of every item proposed
+        self.levels: dict[str, LevelEvidence] = {}
+        self.item_level: dict[str, str] = {}
+
+    @property
+    def sequential(self) -> bool:
+        return getattr(self.cfg, "rule", "item_wilson") == "level_sequential"
+
+    @property
+    def threshold(self) -> float:
+        """level_sequential: the wealth at which a test decides (1 / alpha)."""
+        return 1.0 / float(self.cfg.alpha)
 
     @property
     def z(self) -> float:
@@ -184,7 +265,98 @@ class EvidenceStore:
 
     def visible(self, key: str) -> bool:
         ev = self.items.get(key)
+        if self.sequential:  # its level admitted, and not itself dropped when tested apart
+            lv = self.levels.get(self.item_level.get(key, ""))
+            return (lv is not None and lv.status == "admitted"
+                    and (ev is None or ev.status not in ("rejected", "retired")))
         return ev is not None and ev.visible
+
+    # --------------------------------------------------------------- level_sequential --
+    def level(self, name: str) -> LevelEvidence:
+        lv = self.levels.get(name)
+        if lv is None:
+            lv = self.levels[name] = LevelEvidence(name)
+        return lv
+
+    def level_due(self, name: str, step: int) -> bool:
+        """Whether a level's joint arms run at ``step``: every step while pending, every
+        ``retest_every`` steps once admitted (0: never again), never once decided."""
+        lv = self.levels.get(name)
+        if lv is None or lv.status == "pending":
+            return lv is None or lv.last_tested_step < step
+        if lv.status == "admitted":
+            every = int(self.cfg.retest_every)
+            return every > 0 and step - lv.last_tested_step >= every
+        return False
+
+    def record_level(self, name: str, step: int,
+                     outcomes: Iterable[tuple[bool, bool, bool, bool]]) -> str:
+        """Adds one joint arm's pairs to level ``name`` and applies the rule: admitted when
+        the help test's wealth reaches 1 / alpha (and the invalid-answer test has not);
+        rejected (pending) or retired (admitted) when the harm test's does (the harm test
+        restarts at admission) or the invalid-answer test's does (check_format). Returns
+        the transition or ""."""
+        lv = self.level(name)
+        if lv.status not in ("pending", "admitted"):
+            raise ValueError(f"level {name!r} is {lv.status}: it is not tested any more")
+        for w, wo, ok_w, ok_wo in outcomes:
+            x, y = pair_signs(w, wo, ok_w, ok_wo)
+            lv.pairs += 1
+            lv.wins += x > 0
+            lv.losses += x < 0
+            lv.format_wins += y < 0
+            lv.format_losses += y > 0
+            bet(lv.help, x)
+            bet(lv.harm, -x)
+            bet(lv.format_harm, y)
+        lv.tests += 1
+        lv.last_tested_step = int(step)
+        thr = self.threshold
+        bad_format = bool(self.cfg.check_format) and wealth(lv.format_harm) >= thr
+        if lv.status == "pending":
+            if wealth(lv.help) >= thr and not bad_format:
+                lv.status, lv.admitted_step = "admitted", int(step)
+                lv.harm = new_wealth()  # a fresh test of harm from here on
+                return "admitted"
+            if bad_format or wealth(lv.harm) >= thr:
+                lv.status, lv.ended_step = "rejected", int(step)
+                return "rejected"
+            return ""
+        if bad_format or wealth(lv.harm) >= thr:
+            lv.status, lv.ended_step = "retired", int(step)
+            return "retired"
+        return ""
+
+    def record_apart(self, key: str, level: str, step: int, problem_id: str,
+                     outcomes: Iterable[tuple[bool, bool, bool, bool]], text: str = "") -> str:
+        """An item of an admitted level tested alone: its pairs, and "rejected" when its own
+        harm (or invalid-answer) test reaches 1 / alpha; else ""."""
+        ev = self.get(key, level)
+        if text and not ev.text:
+            ev.text = text
+        if not ev.open:
+            raise ValueError(f"evidence {key!r} is {ev.status}: it is not tested any more")
+        for w, wo, ok_w, ok_wo in outcomes:
+            x, y = pair_signs(w, wo, ok_w, ok_wo)
+            ev.pairs += 1
+            ev.wins += x > 0
+            ev.losses += x < 0
+            ev.format_wins += y < 0
+            ev.format_losses += y > 0
+            bet(ev.harm, -x)
+            bet(ev.format_harm, y)
+        ev.tests += 1
+        if ev.first_tested_step < 0:
+            ev.first_tested_step = int(step)
+        ev.last_tested_step = int(step)
+        if problem_id not in ev.problems and len(ev.problems) < 16:
+            ev.problems.append(problem_id)
+        thr = self.threshold
+        if wealth(ev.harm) >= thr or (bool(self.cfg.check_format)
+                                      and wealth(ev.format_harm) >= thr):
+            ev.status, ev.ended_step = "rejected", int(step)
+            return "rejected"
+        return ""
 
     def due(self, key: str, step: int) -> bool:
         """Whether an item proposed at ``step`` should be tested now."""
@@ -242,20 +414,39 @@ class EvidenceStore:
         return ""
 
     def counts(self) -> dict[str, int]:
+        """Items per status; with level_sequential an item proposed and not dropped counts
+        as admitted while its level is, as pending otherwise, and the levels' statuses are
+        counted too (``levels_<status>``)."""
         out = dict.fromkeys(STATUSES, 0)
-        for ev in self.items.values():
-            out[ev.status] += 1
+        if not self.sequential:
+            for ev in self.items.values():
+                out[ev.status] += 1
+            return out
+        for key in self.item_level:
+            ev = self.items.get(key)
+            if ev is not None and ev.status in ("rejected", "retired"):
+                out[ev.status] += 1
+            else:
+                out["admitted" if self.visible(key) else "pending"] += 1
+        for st in STATUSES:
+            out[f"levels_{st}"] = sum(lv.status == st for lv in self.levels.values())
         return out
 
     # --------------------------------------------------------------------- state --
     def state_dict(self) -> dict[str, Any]:
-        return {"items": [dataclasses.asdict(ev) for ev in self.items.values()]}
+        return {"items": [dataclasses.asdict(ev) for ev in self.items.values()],
+                "levels": [dataclasses.asdict(lv) for lv in self.levels.values()],
+                "item_level": dict(self.item_level)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        self.items = {}
+        self.items, self.levels = {}, {}
         for d in (state or {}).get("items", []):
             ev = Evidence(**{**d, "problems": list(d.get("problems", []))})
             self.items[ev.key] = ev
+        for d in (state or {}).get("levels", []):  # (absent before level_sequential)
+            lv = LevelEvidence(**d)
+            self.levels[lv.level] = lv
+        self.item_level = dict((state or {}).get("item_level", {}))
 
 
 # ----------------------------------------------------------------------------- the check
@@ -270,11 +461,13 @@ class Proposal:
 
 
 # (correct, ok) of one replay sample; an arm is (problem index, section, value): the section
-# and value of the item in the context, or (None, None) for the baseline without memory. A
+# and value of the item in the context, (None, None) for the baseline without memory, or
+# (JOINT, ((section, value), ...)) for several items shown together (level_sequential). A
 # call's arms are sampled as prompts 0, 1, ... of one generate call, in list order.
 Outcome = tuple[bool, bool]
 Arm = tuple[int, str | None, Any]
 RunArms = Callable[[list[Arm]], list[list[Outcome]]]
+JOINT = "*"
 
 
 def item_text(value: Any) -> str:
@@ -332,6 +525,8 @@ def check_before_use(store: EvidenceStore, step: int, problem_ids: Sequence[str]
     items they test (most first), so the problems of slot k are a prefix of slot 0's and each
     item's arm sits at the same position as its problem's baseline: a pair shares its keys.
     """
+    if store.sequential:
+        return _check_levels(store, step, problem_ids, proposals, run_arms)
     tests = select_tests(store, step, proposals)
     order = sorted((i for i, t in enumerate(tests) if t), key=lambda i: -len(tests[i]))
     counts = dict.fromkeys(("tested", "admitted", "rejected", "retired", "calls", "arms"), 0)
@@ -352,6 +547,91 @@ def check_before_use(store: EvidenceStore, step: int, problem_ids: Sequence[str]
                                                                 strict=True)]
             moved = store.record(p.key, p.level, step, problem_ids[i], pairs,
                                  text=item_text(p.value))
+            counts["tested"] += 1
+            if moved:
+                counts[moved] += 1
+    return counts
+
+
+def _run_slots(arms_of: list[list[Arm]], run_arms: RunArms, counts: dict[str, int]
+               ) -> tuple[list[int], list[list[Outcome]], list[list[list[Outcome]]]]:
+    """Runs each listed problem's baseline and arms as slots (call 0: the baselines; call k:
+    each problem's k-th arm), problems ordered by how many arms they have (most first) so
+    that every call's problems are a prefix of the baselines' and each arm sits at its
+    problem's baseline position (the same sampling keys). Returns the order, the baselines'
+    outcomes and each problem's arms' outcomes (by problem index)."""
+    order = sorted((i for i, a in enumerate(arms_of) if a), key=lambda i: -len(arms_of[i]))
+    got: list[list[list[Outcome]]] = [[] for _ in arms_of]
+    if not order:
+        return order, [], got
+    base = run_arms([(i, None, None) for i in order])
+    counts["calls"] += 1
+    counts["arms"] += len(order)
+    for k in range(len(arms_of[order[0]])):
+        slot = [i for i in order if k < len(arms_of[i])]
+        out = run_arms([arms_of[i][k] for i in slot])
+        counts["calls"] += 1
+        counts["arms"] += len(slot)
+        for pos, i in enumerate(slot):
+            got[i].append(out[pos])
+    return order, base, got
+
+
+def _check_levels(store: EvidenceStore, step: int, problem_ids: Sequence[str],
+                  proposals: Sequence[Sequence[Proposal]], run_arms: RunArms
+                  ) -> dict[str, int]:
+    """level_sequential (module doc of the rule at ``BET_FRACTIONS``): together, then apart.
+
+    Together: for each problem and each level whose test is due, one joint arm with every
+    item proposed for that problem at that level, in the order the context shows them; its
+    pairs with the problem's baseline go to the level's pooled test. Apart: the items of an
+    admitted level, each alone (due, untested first, within ``max_items_per_problem`` and
+    ``max_items_per_step``), into the item's own harm test. Counts: ``level_tested``,
+    ``level_admitted`` / ``level_rejected`` / ``level_retired``, and for items ``tested``
+    (apart) and ``rejected``; ``calls`` and ``arms`` as for the per-item rule."""
+    counts = dict.fromkeys(("tested", "admitted", "rejected", "retired", "calls", "arms",
+                            "level_tested", "level_admitted", "level_rejected",
+                            "level_retired"), 0)
+    for props in proposals:
+        for p in props:
+            store.item_level.setdefault(p.key, p.level)
+    due = {lv for props in proposals for lv in {p.level for p in props}
+           if store.level_due(lv, step)}
+    joint: list[list[tuple[str, Arm]]] = [[] for _ in proposals]
+    for i, props in enumerate(proposals):
+        for lv in sorted({p.level for p in props} & due):
+            items = tuple((p.section, p.value) for p in props if p.level == lv)
+            joint[i].append((lv, (i, JOINT, items)))
+    # apart: items of admitted levels, not yet decided alone (the per-item queue rules)
+    admitted = {name for name, lv in store.levels.items() if lv.status == "admitted"}
+    apart_props = [[p for p in props if p.level in admitted] for props in proposals]
+    apart = select_tests(store, step, apart_props)
+    # the step's arms stay within max_items_per_step: the joint arms first, then apart ones
+    room = int(store.cfg.max_items_per_step) - sum(len(j) for j in joint)
+    for i in range(len(apart)):
+        keep = max(0, min(len(apart[i]), room))
+        apart[i], room = apart[i][:keep], room - keep
+    arms_of: list[list[Arm]] = [[a for _, a in joint[i]] + [(i, p.section, p.value)
+                                                             for p in apart[i]]
+                                for i in range(len(proposals))]
+    order, base, got = _run_slots(arms_of, run_arms, counts)
+    if not order:
+        return counts
+    pos_of = {i: pos for pos, i in enumerate(order)}
+    for i in order:
+        b = base[pos_of[i]]
+        for k, (lv, _) in enumerate(joint[i]):
+            pairs = [(w[0], wo[0], w[1], wo[1]) for w, wo in zip(got[i][k], b, strict=True)]
+            if store.level(lv).status not in ("pending", "admitted"):
+                continue  # decided earlier in this step (another problem's pairs)
+            moved = store.record_level(lv, step, pairs)
+            counts["level_tested"] += 1
+            if moved:
+                counts[f"level_{moved}"] += 1
+        for k, p in enumerate(apart[i], start=len(joint[i])):
+            pairs = [(w[0], wo[0], w[1], wo[1]) for w, wo in zip(got[i][k], b, strict=True)]
+            moved = store.record_apart(p.key, p.level, step, problem_ids[i], pairs,
+                                       text=item_text(p.value))
             counts["tested"] += 1
             if moved:
                 counts[moved] += 1

@@ -45,6 +45,9 @@ MODES = {
     # the check: up to 2 items per step, 2 replays per arm (a small step of the real check)
     "pmd_verified": ("--config.mode=pmd_verified", "--config.memory.verify.replays=2",
                      "--config.memory.verify.max_items_per_step=2", *ITEMS),
+    # the level rule (level_sequential): joint arms, evidence pooled per level in the state
+    "pmd_verified_levels": ("--config.mode=pmd_verified", "--config.memory.verify.replays=2",
+                            "--config.memory.verify.rule=level_sequential", *ITEMS),
     "sdpo_matched_sampling": ("--config.mode=sdpo_matched_sampling",
                               "--config.teacher_prompt.extra_demo_samples=2"),
 }
@@ -101,7 +104,7 @@ def test_killed_and_resumed_under_other_hash_salts_is_bitwise_a_straight_run(
     assert pa and pa.keys() == pb.keys()
     for k in pa:
         np.testing.assert_array_equal(pb[k], pa[k], err_msg=k)
-    if mode == "pmd_verified":
+    if mode.startswith("pmd_verified"):
         assert (resumed / "memory.jsonl").read_bytes() == (straight / "memory.jsonl").read_bytes()
 
 
@@ -115,15 +118,17 @@ def test_the_draws_reach_the_loss(straight_and_resumed):
     recs = train_records(straight)
     for r in recs:
         assert r["loss"] != 0.0
-        if mode == "pmd_verified":
+        if mode.startswith("pmd_verified"):
             if r["step"] == 0:
                 continue
-            assert r["verify_items_tested"] > 0 and r["verify_sequences"] > 0, r
+            tested = "verify_items_level_tested" if mode.endswith("levels") else \
+                "verify_items_tested"
+            assert r[tested] > 0 and r["verify_sequences"] > 0, r
             assert r["verify_demo_row_fraction"] == 1.0, r
             assert r["demo_from_replay_fraction"] == 1.0, r
         else:
             assert r["extra_demo_sequences"] > 0 and r["extra_demo_found_fraction"] == 1.0, r
             assert r["demo_from_sibling_fraction"] == 1.0, r
     cfg = json.loads((straight / "config.json").read_text())
-    assert cfg["mode"] == mode
-    assert cfg["memory"]["verify"]["enabled"] is (mode == "pmd_verified")
+    assert cfg["mode"] == mode.removesuffix("_levels")
+    assert cfg["memory"]["verify"]["enabled"] is mode.startswith("pmd_verified")
