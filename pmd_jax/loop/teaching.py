@@ -249,7 +249,7 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     # (problem index, section, item) -> the first success of that item's arm: shown only if
     # the check admits the item (an item the check has not admitted reaches no teacher, not
     # even through a replay its text produced)
-    item_found: dict[tuple[int, str, str], str] = {}
+    item_found: dict[tuple[int, str, Any], str] = {}
 
     def run_arms(arms: list[Any]) -> list[list[tuple[bool, bool]]]:
         prompts, probs = [], []

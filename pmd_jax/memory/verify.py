@@ -423,9 +423,9 @@ class EvidenceStore:
                 out[ev.status] += 1
             return out
         for key in self.item_level:
-            ev = self.items.get(key)
-            if ev is not None and ev.status in ("rejected", "retired"):
-                out[ev.status] += 1
+            item = self.items.get(key)
+            if item is not None and item.status in ("rejected", "retired"):
+                out[item.status] += 1
             else:
                 out["admitted" if self.visible(key) else "pending"] += 1
         for st in STATUSES:

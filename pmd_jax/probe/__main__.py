@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         "behavior.top_k": run_cfg.memory.behavior.top_k,
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)),
     }
-    data = write_outputs(Path(_OUT.value), setup, result)
+    data = write_outputs(Path(str(_OUT.value)), setup, result)
     for c in data["contrasts"]:
         print(f"{c['group']:8s} {c['a']:>18s} - {c['b']:<16s} n={c['problems']:3d} "
               f"{c['mean']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] "
