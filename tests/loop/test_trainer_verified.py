@@ -75,7 +75,11 @@ def _killed_at_checkpoint_1(run_dir: Path, flags: tuple[str, ...], hashseed: int
     assert not (run_dir / "final_hf").exists()
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
+# the level rule's kill/resume is a slow test (its decisions are unit-tested in
+# tests/memory/test_memory_levels_check.py; the state round trip there too)
+@pytest.fixture(scope="module", params=[
+    pytest.param(m, marks=pytest.mark.slow) if m.endswith("_levels") else m
+    for m in sorted(MODES)])
 def straight_and_resumed(request, tmp_path_factory) -> tuple[str, Path, Path, str]:
     mode = request.param
     flags = MODES[mode]
