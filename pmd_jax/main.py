@@ -21,7 +21,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from pmd_jax.config.cli import CONFIG_ERROR_EXIT
@@ -146,19 +146,9 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config.cli import check_command_line
+    from pmd_jax.config.cli import run_command
 
-    try:
-        argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)
-    except flags.Error as e:  # e.g. a missing --flagfile
-        sys.exit(_report([str(e)]))
-    line = check_command_line(argv)
-    if line.fatal:
-        sys.exit(_report(line.errors))
-    # ml_collections reads the overrides from sys.argv itself: hand it the checked ones.
-    sys.argv = line.argv
-    _COMMAND_LINE.append(line)
-    app.run(lambda argv: sys.exit(main(argv)), argv=line.argv)
+    run_command(main, _COMMAND_LINE)
 
 
 if __name__ == "__main__":

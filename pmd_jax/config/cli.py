@@ -335,3 +335,24 @@ def report_errors(errs: list[str]) -> int:
 
     print(format_errors(errs), file=sys.stderr, flush=True)
     return CONFIG_ERROR_EXIT
+
+
+def run_command(main: Any, lines: list[CommandLine]) -> None:
+    """An absl command's entry (pmd_jax.main, pmd_jax.probe): flag files read, the config
+    file and its ``--config.*`` overrides checked (the checked line appended to ``lines`` for
+    ``main`` to apply), then ``main(argv)``'s return value is the exit status."""
+    import sys
+
+    from absl import app, flags
+
+    try:
+        argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)
+    except flags.Error as e:  # e.g. a missing --flagfile
+        sys.exit(report_errors([str(e)]))
+    line = check_command_line(argv)
+    if line.fatal:
+        sys.exit(report_errors(line.errors))
+    # ml_collections reads the overrides from sys.argv itself: hand it the checked ones.
+    sys.argv = line.argv
+    lines.append(line)
+    app.run(lambda argv: sys.exit(main(argv)), argv=line.argv)

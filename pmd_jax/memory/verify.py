@@ -157,6 +157,24 @@ def pair_signs(w: bool, wo: bool, ok_w: bool, ok_wo: bool) -> tuple[int, int]:
     return int(w and not wo) - int(wo and not w), int(ok_wo and not ok_w) - int(ok_w and not ok_wo)
 
 
+def add_pairs(rec: Any, outcomes: Iterable[tuple[bool, bool, bool, bool]],
+              help_wealth: list[float] | None = None) -> None:
+    """Counts pairs ``(with_correct, without_correct, with_ok, without_ok)`` into ``rec`` (a
+    LevelEvidence or Evidence: pairs, wins, losses, format counts) and bets them on its harm
+    and invalid-answer tests, and on ``help_wealth`` when given."""
+    for w, wo, ok_w, ok_wo in outcomes:
+        x, y = pair_signs(w, wo, ok_w, ok_wo)
+        rec.pairs += 1
+        rec.wins += int(x > 0)
+        rec.losses += int(x < 0)
+        rec.format_wins += int(y < 0)
+        rec.format_losses += int(y > 0)
+        if help_wealth is not None:
+            bet(help_wealth, x)
+        bet(rec.harm, -x)
+        bet(rec.format_harm, y)
+
+
 @dataclasses.dataclass
 class LevelEvidence:
     """level_sequential: the pooled replay record of one memory level (its items shown
@@ -243,6 +261,9 @@ class EvidenceStore:
         # level_sequential: each level's pooled evidence, and the level of every item proposed
         self.levels: dict[str, LevelEvidence] = {}
         self.item_level: dict[str, str] = {}
+        # level_sequential: items that have been in a replay arm (joint or apart): only those
+        # are shown, so an item written after its level's admission is measured first
+        self.measured: set[str] = set()
 
     @property
     def sequential(self) -> bool:
@@ -265,9 +286,9 @@ class EvidenceStore:
 
     def visible(self, key: str) -> bool:
         ev = self.items.get(key)
-        if self.sequential:  # its level admitted, and not itself dropped when tested apart
+        if self.sequential:  # its level admitted, itself in a replay arm, and not dropped
             lv = self.levels.get(self.item_level.get(key, ""))
-            return (lv is not None and lv.status == "admitted"
+            return (lv is not None and lv.status == "admitted" and key in self.measured
                     and (ev is None or ev.status not in ("rejected", "retired")))
         return ev is not None and ev.visible
 
@@ -299,16 +320,7 @@ class EvidenceStore:
         lv = self.level(name)
         if lv.status not in ("pending", "admitted"):
             raise ValueError(f"level {name!r} is {lv.status}: it is not tested any more")
-        for w, wo, ok_w, ok_wo in outcomes:
-            x, y = pair_signs(w, wo, ok_w, ok_wo)
-            lv.pairs += 1
-            lv.wins += x > 0
-            lv.losses += x < 0
-            lv.format_wins += y < 0
-            lv.format_losses += y > 0
-            bet(lv.help, x)
-            bet(lv.harm, -x)
-            bet(lv.format_harm, y)
+        add_pairs(lv, outcomes, lv.help)
         lv.tests += 1
         lv.last_tested_step = int(step)
         thr = self.threshold
@@ -336,15 +348,7 @@ class EvidenceStore:
             ev.text = text
         if not ev.open:
             raise ValueError(f"evidence {key!r} is {ev.status}: it is not tested any more")
-        for w, wo, ok_w, ok_wo in outcomes:
-            x, y = pair_signs(w, wo, ok_w, ok_wo)
-            ev.pairs += 1
-            ev.wins += x > 0
-            ev.losses += x < 0
-            ev.format_wins += y < 0
-            ev.format_losses += y > 0
-            bet(ev.harm, -x)
-            bet(ev.format_harm, y)
+        add_pairs(ev, outcomes)
         ev.tests += 1
         if ev.first_tested_step < 0:
             ev.first_tested_step = int(step)
@@ -436,7 +440,7 @@ class EvidenceStore:
     def state_dict(self) -> dict[str, Any]:
         return {"items": [dataclasses.asdict(ev) for ev in self.items.values()],
                 "levels": [dataclasses.asdict(lv) for lv in self.levels.values()],
-                "item_level": dict(self.item_level)}
+                "item_level": dict(self.item_level), "measured": sorted(self.measured)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.items, self.levels = {}, {}
@@ -447,6 +451,7 @@ class EvidenceStore:
             lv = LevelEvidence(**d)
             self.levels[lv.level] = lv
         self.item_level = dict((state or {}).get("item_level", {}))
+        self.measured = set((state or {}).get("measured", []))
 
 
 # ----------------------------------------------------------------------------- the check
@@ -625,6 +630,7 @@ def _check_levels(store: EvidenceStore, step: int, problem_ids: Sequence[str],
             if store.level(lv).status not in ("pending", "admitted"):
                 continue  # decided earlier in this step (another problem's pairs)
             moved = store.record_level(lv, step, pairs)
+            store.measured.update(p.key for p in proposals[i] if p.level == lv)
             counts["level_tested"] += 1
             if moved:
                 counts[f"level_{moved}"] += 1
@@ -632,6 +638,7 @@ def _check_levels(store: EvidenceStore, step: int, problem_ids: Sequence[str],
             pairs = [(w[0], wo[0], w[1], wo[1]) for w, wo in zip(got[i][k], b, strict=True)]
             moved = store.record_apart(p.key, p.level, step, problem_ids[i], pairs,
                                        text=item_text(p.value))
+            store.measured.add(p.key)
             counts["tested"] += 1
             if moved:
                 counts[moved] += 1

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from pmd_jax.probe import arms as arms_mod
@@ -117,16 +117,9 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config.cli import check_command_line
-    from pmd_jax.config.cli import report_errors as _report
+    from pmd_jax.config.cli import run_command
 
-    argv = list(sys.argv)
-    line = check_command_line(argv)
-    if line.fatal:
-        sys.exit(_report(line.errors))
-    sys.argv = line.argv
-    _COMMAND_LINE.append(line)
-    app.run(lambda argv: sys.exit(main(argv)), argv=line.argv)
+    run_command(main, _COMMAND_LINE)
 
 
 if __name__ == "__main__":

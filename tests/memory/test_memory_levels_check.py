@@ -167,3 +167,25 @@ def test_budget_caps_apart_tests_after_joint_arms():
     item_arms = sum(len(x) for x in seen[1:])
     assert item_arms == 4  # 3 behavior joint arms + 1 apart test
     assert sum(1 for x in seen[1:] for a in x if a[1] == JOINT) == 3
+
+
+def test_an_item_written_after_admission_is_shown_only_once_measured():
+    """The level's evidence admits its items as they were tested together; an item proposed
+    later has been in no arm: it is hidden until a replay arm (here the apart test, which
+    runs before the contexts keep their items) has measured it; one the step's budget leaves
+    untested stays hidden."""
+    st = EvidenceStore(_cfg(max_items_per_step=1, max_items_per_problem=1))
+    st.record_level("insight", 0, [WIN] * 40)  # admitted (directly: no item measured)
+    ties = lambda arms: [[(False, True)] * 4 for _ in arms]  # noqa: E731
+    new = Proposal("late", "insight", "lessons", "written at step 2")
+    other = Proposal("later", "insight", "lessons", "also new")
+    for p in (new, other):
+        st.item_level[p.key] = "insight"
+    assert not st.visible("late") and not st.visible("later")
+    c = check_before_use(st, 2, ["A", "B"], [[new], [other]], ties)  # level not due: apart
+    assert c["level_tested"] == 0 and c["tested"] == 1  # the budget: one apart test
+    assert st.items["late"].tests == 1 and st.visible("late")
+    assert "later" not in st.items and not st.visible("later")
+    st2 = EvidenceStore(st.cfg)
+    st2.load_state_dict(st.state_dict())
+    assert st2.visible("late") and not st2.visible("later")
