@@ -217,11 +217,13 @@ def temp_files(train_cfg: Any, bundle: Any) -> list[tuple[str, int]]:
     process's bytes: the initial policy (kept for the whole run) and the optimizer state (one
     file at a time, during the KL forward or the gradient)."""
     out = []
-    if train_cfg.offload_initial_policy and train_cfg.kl_initial_every > 0 \
+    trains = bundle.step_fn.trains  # (else: no optimizer, and no KL to the initial policy)
+    if train_cfg.offload_initial_policy and train_cfg.kl_initial_every > 0 and trains \
             and bundle.initial_params is not None:
         out.append(("the initial policy (train.offload_initial_policy)",
                     local_nbytes(bundle.initial_params)))
-    if train_cfg.offload_optimizer_during_kl or train_cfg.offload_optimizer_during_grads:
+    if trains and (train_cfg.offload_optimizer_during_kl
+                   or train_cfg.offload_optimizer_during_grads):
         out.append(("the AdamW moments (train.offload_optimizer_during_kl / _grads)",
                     local_nbytes(bundle.state.opt_state)))
     return out

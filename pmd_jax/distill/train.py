@@ -29,14 +29,17 @@ class TrainBundle:
     optimizer_offload_key: str | None = None
 
 
-def init_train_state(cfg: RunConfig, model: Any) -> TrainBundle:
-    """The train step for ``model`` (a build.ModelBundle) and its initial state."""
+def init_train_state(cfg: RunConfig, model: Any, trains: bool = True) -> TrainBundle:
+    """The train step for ``model`` (a build.ModelBundle) and its initial state. ``trains``
+    False (the mode's weights never change): the state holds no optimizer or teacher, and
+    the initial policy, which only the KL to it reads, is not kept
+    (:func:`place_initial_policy`)."""
     from pmd_jax.distill.step import TrainStep
 
     ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules,
                    microbatch_rows=int(cfg.train.microbatch_rows),
                    lesson_nll_weight=float(cfg.mel.nll_weight),  # used by the mel loss only
-                   shared_prefix=cfg.train.shared_prefix)
+                   shared_prefix=cfg.train.shared_prefix, trains=trains)
     state = ts.init(model.params, rng=int(cfg.seed))
     key = str(cfg.run_dir) if cfg.train.offload_optimizer_during_grads else None
     return TrainBundle(ts, state, model.params, key)
@@ -69,15 +72,16 @@ def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_ke
     from pmd_jax.distill.offload import DiskParams
 
     tr = cfg.train
-    if tr.kl_initial_every > 0 and not tr.offload_initial_policy:
+    measured = tr.kl_initial_every > 0 and bundle.step_fn.trains
+    if measured and not tr.offload_initial_policy:
         return ""
-    disk = (DiskParams.write_temp(bundle.initial_params, run_key)
-            if tr.kl_initial_every > 0 else None)
+    disk = DiskParams.write_temp(bundle.initial_params, run_key) if measured else None
     bundle.initial_params = model.params = None
     footprint.release_free_memory()
     bundle.initial_params = disk
     if disk is None:
-        return "dropped (train.kl_initial_every=0)"
+        return ("dropped (train.kl_initial_every=0)" if bundle.step_fn.trains else
+                "dropped (the mode never changes the weights: no KL to measure)")
     return f"offloaded to {disk.path} ({disk.nbytes_on_disk / footprint.GiB:.2f} GiB)"
 
 

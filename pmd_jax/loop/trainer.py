@@ -111,7 +111,7 @@ class Trainer:
         # The memory lives on process 0 only (one owner; the others never read it).
         self.uses_memory = self.mode.uses_memory
         self.memory = build.build_memory(cfg, self.model) if self.is_main else None
-        self.state = train.init_train_state(cfg, self.model)
+        self.state = train.init_train_state(cfg, self.model, trains=self.mode.trains_policy)
         # the mode's per-run state and hooks (mel's lessons, fast_slow's context pool)
         self.mode_rt = self.mode.runtime(cfg, self.model, self.task, self.train_problems,
                                          self.eval_problems)
@@ -443,7 +443,9 @@ class Trainer:
                 and self.sampler.share_weights() == "in_process")
 
     def _kl_due(self, step: int) -> bool:
-        return kl.kl_due(step, self.cfg.train.kl_initial_every)
+        # (a mode that never trains: the KL is 0 by construction, and its initial policy is
+        # not kept)
+        return self.mode.trains_policy and kl.kl_due(step, self.cfg.train.kl_initial_every)
 
     # ------------------------------------------------------------------ 6. publish
     def _publish(self, version: int) -> None:

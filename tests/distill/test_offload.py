@@ -267,7 +267,7 @@ def test_the_offload_files_are_sized_and_checked_against_the_temp_disk(tmp_path,
     opt = {"mu": init, "nu": init, "count": jnp.int32(0)}  # 8,084 bytes
     bundle = types.SimpleNamespace(initial_params=init, state=TrainState(
         step=jnp.int32(0), params=init, opt_state=opt, teacher={},
-        rng=jnp.zeros((2,), jnp.uint32)))
+        rng=jnp.zeros((2,), jnp.uint32)), step_fn=types.SimpleNamespace(trains=True))
 
     def train_cfg(**kw):
         base = dict(offload_initial_policy=False, kl_initial_every=1,
@@ -282,6 +282,11 @@ def test_the_offload_files_are_sized_and_checked_against_the_temp_disk(tmp_path,
     assert [n for _, n in files] == [4040, 8084]
     assert "offload_initial_policy" in files[0][0] and "_grads" in files[1][0]
     assert str(tmp_path) in disk.check_temp_space(files)
+    # a mode that never trains writes neither (no moments, no KL to the initial policy)
+    frozen = types.SimpleNamespace(**{**vars(bundle),
+                                      "step_fn": types.SimpleNamespace(trains=False)})
+    assert offload.temp_files(train_cfg(offload_initial_policy=True,
+                                        offload_optimizer_during_grads=True), frozen) == []
     monkeypatch.setattr(disk, "free_bytes", lambda d: 10_000)
     with pytest.raises(disk.DiskSpaceError, match=r"temp directory .*offload_initial_policy"):
         disk.check_temp_space(files)

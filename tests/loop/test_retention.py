@@ -195,6 +195,9 @@ def test_memory_only_keeps_the_weights_and_reports_retention(tmp_path: Path):
                             "--config.memory.behavior.every_n_steps=100"),
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
+    # no AdamW moments or teacher copy held (or checkpointed), no initial policy kept
+    assert "optimizer 0.00, teacher 0.00" in p.stderr, p.stderr[-4000:]
+    assert "initial policy dropped (the mode never changes the weights" in p.stderr
     # the weights never changed: the export is bitwise the initial one
     a, b = _initial_export(run, tmp_path / "initial"), _final_params(run)
     assert a and a.keys() == b.keys()
