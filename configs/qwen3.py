@@ -40,7 +40,7 @@ def get_config():
     c.eval.temperature = 0.6
     c.eval.top_p = 0.95
     c.eval.max_tokens = 8192
-    c.distill = lcb_distill_config()
+    lcb_distill_config(c.distill)  # (its knobs set on the run's distill section)
     c.distill.precision.param_dtype = "bfloat16"
     c.distill.loss.chunk_size = 1024
     return c

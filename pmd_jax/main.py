@@ -99,9 +99,17 @@ def main(argv: list[str]) -> int:
             kept = [f for f in flags_env.split() if "xla_force_host_platform_device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
+        from pmd_jax.distill.accumulate import MicrobatchError
         from pmd_jax.dry_run.entry import dry_run_from_config
+        from pmd_jax.models.config import ConfigError
+        from pmd_jax.run.sharding import ShardingError
 
-        report = dry_run_from_config(dry_cfg)
+        try:
+            report = dry_run_from_config(dry_cfg)
+        except (ConfigError, MicrobatchError, ShardingError) as e:
+            # the model's shapes cannot be read, or the config does not fit the (simulated)
+            # mesh: one line, exit 2
+            return _refuse(str(e))
         # exit 1 when the train step or the decode step does not fit the target's HBM
         return 0 if report.get("fits", True) else 1
     # What the mode implies is set on the ConfigDict, then every problem is named at once;

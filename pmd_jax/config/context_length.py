@@ -4,9 +4,8 @@ checks of config validation."""
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pmd_jax.models.config import ConfigError
 
@@ -47,54 +46,19 @@ def model_context_length(c: RunConfig) -> int:
     return int(hf.get("max_position_embeddings", 4096))  # as models.config.from_hf_config
 
 
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
-                11: "q", 12: "d"}
-
-
 def gguf_context_length(path: str | os.PathLike) -> int | None:
     """``<arch>.context_length`` from a GGUF file's key/value header, read as a stream up to
-    that key (the gguf package's reader parses the whole vocabulary first: ~10 s).
-    None when the file has no such key or is not a little-endian GGUF v2/v3 file."""
-
-    def read(f: Any, fmt: str) -> Any:
-        size = struct.calcsize("<" + fmt)
-        b = f.read(size)
-        if len(b) != size:
-            raise EOFError
-        return struct.unpack("<" + fmt, b)[0]
-
-    def read_str(f: Any) -> str:
-        n = read(f, "Q")
-        return f.read(n).decode("utf-8", "replace")
-
-    def skip(f: Any, vtype: int) -> Any:
-        if vtype in _GGUF_SCALAR:
-            return read(f, _GGUF_SCALAR[vtype])
-        if vtype == 8:
-            return read_str(f)
-        if vtype == 9:
-            etype, count = read(f, "I"), read(f, "Q")
-            if etype in _GGUF_SCALAR:
-                f.seek(count * struct.calcsize("<" + _GGUF_SCALAR[etype]), os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    skip(f, etype)
-            return None
-        raise ValueError(f"unknown GGUF value type {vtype}")
+    that key (:func:`pmd_jax.models.gguf_io.read_gguf_header`). None when the file has no
+    such key or is not a little-endian GGUF v2/v3 file."""
+    from pmd_jax.models.gguf_io import GGUFError, read_gguf_header
 
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF" or read(f, "I") not in (2, 3):
-                return None
-            read(f, "Q")  # tensor count
-            arch = None
-            for _ in range(read(f, "Q")):
-                key, vtype = read_str(f), read(f, "I")
-                value = skip(f, vtype)
-                if key == "general.architecture":
-                    arch = value
-                elif arch is not None and key == f"{arch}.context_length":
-                    return int(value)
-    except (OSError, EOFError, ValueError, struct.error):
+        meta = read_gguf_header(path, stop_at="general.architecture").meta
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            return None
+        key = f"{arch}.context_length"
+        n = read_gguf_header(path, stop_at=key).meta.get(key)
+    except GGUFError:
         return None
-    return None
+    return None if n is None else int(n)

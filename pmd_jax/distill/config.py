@@ -160,9 +160,12 @@ def freeze_distill_config(c: ml_collections.ConfigDict) -> DistillConfig:
     return freeze_section(DistillConfig, c)
 
 
-def lcb_distill_config() -> ml_collections.ConfigDict:
-    """METHOD.md Table 12, LiveCodeBench rich-feedback column."""
-    c = default_distill_config()
+def lcb_distill_config(c: ml_collections.ConfigDict | None = None
+                       ) -> ml_collections.ConfigDict:
+    """METHOD.md Table 12, LiveCodeBench rich-feedback column: set on ``c`` (a run config's
+    ``distill`` section, whose group size and temperature live in ``rollout``), or on
+    :func:`default_distill_config` for a step used on its own. Returns the section."""
+    c = default_distill_config() if c is None else c
     c.loss.alpha = 1.0
     c.loss.topk = 20
     c.teacher.rate = 0.01
@@ -171,9 +174,11 @@ def lcb_distill_config() -> ml_collections.ConfigDict:
     return c
 
 
-def grpo_baseline_config() -> ml_collections.ConfigDict:
-    """METHOD.md Table 13 GRPO baseline (on-policy variant: lr 1e-5)."""
-    c = default_distill_config()
+def grpo_baseline_config(c: ml_collections.ConfigDict | None = None
+                         ) -> ml_collections.ConfigDict:
+    """METHOD.md Table 13 GRPO baseline (on-policy variant: lr 1e-5), on ``c`` as
+    :func:`lcb_distill_config`."""
+    c = default_distill_config() if c is None else c
     c.loss.name = "grpo"
     c.teacher.rule = "live"  # unused: no teacher forward in grpo mode
     return c

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -184,11 +185,38 @@ def format_step_memory(r: dict[str, Any]) -> str:
 
 
 def model_config(cfg: RunConfig) -> Any:
+    """The run's ModelConfig with its dtypes and attention options, no weights read: from
+    ``model.preset``, else from ``model.source`` (an embedded model's GGUF metadata, or a
+    folder's config.json). Raises ConfigError naming what is missing."""
     from pmd_jax.loop.build import attention_options
-    from pmd_jax.models.config import ConfigError, preset
 
-    if not cfg.model.preset:
-        raise ConfigError("--dry_run needs model.preset (e.g. 'olmo3-7b', 'qwen3-8b')")
-    return preset(cfg.model.preset).replace(dtype=cfg.model.dtype,
-                                            param_dtype=cfg.model.param_dtype,
-                                            **attention_options(cfg))
+    return _shapes(cfg).replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                                **attention_options(cfg))
+
+
+def model_name(cfg: RunConfig) -> str:
+    """What the reports call the model: its preset, else its source."""
+    return str(cfg.model.preset or cfg.model.source)
+
+
+def _shapes(cfg: RunConfig) -> Any:
+    from pmd_jax.models import gguf_io, hf_io
+    from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
+    from pmd_jax.models.config import ConfigError, from_hf_config, preset
+
+    if cfg.model.preset:
+        return preset(cfg.model.preset)
+    src = cfg.model.source
+    if src in EMBEDDED_MODELS:  # the GGUF's header: shapes without the weights
+        try:
+            header = gguf_io.read_gguf_header(embedded_gguf_path(src))
+            return gguf_io.config_from_gguf(header.meta, set(header.tensor_shapes))
+        except (AssetError, gguf_io.GGUFError) as e:
+            raise ConfigError(f"--dry_run reads model.source={src!r}'s shapes from its GGUF: "
+                              f"{e}") from None
+    if src and (Path(src) / "config.json").exists():
+        return from_hf_config(hf_io.read_hf_config(src))
+    raise ConfigError(
+        "--dry_run needs the model's shapes: model.preset (e.g. 'olmo3-7b', 'qwen3-8b'), or "
+        f"model.source naming an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}) or "
+        f"a folder with a config.json (got model.source={src!r})")

@@ -13,6 +13,7 @@ from pmd_jax.dry_run.distill_step import (
     format_step_memory,
     mesh_shape,
     model_config,
+    model_name,
 )
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ def dry_run_from_config(cfg: RunConfig) -> dict[str, Any]:
     rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
     seq = int(cfg.rollout.max_prompt_tokens) + int(cfg.rollout.max_tokens)
     per_dev = max(1, shape["data"] * shape["fsdp"])
-    log.info("dry run: %s on %d simulated devices %s", cfg.model.preset, n, shape)
-    report: dict[str, Any] = {"model": cfg.model.preset, "mesh": shape,
+    log.info("dry run: %s on %d simulated devices %s", model_name(cfg), n, shape)
+    report: dict[str, Any] = {"model": model_name(cfg), "mesh": shape,
                               "params": mc.num_params(),
                               "flops_per_token_fwd": mc.flops_per_token(seq)}
     t0 = time.perf_counter()

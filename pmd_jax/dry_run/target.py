@@ -279,7 +279,7 @@ def format_target_report(r: dict[str, Any]) -> str:
 def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[str, Any]:
     import jax
 
-    from pmd_jax.dry_run.distill_step import mesh_shape, model_config
+    from pmd_jax.dry_run.distill_step import mesh_shape, model_config, model_name
     from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     t = tg.get_target(target)
@@ -294,9 +294,9 @@ def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[
         raise ValueError(f"mesh {shape} (cfg.mesh) does not use the {n} chips of {t.name}")
     mesh = make_mesh(shape)
     rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
-    log.info("dry run: %s on %s (%d simulated devices, mesh %s)", cfg.model.preset, t.name,
+    log.info("dry run: %s on %s (%d simulated devices, mesh %s)", model_name(cfg), t.name,
              n, shape)
-    report: dict[str, Any] = {"model": cfg.model.preset, "target": t.name, "mesh": shape,
+    report: dict[str, Any] = {"model": model_name(cfg), "target": t.name, "mesh": shape,
                               "params": mc.num_params()}
     report["train_step"] = train_step_report(cfg, mc, mesh, rules, t, count_cost)
     report["decode_step"] = decode_step_report(cfg, mc, mesh, rules, t, count_cost)

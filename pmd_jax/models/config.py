@@ -161,6 +161,8 @@ class ModelConfig:
     def num_params(self) -> int:
         d, f, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        if self.qkv_bias:  # (Qwen2: q, k and v projections have biases)
+            attn += self.q_size + 2 * self.kv_size
         mlp = 3 * d * f
         norms = 2 * d
         if self.qk_norm == "per_head":

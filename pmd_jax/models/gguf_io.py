@@ -63,6 +63,97 @@ def metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SkippedArray:
+    """An array value of a GGUF header read by :func:`read_gguf_header`: its length only
+    (the vocabulary and merges are not parsed)."""
+
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's key/values (arrays as :class:`SkippedArray`) and its tensors' shapes
+    (GGUF order: fastest-varying dimension first), read without touching the tensor data."""
+
+    meta: dict[str, Any]
+    tensor_shapes: dict[str, tuple[int, ...]]
+
+    def n_elements(self) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) for s in self.tensor_shapes.values())
+
+
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                11: "q", 12: "d"}
+
+
+def read_gguf_header(path: str | os.PathLike, stop_at: str | None = None) -> GGUFHeader:
+    """The header of a little-endian GGUF v2/v3 file, read as a stream: the key/values with
+    arrays skipped (``gguf.GGUFReader`` parses the whole vocabulary first: ~10 s for a
+    151,936-token one) and the tensor infos. ``stop_at``: stop after that key (no tensor
+    infos). Raises GGUFError on a file that is not one or ends early."""
+    import struct
+
+    def read(f: Any, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        b = f.read(size)
+        if len(b) != size:
+            raise EOFError
+        return struct.unpack("<" + fmt, b)[0]
+
+    def read_str(f: Any) -> str:
+        n = read(f, "Q")
+        b = f.read(n)
+        if len(b) != n:
+            raise EOFError
+        return b.decode("utf-8", "replace")
+
+    def value(f: Any, vtype: int) -> Any:
+        if vtype in _GGUF_SCALAR:
+            return read(f, _GGUF_SCALAR[vtype])
+        if vtype == 8:
+            return read_str(f)
+        if vtype == 9:
+            etype, count = read(f, "I"), read(f, "Q")
+            if etype in _GGUF_SCALAR:
+                f.seek(count * struct.calcsize("<" + _GGUF_SCALAR[etype]), os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    value(f, etype)
+            return SkippedArray(int(count))
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    meta: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise GGUFError(f"{path}: not a GGUF file (no GGUF magic)")
+            version = read(f, "I")
+            if version not in (2, 3):
+                raise GGUFError(f"{path}: GGUF version {version} (2 and 3 are read)")
+            n_tensors, n_kv = read(f, "Q"), read(f, "Q")
+            for _ in range(n_kv):
+                key, vtype = read_str(f), read(f, "I")
+                meta[key] = value(f, vtype)
+                if key == stop_at:
+                    return GGUFHeader(meta, shapes)
+            for _ in range(n_tensors):
+                name = read_str(f)
+                dims = tuple(int(read(f, "Q")) for _ in range(read(f, "I")))
+                read(f, "I"), read(f, "Q")  # tensor type, data offset
+                shapes[name] = dims
+    except (EOFError, struct.error, ValueError) as e:
+        raise GGUFError(f"{path}: GGUF header ends early or is malformed ({e or 'EOF'})") \
+            from None
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read: {e}") from None
+    return GGUFHeader(meta, shapes)
+
+
 def _need(meta: dict[str, Any], key: str) -> Any:
     if key not in meta:
         raise GGUFError(f"GGUF metadata is missing key {key!r}")

@@ -75,10 +75,13 @@ def _killed_at_checkpoint_1(run_dir: Path, flags: tuple[str, ...], hashseed: int
     assert not (run_dir / "final_hf").exists()
 
 
-# the level rule's kill/resume is a slow test (its decisions are unit-tested in
-# tests/memory/test_memory_levels_check.py; the state round trip there too)
+# Slow params: the level rule's (its decisions are unit-tested in
+# tests/memory/test_memory_levels_check.py, the state round trip there too) and
+# pmd_verified's (the default suite kills and resumes it under other salts in two processes,
+# tests/distributed/test_multiprocess_loop.py, whose replays reach the loss there too);
+# sdpo_matched_sampling's extra demonstrations run here in the default suite.
 @pytest.fixture(scope="module", params=[
-    pytest.param(m, marks=pytest.mark.slow) if m.endswith("_levels") else m
+    m if m == "sdpo_matched_sampling" else pytest.param(m, marks=pytest.mark.slow)
     for m in sorted(MODES)])
 def straight_and_resumed(request, tmp_path_factory) -> tuple[str, Path, Path, str]:
     mode = request.param
