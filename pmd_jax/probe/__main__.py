@@ -9,7 +9,9 @@ The config is the one of the run that wrote the memory (its task, model and samp
 settings; ``--config.*`` overrides as for ``pmd_jax.main``: another model reads the same
 memory with ``--config.model.source=...``). Writes ``probe.json``, ``probe.md`` and
 ``probe.png`` under ``--out``; progress lines with rate and ETA on stderr. A bad config or
-flag fails before any model is loaded (exit 2).
+flag fails before any model is loaded (exit 2). Each finished batch of attempts is appended
+to ``--out``/probe_batches.jsonl: a killed probe restarted with the same command redoes only
+the batch it was in.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def main(argv: list[str]) -> int:
                              screen_samples=_SCREEN.value, max_train=_MAX_TRAIN.value,
                              max_heldout=_MAX_HELDOUT.value,
                              heldout_candidates=_HELDOUT_CANDIDATES.value,
-                             train_arms=_TRAIN_ARMS.value, heldout_arms=_HELDOUT_ARMS.value)
+                             train_arms=_TRAIN_ARMS.value, heldout_arms=_HELDOUT_ARMS.value,
+                             resume_dir=Path(str(_OUT.value)))
         result = runner.run()
     except ProbeError as e:
         return _report([str(e)])

@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,7 +56,8 @@ class ProbeRunner:
                  screen_samples: int = 8, max_train: int = 64, max_heldout: int = 100,
                  heldout_candidates: int = 200,
                  train_arms: Sequence[str] = arms_mod.TRAIN_ARMS,
-                 heldout_arms: Sequence[str] = arms_mod.HELDOUT_ARMS) -> None:
+                 heldout_arms: Sequence[str] = arms_mod.HELDOUT_ARMS,
+                 resume_dir: Path | None = None) -> None:
         from pmd_jax.loop import build
 
         if samples < 2 or screen_samples < 2:
@@ -71,6 +74,9 @@ class ProbeRunner:
         self.sampler = build.build_sampler(cfg, self.model)
         self.split = grade_split(self.task)
         self.timings: dict[str, float] = {}
+        # each finished batch of attempts, so a killed probe restarted with the same command
+        # redoes only the batch it was in (None: nothing kept)
+        self.done = DoneBatches(resume_dir / DONE_FILE) if resume_dir is not None else None
 
     # ------------------------------------------------------------------------ problems
     def problems(self) -> dict[str, list[Any]]:
@@ -104,15 +110,29 @@ class ProbeRunner:
 
     def attempt(self, problems: Sequence[Any], attempts: Sequence[arms_mod.Attempt | None],
                 params: SamplingParams, split: str, label: str) -> np.ndarray:
-        """bool[len(problems), params.n]: each attempt graded (undefined rows: ``none``)."""
-        from pmd_jax.loop.teaching import memory_prompt, response_prefix
-        from pmd_jax.run.metrics import Progress
+        """bool[len(problems), params.n]: each attempt graded (undefined rows: ``none``);
+        a batch finished before a restart is read back instead (:class:`DoneBatches`)."""
+        from pmd_jax.loop.teaching import memory_prompt
 
         prompts = []
         for p, att in zip(problems, attempts, strict=True):
             a = att or arms_mod.NONE
             prompts.append(memory_prompt(self.cfg, self.model, self.task, p, self.task.prompt(p),
                                          a.items, a.successful_attempt))
+        key = batch_key(label, split, params, prompts, self.cfg)
+        if self.done is not None and (kept := self.done.get(key)) is not None:
+            log.info("%s: %d attempts restored from %s", label, kept.size, self.done.path)
+            return kept
+        ok = self._sample_and_grade(problems, prompts, params, split, label)
+        if self.done is not None:
+            self.done.put(key, ok)
+        return ok
+
+    def _sample_and_grade(self, problems: Sequence[Any], prompts: list[list[int]],
+                          params: SamplingParams, split: str, label: str) -> np.ndarray:
+        from pmd_jax.loop.teaching import response_prefix
+        from pmd_jax.run.metrics import Progress
+
         prog = Progress(len(prompts) * params.n, label, unit="attempt")
         rollouts = self.sampler.generate(prompts, params,
                                          progress=lambda rows: prog.update(rows))
@@ -230,6 +250,52 @@ class ProbeRunner:
         ids = memory_prompt(self.cfg, self.model, self.task, problem, self.task.prompt(problem),
                             a.items, a.successful_attempt)
         return f"[{problem.id}] " + self.model.tokenizer.decode(ids, skip_special=False)
+
+
+DONE_FILE = "probe_batches.jsonl"
+
+
+def batch_key(label: str, split: str, params: SamplingParams, prompts: list[list[int]],
+              cfg: RunConfig) -> str:
+    """What a batch of attempts depends on: its label and grading split, the sampling
+    parameters (seed included), every prompt's tokens, the model and the task's knobs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in (label, split, repr(params), cfg.model.source, repr(cfg.task)):
+        h.update(part.encode())
+        h.update(b"\0")
+    for ids in prompts:
+        h.update(np.asarray(ids, np.int64).tobytes())
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+class DoneBatches:
+    """Finished batches of a probe, one JSON line each (key, outcomes), appended as each
+    ends; a line cut by a kill is ignored when read back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[str, np.ndarray] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self.rows[str(row["key"])] = np.asarray(row["ok"], bool)
+                except (ValueError, KeyError, TypeError):
+                    continue  # (a line cut by a kill)
+
+    def get(self, key: str) -> np.ndarray | None:
+        return self.rows.get(key)
+
+    def put(self, key: str, ok: np.ndarray) -> None:
+        self.rows[key] = ok
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": key, "ok": ok.astype(int).tolist()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def write_outputs(out: Path, setup: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:

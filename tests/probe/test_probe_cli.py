@@ -87,3 +87,32 @@ def test_small_probe_writes_report_and_pairs_attempts(tmp_path):
     assert "| train | own_insights | other_insights | primary" in md
     assert "Lesson" in md  # one prompt per arm shown
     assert "probe arm own_insights (train)" in r.stderr  # progress lines
+    # a kill during the last batch (its line half-written): the same command again restores
+    # every finished batch, redoes the last one, and writes the same outcomes
+    done = out / "probe_batches.jsonl"
+    lines = done.read_text().splitlines()
+    assert len(lines) == 6  # screening + 5 arms
+    done.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    again = _probe(f"--memory={mem}", f"--out={out}", "--samples=2", "--screen_samples=4",
+                   "--max_train=4", "--max_heldout=0",
+                   "--train_arms=own_insights,other_insights,own_behaviors,other_behaviors",
+                   "--config.memory.behavior.top_k=1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("attempts restored from") == 5, again.stderr[-3000:]
+    assert json.loads((out / "probe.json").read_text())["outcomes"] == data["outcomes"]
+
+
+def test_done_batches_skip_a_cut_line(tmp_path):
+    import numpy as np
+
+    from pmd_jax.probe.run import DoneBatches
+
+    d = DoneBatches(tmp_path / "b.jsonl")
+    d.put("a", np.array([[True, False]]))
+    d.put("b", np.array([[False, False], [True, True]]))
+    with open(tmp_path / "b.jsonl", "a") as f:
+        f.write('{"key": "c", "ok": [[1')  # cut by a kill
+    back = DoneBatches(tmp_path / "b.jsonl")
+    assert set(back.rows) == {"a", "b"} and back.get("c") is None
+    np.testing.assert_array_equal(back.get("b"), [[False, False], [True, True]])
+    assert back.get("b").dtype == bool
