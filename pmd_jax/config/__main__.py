@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
-from pmd_jax.config.schema import Section
+from pmd_jax.config.schema import Section, field_help
 from pmd_jax.config.sections import RunConfig
 
 
@@ -21,7 +21,7 @@ def describe(obj: Section, prefix: str = "") -> Iterator[str]:
     for f in dataclasses.fields(obj):
         key, value = prefix + f.name, getattr(obj, f.name)
         if f.metadata.get("section"):
-            yield f"[{key}] {f.metadata['help']}"
+            yield f"[{key}] {field_help(f)}"
             yield from describe(value, key + ".")
             continue
         if f.metadata.get("derived"):
@@ -29,7 +29,7 @@ def describe(obj: Section, prefix: str = "") -> Iterator[str]:
         shown = value.to_dict() if hasattr(value, "to_dict") else (
             list(value) if f.metadata.get("as_list") else value)
         yield f"{key} = {shown!r}"
-        yield textwrap.fill(f.metadata["help"], 96, initial_indent="    ",
+        yield textwrap.fill(field_help(f), 96, initial_indent="    ",
                             subsequent_indent="    ")
 
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from pmd_jax.config.schema import Section
+from pmd_jax.config.schema import Section, field_help
 from pmd_jax.config.sections import RunConfig
 
 DOC_PATH = "docs/configuration.md"
@@ -77,16 +77,16 @@ def _parts(obj: Section, key: str = "", help: str = "", depth: int = 0) -> Itera
             continue
         if f.metadata.get("derived"):
             part.knobs.append(
-                f"- {_code(name)}: {_prose(f.metadata['help'])} *Derived from "
+                f"- {_code(name)}: {_prose(field_help(f))} *Derived from "
                 f"{_code(f.metadata['derived'])} when the run config is frozen; not a "
                 "command-line key.*")
             continue
         part.knobs.append(f"- {_code(name)} (default {_code(_default(f, value))}): "
-                          f"{_prose(f.metadata['help'])}")
+                          f"{_prose(field_help(f))}")
     yield part
     for f, value in nested:
         name = f"{key}.{f.name}" if key else f.name
-        yield from _parts(value, name, f.metadata["help"], depth + 1)
+        yield from _parts(value, name, field_help(f), depth + 1)
 
 
 def _title(part: _Part) -> str:

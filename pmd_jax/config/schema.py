@@ -54,10 +54,11 @@ class FrozenDict(Mapping[str, Any]):
         return dict(self._data)
 
 
-def knob(default: Any, help: str, *, nullable: type | None = None, as_list: bool = False,
-         mapping: bool = False, derived: str = "",
+def knob(default: Any, help: str | Callable[[], str], *, nullable: type | None = None,
+         as_list: bool = False, mapping: bool = False, derived: str = "",
          derive: Callable[[Any], Any] | None = None) -> Any:
-    """A field with its default and help text.
+    """A field with its default and help text (or a function that writes it when asked, for
+    a help generated from a registry; read it with :func:`field_help`).
 
     nullable: the value type of a field that may also be None (a ``FieldReference`` of that
     type in the ConfigDict). as_list: a tuple here, a list in the ConfigDict (as config files
@@ -70,6 +71,12 @@ def knob(default: Any, help: str, *, nullable: type | None = None, as_list: bool
     if mapping:
         return dataclasses.field(default_factory=lambda: FrozenDict(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def field_help(f: dataclasses.Field) -> str:
+    """A knob's or section's help text (a generated help is written now)."""
+    h = f.metadata["help"]
+    return h() if callable(h) else str(h)
 
 
 def section(cls: type[S], help: str, factory: Callable[[], S] | None = None) -> Any:
@@ -165,7 +172,8 @@ def item_type_errors(s: Section, prefix: str = "") -> list[str]:
 
 def help_text(cls: type[Section], name: str) -> str:
     """The help text declared beside a field."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}[name]
+    return {f.name: field_help(f) if "help" in f.metadata else ""
+            for f in dataclasses.fields(cls)}[name]
 
 
 def to_config_dict(obj: Section, *, derived: bool = True) -> ml_collections.ConfigDict:

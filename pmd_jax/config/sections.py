@@ -46,6 +46,20 @@ class DryRunConfig(Section):
     roofline: bool = knob(True, "False: skip the extra loop-free compiles for the step time.")
 
 
+def _mode_help() -> str:
+    """The ``mode`` knob's help: every registered mode (pmd_jax/modes) with its aliases and
+    what it is, written from the registry."""
+    from pmd_jax.modes import aliases, get_mode, mode_names
+
+    also: dict[str, list[str]] = {}
+    for alias, name in aliases().items():
+        also.setdefault(name, []).append(alias)
+    parts = [f"{n}{' (alias ' + ', '.join(also[n]) + ')' if n in also else ''}: "
+             f"{get_mode(n).doc.rstrip('.')}" for n in mode_names()]
+    return ("The method, one of the registered modes (pmd_jax/modes; a new one is one file "
+            "and one register_mode): " + " | ".join(parts) + ".")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfigSection(Section):
     """The policy model."""
@@ -403,13 +417,7 @@ class RunConfig(Section):
     """The whole run: built by ``pmd_jax.config.freeze`` from the validated ConfigDict."""
 
     name: str = knob("run", "Run name.")
-    mode: str = knob("pmd", "grpo | sdpo | pmd | pmd_frozen_memory | pmd_frozen_policy "
-                     "(alias memory_only: training-free, the memory evolves and the weights "
-                     "never change) | mel (Meta-Experience Learning: GRPO + the NLL of "
-                     "replay-validated lessons, pmd_jax/mel) | fast_slow (Fast-Slow "
-                     "Training: a Pareto pool of memory-rendered contexts in the prompt + "
-                     "GRPO, pmd_jax/fast_slow) | a PMD variant "
-                     "(pmd_jax/config/modes.py).")
+    mode: str = knob("pmd", lambda: _mode_help())
     seed: int = knob(0, "Run seed.")
     run_dir: str = knob("runs/default", "Run folder (local, or gs:// / s3:// / az://).")
     resume: bool = knob(True, "Continue from the last checkpoint in run_dir if there is one.")

@@ -105,6 +105,23 @@ def test_a_new_mode_is_one_registration(tmp_path, monkeypatch):
     c.rollout.n = 4
     assert launch_needs.needs(freeze(c))["PMD_EXTRAS"] == "embeddings,scann"
     assert get_mode("probe").runtime().work_name == "probe"
+    # the mode knob's help is written from the registry: the new mode is in it
+    from pmd_jax.config.schema import help_text
+    from pmd_jax.config.sections import RunConfig
+
+    assert "probe: a test mode" in help_text(RunConfig, "mode")
+
+
+def test_the_mode_knobs_help_names_every_mode_and_alias():
+    from pmd_jax.config.schema import help_text
+    from pmd_jax.config.sections import RunConfig
+
+    h = help_text(RunConfig, "mode")
+    for name in modes.mode_names():
+        assert f"{name}: " in h or f"{name} (alias" in h, name
+    for alias in modes.aliases():
+        assert alias in h, alias
+    assert "pmd_jax/config/modes.py" not in h  # (it named that file for the variants)
 
 
 def _is_config(node: ast.AST) -> bool:
