@@ -13,6 +13,9 @@ declared once in :func:`pmd_jax.models.weights.declare`; ``param_shapes``, ``par
 ``init_params`` and ``check_params`` here and the HF / GGUF maps are derived from it. The
 forward is :func:`decoder_layer` (one layer) run by ``_scanned_layers`` (``lax.scan`` over
 the stacked weights) or ``_unrolled_layers`` (a Python loop over per-layer weights).
+LoRA adapters (:mod:`pmd_jax.models.lora`) are a second, layer-stacked tree passed as
+``forward(..., adapters=, lora=)``; their tensors join each layer's weight dict and
+``decoder_layer`` adds ``scaling * ((x A) B)`` to the projections they target.
 
 Attention masks: ``attn_mask`` [B, T] marks real tokens (1) and padding (0); padding keys are
 never attended. Causality and sliding windows are over token slots (HF semantics: a key at slot
@@ -46,8 +49,10 @@ import numpy as np
 
 from pmd_jax.models import attend, matmul, weights
 from pmd_jax.models import attention as attn_lib
+from pmd_jax.models import lora as lora_lib
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
+from pmd_jax.models.lora import LoraConfig
 from pmd_jax.models.weights import INIT_STD
 
 Params = dict[str, Any]
@@ -82,8 +87,22 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt), _raw_shapes(cfg), is_leaf=_is_shape)
 
 
-def check_params(params: Params, cfg: ModelConfig) -> None:
-    """Raise ParamError naming the first tensor that is missing, extra or mis-shaped."""
+def check_params(params: Params, cfg: ModelConfig, *, adapters: Params | None = None,
+                 lora: LoraConfig | None = None) -> None:
+    """Raise ParamError naming the first tensor that is missing, extra or mis-shaped.
+
+    With LoRA ``adapters`` (and their ``lora`` config, see :mod:`pmd_jax.models.lora`) the
+    adapter tree is checked too, its tensors named ``adapters/layers/<key>``."""
+    if (adapters is None) != (lora is None):
+        raise ParamError("LoRA adapters and their LoraConfig go together: pass both or neither "
+                         f"(adapters {'given' if adapters is not None else 'missing'}, lora "
+                         f"{'given' if lora is not None else 'missing'})")
+    _check_base(params, cfg)
+    if adapters is not None and lora is not None:
+        lora_lib.check_adapters(adapters, cfg, lora)
+
+
+def _check_base(params: Params, cfg: ModelConfig) -> None:
     want = _raw_shapes(cfg)
     layers = params.get("layers") if isinstance(params, dict) else None
     if isinstance(layers, (list, tuple)):
@@ -100,23 +119,23 @@ def check_params(params: Params, cfg: ModelConfig) -> None:
     _walk_shapes(params, want, "")
 
 
-def _walk_shapes(params: Any, want: Any, where: str) -> None:
+def _walk_shapes(params: Any, want: Any, where: str, root: str = "params") -> None:
     def walk(p: Any, w: Any, path: str) -> None:
         if isinstance(w, dict):
             if not isinstance(p, dict):
-                raise ParamError(f"params{path} should be a dict, got {type(p).__name__}")
+                raise ParamError(f"{root}{path} should be a dict, got {type(p).__name__}")
             missing = sorted(set(w) - set(p))
             extra = sorted(set(p) - set(w))
             if missing:
-                raise ParamError(f"params{path} is missing tensor(s) {missing} for this config")
+                raise ParamError(f"{root}{path} is missing tensor(s) {missing} for this config")
             if extra:
-                raise ParamError(f"params{path} has unexpected tensor(s) {extra} for this config")
+                raise ParamError(f"{root}{path} has unexpected tensor(s) {extra} for this config")
             for k in w:
                 walk(p[k], w[k], f"{path}/{k}")
             return
         shape = tuple(getattr(p, "shape", ()))
         if shape != w:
-            raise ParamError(f"params{path} has shape {shape}, expected {w}")
+            raise ParamError(f"{root}{path} has shape {shape}, expected {w}")
 
     walk(params, want, where)
 
@@ -301,6 +320,21 @@ def _constrain(x: jnp.ndarray, axes: tuple[str | None, ...], ctx: ShardCtx | Non
 
 
 # --------------------------------------------------------------------------- one layer
+def _project(mm: Callable, spec: str, h: jnp.ndarray, p: Params, name: str,
+             lora_scaling: float | None) -> jnp.ndarray:
+    """``h`` times the weight ``p[name]`` (``spec``), plus the LoRA path
+    ``lora_scaling * ((h A) B)`` when the layer holds ``<name>_lora_a`` / ``<name>_lora_b``."""
+    y = mm(spec, h, p[name])
+    a_key = lora_lib.adapter_key(name, "a")
+    if a_key not in p:
+        return y
+    if lora_scaling is None:
+        raise ValueError(f"layer weights hold {a_key} but no lora_scaling was given")
+    spec_a, spec_b = lora_lib.SPECS[name]
+    return y + lora_scaling * mm(spec_b, mm(spec_a, h, p[a_key]),
+                                 p[lora_lib.adapter_key(name, "b")])
+
+
 def decoder_layer(
     x: jnp.ndarray,
     p: Params,
@@ -310,22 +344,25 @@ def decoder_layer(
     kv_update: Callable | None,
     cfg: ModelConfig,
     shard_ctx: ShardCtx | None = None,
+    lora_scaling: float | None = None,
 ) -> jnp.ndarray:
     """One decoder layer: x [B, T, D] -> x [B, T, D]; ``p`` is this layer's weights.
 
     ``cos``/``sin`` are the layer's RoPE tables at the tokens' positions. ``attend(q, k, v)`` is
     the layer's masked attention (see ``attend.attend_fn``). ``kv_update(k, v)`` (k/v [B,KV,T,hd])
     writes the new keys and values into the cache and returns the layer's full cached k/v; None
-    without a cache.
+    without a cache. A projection whose LoRA adapter is in ``p`` (``q_lora_a``, ``q_lora_b``,
+    ...; :mod:`pmd_jax.models.lora`) adds ``lora_scaling * ((h A) B)``.
     """
     dt = _dtype(cfg.dtype)
     eps = cfg.rms_norm_eps
     mm = functools.partial(matmul.weight_einsum, matmul_dtype=cfg.matmul_dtype)
+    proj = functools.partial(_project, mm, lora_scaling=lora_scaling)
     p = jax.tree.map(lambda a: a.astype(dt), p)
     h = rms_norm(x, p["attn_norm"], eps) if cfg.norm_placement == "pre" else x
-    q = mm("btd,dhk->bthk", h, p["q"])
-    k = mm("btd,dhk->bthk", h, p["k"])
-    v = mm("btd,dhk->bthk", h, p["v"])
+    q = proj("btd,dhk->bthk", h, p, "q")
+    k = proj("btd,dhk->bthk", h, p, "k")
+    v = proj("btd,dhk->bthk", h, p, "v")
     if cfg.attention_bias or cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm == "per_head":
@@ -339,7 +376,7 @@ def decoder_layer(
     if kv_update is not None:
         k, v = kv_update(k, v)
     a = attend(q, k, v)
-    a = mm("bthk,hkd->btd", a, p["o"])
+    a = proj("bthk,hkd->btd", a, p, "o")
     if cfg.attention_bias:
         a = a + p["o_bias"]
     if cfg.norm_placement == "post":
@@ -348,10 +385,10 @@ def decoder_layer(
 
     # MLP (SwiGLU)
     h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
-    g = mm("btd,df->btf", h, p["gate"])
-    u = mm("btd,df->btf", h, p["up"])
+    g = proj("btd,df->btf", h, p, "gate")
+    u = proj("btd,df->btf", h, p, "up")
     m = _constrain(silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
-    m = mm("btf,fd->btd", m, p["down"])
+    m = proj("btf,fd->btd", m, p, "down")
     if cfg.norm_placement == "post":
         m = rms_norm(m, p["mlp_norm"], eps)
     return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
@@ -447,8 +484,9 @@ def _scanned_layers(
 
 # --------------------------------------------------------------------------- forward
 def _check_inputs(params: Params, tokens: jnp.ndarray, positions: jnp.ndarray,
-                  cfg: ModelConfig, attn_mask: Any, segment_ids: Any, cache: Any) -> None:
-    check_params(params, cfg)
+                  cfg: ModelConfig, attn_mask: Any, segment_ids: Any, cache: Any,
+                  adapters: Params | None = None, lora: LoraConfig | None = None) -> None:
+    check_params(params, cfg, adapters=adapters, lora=lora)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
     if positions.shape != tokens.shape:
@@ -482,6 +520,8 @@ def forward(
     shard_ctx: ShardCtx | None = None,
     unroll: int | bool = 1,
     attention_impl: str | None = None,
+    adapters: Params | None = None,
+    lora: LoraConfig | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
     """Run the decoder: embed, the layers (``decoder_layer``, scanned over stacked weights or
     looped over per-layer ones), final norm, LM head.
@@ -494,8 +534,11 @@ def forward(
     ``ATTENTION_IMPLS``) overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
     mask or score matrix (see :mod:`pmd_jax.models.attention`). ``shared_prefix``: segment 0
     of ``segment_ids`` is seen by every segment of its row (module docstring).
+    ``adapters`` (with their ``lora`` config): LoRA adapters, a layer-stacked tree
+    (:mod:`pmd_jax.models.lora`) added to the projections they target; the base ``params``
+    are used as they are (differentiate with respect to ``adapters`` to train only them).
     """
-    _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache)
+    _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache, adapters, lora)
     if shared_prefix and (segment_ids is None or cfg.windows_shorter_than(tokens.shape[1])):
         raise ValueError(  # windows count slots: a continuation sits further from its prefix
             f"shared_prefix needs segment_ids and no sliding window shorter than the row "
@@ -542,16 +585,18 @@ def forward(
     # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
     cos_all, sin_all = rope_lib.cos_sin(positions, jnp.asarray(inv_freq), jnp.asarray(scaling))
-    ls = _Layers(functools.partial(decoder_layer, cfg=cfg, shard_ctx=shard_ctx), attend_fn,
-                 cos_all, sin_all, rope_idx, windows, dt)
+    ls = _Layers(functools.partial(decoder_layer, cfg=cfg, shard_ctx=shard_ctx,
+                                   lora_scaling=None if lora is None else lora.scaling),
+                 attend_fn, cos_all, sin_all, rope_idx, windows, dt)
+    layers = _with_adapters(params["layers"], adapters)
 
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
     if per_layer:
-        x, (ck, cv) = _unrolled_layers(x, params["layers"], ls, remat, cache, idx)
+        x, (ck, cv) = _unrolled_layers(x, layers, ls, remat, cache, idx)
         ck, cv = tuple(ck), tuple(cv)
     else:
-        x, (ck, cv) = _scanned_layers(x, params["layers"], ls, remat, unroll, cache, idx)
+        x, (ck, cv) = _scanned_layers(x, layers, ls, remat, unroll, cache, idx)
     new_cache = None
     if cache is not None:
         new_cache = {"k": ck, "v": cv, "mask": new_mask, "index": idx + T}
@@ -559,6 +604,17 @@ def forward(
     if return_hidden:
         return x, new_cache
     return logits_from_hidden(x, params, cfg), new_cache
+
+
+def _with_adapters(layers: Any, adapters: Params | None) -> Any:
+    """The layer weights with the LoRA adapter tensors added to each layer's dict (stacked, or
+    split per layer like ``layers``), so the scan or loop carries them with the layer."""
+    if adapters is None:
+        return layers
+    if isinstance(layers, (list, tuple)):
+        per = unstack_layers(adapters)["layers"]
+        return tuple({**lp, **ap} for lp, ap in zip(layers, per))
+    return {**layers, **adapters["layers"]}
 
 
 def positions_from_mask(attn_mask: jnp.ndarray) -> jnp.ndarray:

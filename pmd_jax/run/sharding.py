@@ -22,7 +22,7 @@ MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 # Logical axis names used by the models and the train step.
 LOGICAL_AXES: tuple[str, ...] = (
     "batch", "seq", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", "norm",
-    "q_proj", "kv_proj", "cache_seq",
+    "q_proj", "kv_proj", "cache_seq", "lora_rank",
 )
 
 # Default rules: FSDP over "embed" (params) and batch over data+fsdp (activations); tensor
@@ -41,6 +41,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...] | str | None] = {
     "head_dim": None,
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # LoRA adapters (models/lora.py): the rank is small, replicated
 }
 
 
