@@ -247,7 +247,9 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
     steps = int(next(iter(cfgs.values())).train.steps)
     budget = {"config": config, "overrides": list(overrides), "train_steps": steps}
     n = len(cells)
-    t0, durations, launched = time.time(), [], []
+    t0 = time.time()
+    durations: list[float] = []
+    launched: list[Cell] = []
     for k, cell in enumerate(cells, 1):
         dest, run_dir = out / cell.name, scratch / cell.name
         check_budget(read_info(dest), budget, dest)
@@ -267,7 +269,7 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
                 print(" ".join(cmd))
                 continue
             left = sum(1 for c in cells[k - 1:] if not cell_state(out / c.name, steps)[0])
-            eta = np.mean(durations) * left if durations else float("nan")
+            eta = float(np.mean(durations)) * left if durations else float("nan")
             log.info("cell %d/%d %s: running (%s) | elapsed %s | ETA %s for %d cells | %s",
                      k, n, cell.key, why, _fmt(time.time() - t0), _fmt(eta), left,
                      " ".join(cmd))
@@ -291,7 +293,7 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
         info["wall_seconds"] = durations[-1] if launched and launched[-1] == cell else None
         (dest / CELL_INFO).write_text(json.dumps(info, indent=2) + "\n")
         left = sum(1 for c in cells[k:] if not cell_state(out / c.name, steps)[0])
-        eta = np.mean(durations) * left if durations else float("nan")
+        eta = float(np.mean(durations)) * left if durations else float("nan")
         log.info("cell %d/%d %s: done, results in %s | elapsed %s | ETA %s for %d cells",
                  k, n, cell.key, dest, _fmt(time.time() - t0), _fmt(eta), left)
     return launched

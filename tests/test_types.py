@@ -1,5 +1,5 @@
-"""The type checker over the config, the loop, distill, memory and modes packages and the
-registries: mypy with pyproject.toml's ``[tool.mypy]`` (its ``files`` list) exits 0, as
+"""The type checker over the whole package: mypy with pyproject.toml's ``[tool.mypy]``
+(``files = ["pmd_jax"]``) exits 0, as
 ``python -m mypy`` run by hand in the repository root does. Its report is printed when it
 does not."""
 

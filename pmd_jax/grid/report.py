@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -84,13 +85,14 @@ def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
     rscores, rtask = None, ""
     if rpath.is_file():
         rscores = evaluation.load_results(rpath, name=cell.name).problem_scores()
-        rec = next((r for r in reversed(recs)
-                    if r.get("kind") == "eval" and r.get("retention_task")), {})
+        rec: dict[str, Any] = next((r for r in reversed(recs)
+                                    if r.get("kind") == "eval" and r.get("retention_task")), {})
         rtask = str(rec.get("retention_task", ""))
         if rec.get("retention_prompt_style"):  # how it was asked (eval.retention_prompt_style)
             rtask += f" ({rec['retention_prompt_style']})"
-    last_eval = next((r for r in reversed(recs)
-                      if r.get("kind") == "eval" and int(r.get("step", -1)) == step), {})
+    last_eval: dict[str, Any] = next(
+        (r for r in reversed(recs)
+         if r.get("kind") == "eval" and int(r.get("step", -1)) == step), {})
     in_prompt = next(((k, float(last_eval[k])) for k in IN_PROMPT_METRICS
                       if isinstance(last_eval.get(k), int | float)), None)
     cfg_path = folder / "config.json"
@@ -362,12 +364,16 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
                  seeds: Sequence[int]) -> dict:
     """Builds comparison.md / comparison.json / the plot from the finished cells in ``out``
     (each with its cell.json); the others are listed as missing."""
-    finished, missing, infos = [], [], []
+    finished: list[CellResult] = []
+    missing: list[tuple[Cell, str]] = []
+    infos: list[dict] = []
     for cell in cells:
         folder = out / cell.name
         info = read_info(folder)
-        ok, why = (cell_state(folder, int(info["train_steps"])) if info
-                   else (False, "not in --out"))
+        if not info:
+            missing.append((cell, "not in --out"))
+            continue
+        ok, why = cell_state(folder, int(info["train_steps"]))
         if ok:
             finished.append(load_cell(folder, cell, int(info["train_steps"])))
             infos.append(info)

@@ -16,6 +16,7 @@ without importing them, and checked against a pinned sha256 before use).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -192,7 +193,7 @@ def embedded_gguf_path(name: str, cache: str | os.PathLike | None = None) -> Pat
         with os.fdopen(fd, "wb") as out:
             for p in paths:
                 with open(p, "rb") as f:
-                    for block in iter(lambda f=f: f.read(1 << 22), b""):
+                    for block in iter(functools.partial(f.read, 1 << 22), b""):
                         h.update(block)
                         n += len(block)
                         out.write(block)

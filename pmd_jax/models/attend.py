@@ -67,16 +67,19 @@ def plan_lines(cfg: ModelConfig, *, train_len: int, shared_prefix: bool = False)
     name, cc = backend_facts()
     dev = name if cc is None else f"{name} (compute capability {cc})"
     out = []
-    for what, kw in (("train step", dict(T=train_len, S=train_len, has_cache=False,
-                                         key_padding=True, segments=shared_prefix,
-                                         shared_prefix=shared_prefix)),
-                     ("sampler (KV cache)", dict(T=train_len, S=train_len, has_cache=True,
-                                                 key_padding=True, segments=False,
-                                                 shared_prefix=False))):
+    calls = (
+        ("train step", AttentionCall(
+            backend=name, T=train_len, S=train_len, dtype=cfg.dtype, head_dim=cfg.head_dim,
+            has_cache=False, key_padding=True, segments=shared_prefix,
+            shared_prefix=shared_prefix, gpu_compute_capability=cc)),
+        ("sampler (KV cache)", AttentionCall(
+            backend=name, T=train_len, S=train_len, dtype=cfg.dtype, head_dim=cfg.head_dim,
+            has_cache=True, key_padding=True, segments=False, shared_prefix=False,
+            gpu_compute_capability=cc)),
+    )
+    for what, call in calls:
         try:
-            c = select(cfg.attention_impl, AttentionCall(
-                backend=name, dtype=cfg.dtype, head_dim=cfg.head_dim,
-                gpu_compute_capability=cc, **kw))
+            c = select(cfg.attention_impl, call)
             out.append(f"attention on {dev}, attention_impl={cfg.attention_impl}, {what} "
                        f"at {train_len} slots: {c.impl} ({c.reason})")
         except ValueError as e:
@@ -134,7 +137,7 @@ def _fused_attend_fn(impl: str, T: int, key_mask: jnp.ndarray | None,
         if impl == "splash":
             return _splash_attend(T, key_mask, segment_ids, w, shard_ctx)
         return functools.partial(fused.dpa_attention, window=w, mask=vis,
-                                 implementation="xla" if impl == "cudnn_xla" else impl)
+                                 implementation="xla" if impl == "cudnn_xla" else "cudnn")
 
     def attend_fn(window: Any) -> fused.Attend:
         return fused.per_layer_window(window, all_windows, T, BIG_WINDOW, make)

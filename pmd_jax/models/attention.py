@@ -120,7 +120,7 @@ def chunked_attention(
     km = jnp.ones((B, S), jnp.bool_) if key_mask is None else key_mask.astype(jnp.bool_)
     win = jnp.asarray(2**30 if window is None else window, jnp.int32)
     off = jnp.asarray(q_offset, jnp.int32)
-    if q_segment_ids is None:
+    if q_segment_ids is None or k_segment_ids is None:  # both None (checked above)
         qseg = kseg = None
     else:
         qseg = q_segment_ids.astype(jnp.int32)

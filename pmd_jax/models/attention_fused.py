@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,26 +35,24 @@ def visibility_mask(key_mask: jnp.ndarray | None, segment_ids: jnp.ndarray | Non
                     shared_prefix: bool) -> jnp.ndarray | None:
     """[B, 1, T, S] bool: key padding and segments (causality and window not included), or
     None when neither is given."""
-    if key_mask is None and segment_ids is None:
-        return None
-    vis = None
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         vis = (same | (segment_ids[:, None, :] == 0)) if shared_prefix else same
-    if key_mask is not None:
+        if key_mask is not None:
+            vis = vis & key_mask.astype(jnp.bool_)[:, None, :]
+    elif key_mask is not None:
         km = key_mask.astype(jnp.bool_)[:, None, :]
-        if vis is None:
-            T = key_mask.shape[1] if segment_ids is None else segment_ids.shape[1]
-            vis = jnp.broadcast_to(km, (km.shape[0], T, km.shape[2]))
-        else:
-            vis = vis & km
+        vis = jnp.broadcast_to(km, (km.shape[0], key_mask.shape[1], km.shape[2]))
+    else:
+        return None
     return vis[:, None]
 
 
 def dpa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, *,
                   key_mask: jnp.ndarray | None = None, window: int | None = None,
                   segment_ids: jnp.ndarray | None = None, shared_prefix: bool = False,
-                  implementation: str = "cudnn", mask: jnp.ndarray | None = None
+                  implementation: Literal["cudnn", "xla"] = "cudnn",
+                  mask: jnp.ndarray | None = None
                   ) -> jnp.ndarray:
     """``jax.nn.dot_product_attention`` (``implementation`` "cudnn" or "xla") with the
     decoder's masks: ``is_causal``, ``local_window_size=(window - 1, 0)``, and key padding /
@@ -79,6 +77,7 @@ def dpa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, *,
 def _splash_kernel(n: int, heads: int, window: int | None, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
+    one: sa.Mask
     if window is None:
         one = sa.CausalMask((n, n))
     else:

@@ -522,7 +522,7 @@ def forward(
     attention_impl: str | None = None,
     adapters: Params | None = None,
     lora: LoraConfig | None = None,
-) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
+) -> tuple[jnp.ndarray, dict[str, Any] | None]:
     """Run the decoder: embed, the layers (``decoder_layer``, scanned over stacked weights or
     looped over per-layer ones), final norm, LM head.
 
@@ -592,13 +592,15 @@ def forward(
 
     x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
     x = _constrain(x, ("batch", "seq", "embed"), shard_ctx)
+    ck: Any
+    cv: Any
     if per_layer:
-        x, (ck, cv) = _unrolled_layers(x, layers, ls, remat, cache, idx)
-        ck, cv = tuple(ck), tuple(cv)
+        x, (ck_list, cv_list) = _unrolled_layers(x, layers, ls, remat, cache, idx)
+        ck, cv = tuple(ck_list), tuple(cv_list)
     else:
         x, (ck, cv) = _scanned_layers(x, layers, ls, remat, unroll, cache, idx)
     new_cache = None
-    if cache is not None:
+    if cache is not None and idx is not None:  # (idx is set exactly when there is a cache)
         new_cache = {"k": ck, "v": cv, "mask": new_mask, "index": idx + T}
     x = rms_norm(x, params["final_norm"], eps=cfg.rms_norm_eps)
     if return_hidden:

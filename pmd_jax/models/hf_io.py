@@ -19,6 +19,7 @@ Saving writes ``config.json`` (the family's HF config, see ``families.FamilySpec
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -268,6 +269,12 @@ def _check_tied_head(src: TensorSource, cfg: ModelConfig, rows: int = 4096) -> N
                 "false to use lm_head.weight, or drop it")
 
 
+def _read_index(src: TensorSource, m: Weight, np_dtype: np.dtype,
+                index: tuple[slice, ...] | None) -> np.ndarray:
+    """:func:`_read_leaf` of the slice jax asks a shard for (None: the whole tensor)."""
+    return _read_leaf(src, m, () if index is None else index, np_dtype)
+
+
 def _read_leaf(
     src: TensorSource, m: Weight, index: Sequence[slice], dtype: np.dtype
 ) -> np.ndarray:
@@ -313,12 +320,10 @@ def load_params_from_source(
         if mesh is None:
             arr = jax.numpy.asarray(_read_leaf(src, m, (), np_dtype))
         else:
-            sharding = NamedSharding(mesh, rules.spec(_get(axes, m.path)))  # type: ignore[union-attr]
-
-            def cb(index: tuple[slice, ...], m: Weight = m) -> np.ndarray:
-                return _read_leaf(src, m, index, np_dtype)
-
-            arr = jax.make_array_from_callback(m.shape, sharding, cb)
+            assert rules is not None  # (set above whenever there is a mesh)
+            sharding = NamedSharding(mesh, rules.spec(_get(axes, m.path)))
+            arr = jax.make_array_from_callback(
+                m.shape, sharding, functools.partial(_read_index, src, m, np_dtype))
         _set(params, m.path, arr)
     check_params(params, cfg)
     return params

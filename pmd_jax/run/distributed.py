@@ -16,29 +16,41 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TypedDict
 
 log = logging.getLogger("pmd_jax")
 
 
-_TIMEOUTS = {
-    "PMD_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_seconds",
-    "PMD_INIT_TIMEOUT_S": "initialization_timeout",
-    "PMD_SHUTDOWN_TIMEOUT_S": "shutdown_timeout_seconds",
-}
+class _Timeouts(TypedDict, total=False):
+    """The ``jax.distributed.initialize`` timeouts the environment sets (seconds)."""
+
+    heartbeat_timeout_seconds: int
+    initialization_timeout: int
+    shutdown_timeout_seconds: int
 
 
-def _timeouts() -> dict[str, int]:
-    out = {}
-    for env, arg in _TIMEOUTS.items():
-        v = os.environ.get(env, "").strip()
-        if not v:
-            continue
-        try:
-            out[arg] = int(v)
-        except ValueError:
-            out[arg] = -1
-        if out[arg] < 1:
-            raise RuntimeError(f"{env}={v!r} must be a whole number of seconds >= 1")
+def _seconds(env: str) -> int | None:
+    """``env`` as a whole number of seconds >= 1; None when unset or empty."""
+    v = os.environ.get(env, "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise RuntimeError(f"{env}={v!r} must be a whole number of seconds >= 1")
+    return n
+
+
+def _timeouts() -> _Timeouts:
+    out: _Timeouts = {}
+    if (n := _seconds("PMD_HEARTBEAT_TIMEOUT_S")) is not None:
+        out["heartbeat_timeout_seconds"] = n
+    if (n := _seconds("PMD_INIT_TIMEOUT_S")) is not None:
+        out["initialization_timeout"] = n
+    if (n := _seconds("PMD_SHUTDOWN_TIMEOUT_S")) is not None:
+        out["shutdown_timeout_seconds"] = n
     return out
 
 
@@ -60,13 +72,12 @@ def maybe_initialize() -> bool:
                 "PMD_COORDINATOR is set, so PMD_NUM_PROCESSES and PMD_PROCESS_ID must be "
                 f"integers too ({e})"
             ) from None
-        kw: dict = dict(timeouts)
+        local_ids = None
         if os.environ.get("PMD_LOCAL_DEVICE_IDS"):
-            kw["local_device_ids"] = [
-                int(x) for x in os.environ["PMD_LOCAL_DEVICE_IDS"].split(",")
-            ]
+            local_ids = [int(x) for x in os.environ["PMD_LOCAL_DEVICE_IDS"].split(",")]
         jax.distributed.initialize(
-            coordinator_address=coord, num_processes=n, process_id=pid, **kw
+            coordinator_address=coord, num_processes=n, process_id=pid,
+            local_device_ids=local_ids, **timeouts,
         )
     else:
         jax.distributed.initialize(**timeouts)

@@ -211,9 +211,9 @@ def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = paths.run_path(run_dir)
-    recs = read_metrics(run_dir / "metrics.jsonl")
-    plot_dir = paths.makedirs(run_dir / "plots")
+    root = paths.run_path(run_dir)
+    recs = read_metrics(root / "metrics.jsonl")
+    plot_dir = paths.makedirs(root / "plots")
     written: list[epath.Path] = []
     for fname, title, keys, kind in _PLOTS:
         rows = [r for r in recs if r.get("kind") == kind]
@@ -228,9 +228,11 @@ def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=k)
             if kind == "eval":
-                lo = [r.get(f"{k}_ci_low") for r in rows if isinstance(r.get(k), int | float)]
-                hi = [r.get(f"{k}_ci_high") for r in rows if isinstance(r.get(k), int | float)]
-                if all(isinstance(v, int | float) for v in lo + hi):
+                lo = _all_numbers(
+                    [r.get(f"{k}_ci_low") for r in rows if isinstance(r.get(k), int | float)])
+                hi = _all_numbers(
+                    [r.get(f"{k}_ci_high") for r in rows if isinstance(r.get(k), int | float)])
+                if lo is not None and hi is not None:
                     ax.fill_between(xs, lo, hi, alpha=0.2, label=f"{k} 95% CI")
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -247,12 +249,12 @@ def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
         for key, label in (("accuracy", "held-out accuracy"),
                            ("retention_accuracy", "retention accuracy")):
-            pts = [p for p in points if p.get(key) is not None]
-            if not pts:
+            kl_pts = [p for p in points if p.get(key) is not None]
+            if not kl_pts:
                 continue
-            xs, ys = [p["kl"] for p in pts], [p[key] for p in pts]
-            line = ax.plot(xs, ys, marker="o", ms=3, label=label)[0]
-            for p in pts:
+            kls, accs = [p["kl"] for p in kl_pts], [p[key] for p in kl_pts]
+            line = ax.plot(kls, accs, marker="o", ms=3, label=label)[0]
+            for p in kl_pts:
                 ax.annotate(str(p["step"]), (p["kl"], p[key]), fontsize=6,
                             color=line.get_color(), xytext=(2, 2), textcoords="offset points")
         ax.set_title("Accuracy against KL(policy || initial) (labels: step)")
@@ -264,6 +266,12 @@ def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def _all_numbers(vals: list[Any]) -> list[int | float] | None:
+    """``vals`` when every one is a number (int or float), else None."""
+    nums = [v for v in vals if isinstance(v, int | float)]
+    return nums if len(nums) == len(vals) else None
 
 
 def eval_kl_points(recs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

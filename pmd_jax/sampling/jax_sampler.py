@@ -176,7 +176,7 @@ class JaxSampler:
             cfg.dtype)
         self._batch_div = 1
         if mesh is not None:
-            axes = self.rules.mesh_axes("batch")
+            axes = self._mesh_rules().mesh_axes("batch")
             self._batch_div = math.prod(mesh.shape[a] for a in axes)
         self.max_batch = max(int(max_batch), self._batch_div)
         slot_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -237,6 +237,12 @@ class JaxSampler:
         return self._llg_tok, text
 
     # ------------------------------------------------------------------ weights
+    def _mesh_rules(self) -> ShardingRules:
+        """The sharding rules of the mesh (``__init__`` sets default ones with a mesh)."""
+        if self.rules is None:
+            raise SamplerError("JaxSampler has a mesh but no sharding rules (rules is None)")
+        return self.rules
+
     def share_weights(self) -> WeightSharing:
         """The ``Sampler`` contract: this sampler takes the param arrays in process
         (:meth:`set_params`)."""
@@ -258,7 +264,8 @@ class JaxSampler:
         except Exception as e:  # ParamError or a malformed tree
             raise SamplerError(f"set_params: {e}") from e
         if self.mesh is not None:
-            placed = shard_tree(params, self.mesh, self.rules, decoder.param_axes(self.cfg))
+            placed = shard_tree(params, self.mesh, self._mesh_rules(),
+                                decoder.param_axes(self.cfg))
         else:
             placed = jax.tree.map(jnp.asarray, params)
         # Per-layer arrays: the decode loop reads each layer's weights in place instead of
@@ -385,7 +392,7 @@ class JaxSampler:
             max_tokens=np.int32(params.max_tokens),
             stop_ids=stop_pad,
         )
-        pending = []
+        pending: list[tuple[list[int], Any]] = []  # (rows of a batch, its outputs)
         grammar_s = [0.0]
         stats = [0, 0]  # prefill groups, prefill positions
         seen = _SHAPES_RUN.setdefault((id(self._fns), engine is None), set())
@@ -486,8 +493,9 @@ class JaxSampler:
         """Host arrays whose first axis is the batch, placed on the mesh (as-is without one)."""
         if self.mesh is None:
             return xs
-        shard1 = NamedSharding(self.mesh, self.rules.spec(("batch",)))
-        shard2 = NamedSharding(self.mesh, self.rules.spec(("batch", None)))
+        rules = self._mesh_rules()
+        shard1 = NamedSharding(self.mesh, rules.spec(("batch",)))
+        shard2 = NamedSharding(self.mesh, rules.spec(("batch", None)))
         return tuple(jax.device_put(x, shard2 if x.ndim == 2 else shard1) for x in xs)
 
     def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars, stats: list[int]):

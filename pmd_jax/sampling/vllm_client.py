@@ -316,14 +316,11 @@ class VLLMSampler:
 
     def set_params(self, params: Any, version: int, *, copy: bool = False) -> None:
         """Not served: the server is another process; publish through the weight store."""
-        raise SamplerError(
-            "VLLMSampler takes weights through the weight store (share_weights() == 'store'): "
-            "publish the version (sampling.publish.publish, or WeightStore.publish) and call "
-            "set_weights(version)")
+        raise _params_not_served()
 
     def release_params(self) -> None:
         """Not served: the server's weights live in another process (``set_params``)."""
-        self.set_params(None, self.weights_version)
+        raise _params_not_served()
 
     def set_weights(self, version: int) -> None:
         """Make the server load committed ``version`` from the store; returns once served.
@@ -440,3 +437,11 @@ def _excerpt(x: Any, n: int = 300) -> str:
             x = repr(x)
     x = x.strip()
     return x if len(x) <= n else x[:n] + f"... ({len(x)} chars)"
+
+
+def _params_not_served() -> SamplerError:
+    """What ``set_params``/``release_params`` raise: the server takes weights from the store."""
+    return SamplerError(
+        "VLLMSampler takes weights through the weight store (share_weights() == 'store'): "
+        "publish the version (sampling.publish.publish, or WeightStore.publish) and call "
+        "set_weights(version)")

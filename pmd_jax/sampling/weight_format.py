@@ -335,7 +335,7 @@ def direct_write_piece(
         path = chunk_path(root, version, p["name"], ci)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(memoryview(region.reshape(-1).view(np.uint8)))
+            f.write(region.reshape(-1).view(np.uint8).data)
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -374,7 +374,7 @@ def direct_read_array(
                 buf = target
             else:
                 buf = np.empty(chunk_shape, dtype)
-            if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != chunk_bytes:
+            if f.readinto(buf.reshape(-1).view(np.uint8).data) != chunk_bytes:
                 raise ValueError(f"chunk {chunk_key(ci)} was truncated while reading")
             if buf is not target:
                 target[...] = buf[tuple(slice(0, n) for n in target.shape)]

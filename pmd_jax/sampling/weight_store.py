@@ -175,8 +175,8 @@ class WeightStore:
             )
             entries = [k.decode().rsplit("/", 1)[-1] for k in keys]
         out = []
-        for e in entries:
-            m = fmt.MANIFEST_RE.match(e)
+        for entry in entries:
+            m = fmt.MANIFEST_RE.match(entry)
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)

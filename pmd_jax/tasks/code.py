@@ -484,7 +484,8 @@ def _parse_lcb(obj: dict) -> tuple[str, dict, dict]:
         t = json.loads(t) if isinstance(t, str) else t
         if not isinstance(t, dict):
             raise ValueError("'tests' is not an object")
-        kind = {"functional": "call", "stdin": "stdin", "code": "code"}.get(t.get("testtype"))
+        kind = {"functional": "call", "stdin": "stdin", "code": "code"}.get(
+            t.get("testtype", ""))
         if kind is None:
             raise ValueError(f"unknown testtype {t.get('testtype')!r}")
         spec = {

@@ -459,7 +459,9 @@ def _parse_sciknoweval(obj: dict) -> tuple[str, list[str], int, dict]:
     key = obj.get("answerKey", obj.get("answer"))
     if key not in labels:
         raise ValueError(f"answerKey {key!r} is not one of the labels {labels}")
-    details = obj.get("details") if isinstance(obj.get("details"), dict) else {}
+    details = obj.get("details")
+    if not isinstance(details, dict):
+        details = {}
     meta = {
         "source": "sciknoweval",
         "domain": obj.get("domain"),

@@ -243,7 +243,8 @@ def _compile_expr(node: ast.expr):
 def _free_names(source: str) -> set[str]:
     """Names that ``source`` reads but never binds (candidates for the solution's globals)."""
     tree = _parse(source)
-    loaded, bound = set(), set()
+    loaded: set[str] = set()
+    bound: set[str] = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Name):
             (loaded if isinstance(n.ctx, ast.Load) else bound).add(n.id)

@@ -383,10 +383,10 @@ def sweep(tmp_root: str | None = None, cgroup_bases: Iterable[Path] = ()) -> Swe
     if not current_owner().start:
         log.warning("sandbox sweep skipped: /proc/<pid>/stat is unreadable, so is liveness")
         return report
-    for d in stale_cgroups(cgroup_bases):
-        report.killed += _remove_cgroup(d)
-        if not d.exists():
-            report.cgroups.append(str(d))
+    for cg in stale_cgroups(cgroup_bases):
+        report.killed += _remove_cgroup(cg)
+        if not cg.exists():
+            report.cgroups.append(str(cg))
     dirs = stale_temp_dirs(tmp_root)
     if dirs:
         report.killed += _kill_procs_in(dirs)
