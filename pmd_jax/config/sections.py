@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from typing import TYPE_CHECKING
 
 import ml_collections
 
@@ -21,6 +23,9 @@ from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.sampling.backends import BACKENDS
+
+if TYPE_CHECKING:
+    from pmd_jax.models.lora import LoraConfig
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
 SAMPLERS: tuple[str, ...] = tuple(BACKENDS)  # sampling/backends.py registers them
@@ -412,6 +417,81 @@ class EvalConfig(Section):
         return errs
 
 
+# lora.base_dtype: '' = model.param_dtype (the loaded weights as they are, no copy)
+LORA_BASE_DTYPES: tuple[str, ...] = ("", "float32", "bfloat16")
+# PEFT's target_modules value for every linear layer but the LM head: our seven targets
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection(Section):
+    """LoRA (issue 51, pmd_jax/models/lora.py): train low-rank adapters of the projections
+    over a frozen base instead of every weight; PEFT's knob names. Full fine-tuning (off)
+    stays the default. The optimizer, the EMA teacher and the checkpoints hold the adapters
+    only; the KL to the initial policy is the base itself (the forward with the adapters off);
+    the sampler and the HF export get the merged weights, and the export adds a PEFT adapter
+    folder (final_peft/). A mode that never trains the policy (pmd_frozen_policy) ignores it."""
+
+    enabled: bool = knob(False, "Train LoRA adapters instead of the full weights.")
+    r: int = knob(16, "Rank of each adapter (PEFT's r).")
+    alpha: float = knob(32.0, "PEFT's lora_alpha: the adapter path is scaled by alpha / r "
+                        "(alpha / sqrt(r) with use_rslora).")
+    target_modules: tuple[str, ...] = knob(
+        ("q", "k", "v", "o", "gate", "up", "down"),
+        "The projections that get adapters: our names (q, k, v, o, gate, up, down) or PEFT's "
+        "(q_proj, ..., down_proj); 'all-linear' (PEFT) = all seven. The embedding, norms and "
+        "LM head are never adapted.", as_list=True)
+    use_rslora: bool = knob(False, "rsLoRA scaling alpha / sqrt(r) (PEFT's use_rslora).")
+    base_dtype: str = knob("", "Storage dtype of the frozen base in the train step: '' = "
+                           "model.param_dtype (the loaded weights, no copy); 'bfloat16' keeps "
+                           "it in bf16 (half the bytes; each layer's weights are cast to the "
+                           "compute dtype in the forward). The adapters, their AdamW moments "
+                           "and the teacher's adapters follow distill.precision.")
+
+    def targets(self) -> tuple[str, ...]:
+        """target_modules as our target names (PEFT's ``*_proj`` and 'all-linear' read)."""
+        from pmd_jax.models.lora import TARGETS
+
+        out: list[str] = []
+        for m in self.target_modules:
+            names = TARGETS if m == LORA_ALL_LINEAR else (str(m).removesuffix("_proj"),)
+            out += [n for n in names if n not in out]
+        return tuple(out)
+
+    def config(self) -> LoraConfig | None:
+        """The :class:`pmd_jax.models.lora.LoraConfig` of these knobs (None when disabled)."""
+        from pmd_jax.models.lora import LoraConfig
+
+        if not self.enabled:
+            return None
+        return LoraConfig(rank=self.r, alpha=self.alpha, targets=self.targets(),
+                          use_rslora=self.use_rslora)
+
+    def errors(self) -> list[str]:
+        from pmd_jax.models.lora import TARGETS
+
+        errs: list[str] = []
+        _need(errs, isinstance(self.enabled, bool),
+              f"lora.enabled must be True or False, got {self.enabled!r}")
+        _need(errs, isinstance(self.r, int) and not isinstance(self.r, bool) and self.r >= 1,
+              f"lora.r must be an integer >= 1, got {self.r!r}")
+        a = self.alpha
+        _need(errs, isinstance(a, int | float) and not isinstance(a, bool)
+              and math.isfinite(a) and a > 0,
+              f"lora.alpha must be a finite number > 0, got {a!r}")
+        known = set(TARGETS) | {f"{t}_proj" for t in TARGETS} | {LORA_ALL_LINEAR}
+        mods = self.target_modules
+        bad = [m for m in mods if m not in known]
+        _need(errs, not bad, f"lora.target_modules: unknown {bad}; use names from "
+              f"{list(TARGETS)} (or PEFT's q_proj ... down_proj, or 'all-linear')")
+        _need(errs, len(mods) > 0, "lora.target_modules must name at least one projection")
+        _need(errs, isinstance(self.use_rslora, bool),
+              f"lora.use_rslora must be True or False, got {self.use_rslora!r}")
+        _need(errs, self.base_dtype in LORA_BASE_DTYPES,
+              f"lora.base_dtype={self.base_dtype!r} is not one of {LORA_BASE_DTYPES}")
+        return errs
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig(Section):
     """The whole run: built by ``pmd_jax.config.freeze`` from the validated ConfigDict."""
@@ -434,6 +514,7 @@ class RunConfig(Section):
     mel: MelConfig = section(MelConfig, "mode=mel: Meta-Experience Learning (pmd_jax/mel).")
     fast_slow: FastSlowConfig = section(FastSlowConfig, "mode=fast_slow: Fast-Slow Training "
                                         "(pmd_jax/fast_slow).")
+    lora: LoraSection = section(LoraSection, "LoRA adapters instead of full fine-tuning.")
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -7,6 +7,10 @@ positions gathered on both sides (:mod:`pmd_jax.distill.align` indices); the chu
 statistics from hidden states and unembedding matrices (:mod:`pmd_jax.distill.chunked`, no
 full ``[B, T, V]`` logits); the sampler/trainer log-prob mismatch metrics and rollout IS
 weights; then the registered loss function (:mod:`pmd_jax.distill.objectives`).
+
+LoRA (``lora=``): ``loss_fn(adapters, teacher_adapters, batch, base=base)``; every forward is
+the frozen ``base`` (used as stored) with a tree of adapters (:mod:`pmd_jax.models.lora`), the
+student's or, under ``stop_gradient``, the teacher's; the unembedding is the base's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pmd_jax.distill import teacher as tlib
 from pmd_jax.distill.config import DistillConfig
 from pmd_jax.models import decoder
 from pmd_jax.models.config import ModelConfig
+from pmd_jax.models.lora import LoraConfig
 
 Array = jax.Array
 
@@ -127,13 +132,21 @@ def _unembed(params: Any, model_cfg: ModelConfig) -> Array:
     return decoder.unembed_matrix(params, model_cfg)
 
 
+def _model_parts(tree: Any, base: Any) -> tuple[Any, Any]:
+    """``(params, adapters)`` of one forward: a params tree alone, or (LoRA, ``base`` given)
+    the base with ``tree`` as its adapters."""
+    return (tree, None) if base is None else (base, tree)
+
+
 def make_loss_fn(
     model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = None, *,
-    loss_chunk_remat: bool = True,
+    loss_chunk_remat: bool = True, lora: LoraConfig | None = None,
 ):
-    """``loss_fn(params, teacher, batch) -> (loss, metrics)``; differentiate w.r.t. params.
+    """``loss_fn(params, teacher, batch, base=None) -> (loss, metrics)``; differentiate
+    w.r.t. params.
 
     ``params``: the stored (master) params; ``teacher``: the teacher state of ``opts.rule``.
+    With ``lora``: ``params`` and ``teacher`` are adapter trees and ``base`` the frozen params.
     ``loss_chunk_remat=False`` keeps the per-chunk logits for the backward pass instead of
     recomputing them (:func:`pmd_jax.distill.chunked.chunked_distill_stats`).
     Exposed for tests (teacher gradients are zero) and for custom loops.
@@ -149,10 +162,13 @@ def make_loss_fn(
     topk_indices = (sharded_topk.make_topk_indices(*shard_ctx) if shard_ctx is not None
                     else None)
 
-    def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array]) -> Array:
+    def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array],
+                   adapters: Any = None) -> Array:
         if opts.unrolled_layers:  # per-layer slices (gradients concatenated back)
             params = decoder.unstack_layers(params)
         seg = batch.get(f"{side}_segments")  # shared-prefix rows (distill.shared_prefix)
+        lora_kw: dict[str, Any] = {} if adapters is None else {"adapters": adapters,
+                                                               "lora": lora}
         h, _ = decoder.forward(
             params,
             batch[f"{side}_tokens"].astype(jnp.int32),
@@ -164,12 +180,17 @@ def make_loss_fn(
             return_hidden=True,
             remat=remat,
             shard_ctx=shard_ctx,
+            **lora_kw,
         )
         return align.side_hidden(h, batch, side)
 
-    def loss_fn(params: Any, teacher: Any, batch: Mapping[str, Array]) -> tuple[Array, dict]:
-        p = _cast(params, compute_dtype)
-        s_h = fwd_hidden(p, "student", batch)
+    def loss_fn(params: Any, teacher: Any, batch: Mapping[str, Array], base: Any = None
+                ) -> tuple[Array, dict]:
+        if (base is None) != (lora is None):
+            raise ValueError("loss_fn: the frozen base goes with a LoRA loss (lora=), and only "
+                             "with one")
+        p, ad = _model_parts(_cast(params, compute_dtype), base)
+        s_h = fwd_hidden(p, "student", batch, ad)
         w_s = _unembed(p, model_cfg)
         tokens = batch["responses"].astype(jnp.int32)
         rmask = batch["response_mask"].astype(jnp.float32)
@@ -182,13 +203,13 @@ def make_loss_fn(
         if spec.needs_teacher:
             trees = tlib.teacher_param_trees(opts.rule, teacher, params)
             trees = tuple(_cast(t, compute_dtype) for t in trees)
-            cur = trees[-1]
-            t_h = fwd_hidden(cur, "teacher", batch)
+            cur, cur_ad = _model_parts(trees[-1], base)
+            t_h = fwd_hidden(cur, "teacher", batch, cur_ad)
             kw: dict[str, Any] = {}
             if opts.rule == "trust_region":
-                ref = trees[0]
+                ref, ref_ad = _model_parts(trees[0], base)
                 kw = dict(
-                    ref_teacher_hidden=fwd_hidden(ref, "teacher", batch),
+                    ref_teacher_hidden=fwd_hidden(ref, "teacher", batch, ref_ad),
                     ref_teacher_unembed=_unembed(ref, model_cfg),
                     trust_region_alpha=opts.rate,
                 )
@@ -230,8 +251,9 @@ def make_loss_fn(
 
 
 def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any = None, *,
-                       loss_chunk_remat: bool = True):
-    """``nll_fn(params, batch) -> (nll, metrics)``: the token-mean negative log-likelihood
+                       loss_chunk_remat: bool = True, lora: LoraConfig | None = None):
+    """``nll_fn(params, batch, base=None) -> (nll, metrics)`` (LoRA: ``params`` the adapters,
+    ``base`` the frozen params): the token-mean negative log-likelihood
     (temperature 1) of the lesson rows (``lesson_*`` arrays, :func:`pmd_jax.distill.batch.
     make_lesson_rows`) given their prompts, over ``lesson_mask``; 0 when the mask is empty.
 
@@ -243,15 +265,17 @@ def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any
     if opts.matmul_dtype is not None:
         model_cfg = model_cfg.replace(matmul_dtype=opts.matmul_dtype)
 
-    def nll_fn(params: Any, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
-        p = _cast(params, compute_dtype)
+    def nll_fn(params: Any, batch: Mapping[str, Array], base: Any = None
+               ) -> tuple[Array, dict[str, Array]]:
+        p, ad = _model_parts(_cast(params, compute_dtype), base)
         if opts.unrolled_layers:
             p = decoder.unstack_layers(p)
+        lora_kw: dict[str, Any] = {} if ad is None else {"adapters": ad, "lora": lora}
         h, _ = decoder.forward(
             p, batch["lesson_tokens"].astype(jnp.int32),
             batch["lesson_positions"].astype(jnp.int32), model_cfg,
             attn_mask=batch["lesson_attn_mask"], return_hidden=True, remat=opts.remat,
-            shard_ctx=shard_ctx,
+            shard_ctx=shard_ctx, **lora_kw,
         )
         h = align.gather_response(h, batch["lesson_index"])
         logp = chunked.chunked_token_logprobs(

@@ -218,8 +218,9 @@ def temp_files(train_cfg: Any, bundle: Any) -> list[tuple[str, int]]:
     file at a time, during the KL forward or the gradient)."""
     out = []
     trains = bundle.step_fn.trains  # (else: no optimizer, and no KL to the initial policy)
+    lora = getattr(bundle, "base", None) is not None  # (the initial policy is the base: kept)
     if train_cfg.offload_initial_policy and train_cfg.kl_initial_every > 0 and trains \
-            and bundle.initial_params is not None:
+            and bundle.initial_params is not None and not lora:
         out.append(("the initial policy (train.offload_initial_policy)",
                     local_nbytes(bundle.initial_params)))
     if trains and (train_cfg.offload_optimizer_during_kl

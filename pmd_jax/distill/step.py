@@ -36,10 +36,24 @@ Metrics: ``loss``, ``kl`` (per-token reverse KL(student||teacher) over the loss 
 log-probs over response tokens), ``clip_frac`` (PPO clip for grpo/hybrid, IS-ratio clip for
 sdpo), ``rollout_is_clip_frac``, ``num_loss_tokens``, ``skipped``, ``finite``, and the loss's
 own (:mod:`pmd_jax.distill.objectives`).
+
+LoRA (``lora=LoraConfig(...)``, :mod:`pmd_jax.models.lora`): the trainable tree is the
+adapters. The :class:`TrainState` keeps its fields and their roles: ``params`` holds the
+adapters (fp32 master copies or ``param_dtype``), ``opt_state`` their AdamW moments,
+``teacher`` the teacher's adapters (EMA / frozen / trust-region reference, all over the same
+base; none for the live teacher). The frozen base params are not in the state: they are an
+argument of their own of every program (``step(state, batch, base=...)``; :meth:`TrainStep.
+place_base` casts them to ``base_dtype`` and places them like the params), never donated,
+never differentiated and never checkpointed (a run loads them again from ``model.source``).
+The adapters are initialised as PEFT does (A uniform, B zero: step 0 is the base model) from a
+key folded out of the init RNG; the state's RNG key is the same as without LoRA.
+:meth:`TrainStep.merged_params` folds them into plain weights in the compute dtype (the
+sampler's and the HF export's). Without ``lora`` every program is the one it was before.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, Generic
@@ -61,6 +75,7 @@ from pmd_jax.distill.config import DistillConfig
 from pmd_jax.distill.loss_fn import StepOptions, _cast, make_lesson_nll_fn, make_loss_fn
 from pmd_jax.distill.registry import LESSON_KEYS
 from pmd_jax.models import decoder
+from pmd_jax.models import lora as lora_lib
 from pmd_jax.models.config import ModelConfig
 from pmd_jax.run import sharding as shd
 
@@ -71,13 +86,17 @@ Array = jax.Array
 # (abstract_state). typing_extensions: TypeVar defaults are Python 3.13 typing.
 Leaf = TypeVar("Leaf", default=Array)
 
+# The adapters' init key: folded out of the init RNG with this stream number, so the state's
+# own RNG key (and every draw made from it) is the same with and without LoRA.
+LORA_INIT_STREAM = 0x4C6F5241
+
 
 @struct.dataclass
 class TrainState(Generic[Leaf]):
     step: Leaf  # int32 scalar: number of steps taken
-    params: Any  # master weights (fp32) or params in param_dtype
+    params: Any  # master weights (fp32) or params in param_dtype (LoRA: the adapters)
     opt_state: Any
-    teacher: Any  # EMA / frozen / trust-region reference params; {} for the live teacher
+    teacher: Any  # EMA / frozen / trust-region reference params (LoRA: adapters); {} for live
     rng: Leaf  # uint32[2] raw PRNG key data
 
 
@@ -140,8 +159,22 @@ class TrainStep:
         lesson_nll_weight: float = 1.0,
         shared_prefix: str = "off",
         trains: bool = True,
+        lora: lora_lib.LoraConfig | None = None,
+        base_dtype: str = "",
     ):
         self.model_cfg = model_cfg
+        # LoRA: the state trains the adapters; the frozen base (in base_dtype; '' = as
+        # given) is an argument of every program (module docstring)
+        if lora is not None and not isinstance(lora, lora_lib.LoraConfig):
+            raise TypeError(f"lora must be a models.lora.LoraConfig, got {type(lora).__name__}")
+        if lora is not None and not trains:
+            raise ValueError("lora needs trains=True: a step whose weights never change has no "
+                             "adapters to train")
+        self.lora = lora
+        if base_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"base_dtype={base_dtype!r} is not '', float32, bfloat16 or "
+                             "float16")
+        self.base_dtype = base_dtype
         # trains=False (a mode whose weights never change, e.g. memory_only): the state holds
         # the params only, no AdamW moments or teacher copy (Qwen2.5-Coder-0.5B: 7 of its
         # 9.4 GiB, in memory and in every checkpoint); step() refuses to run.
@@ -153,10 +186,10 @@ class TrainStep:
         self.optimizer = doptim.make_optimizer(self.opts.optim)
         shard_ctx = (mesh, self.rules) if mesh is not None else None
         self.loss_fn = make_loss_fn(model_cfg, self.opts, shard_ctx,
-                                    loss_chunk_remat=loss_chunk_remat)
+                                    loss_chunk_remat=loss_chunk_remat, lora=lora)
         self.lesson_nll_weight = float(lesson_nll_weight)
         self.lesson_nll_fn = (make_lesson_nll_fn(model_cfg, self.opts, shard_ctx,
-                                                 loss_chunk_remat=loss_chunk_remat)
+                                                 loss_chunk_remat=loss_chunk_remat, lora=lora)
                               if self.opts.loss_spec.lesson_nll else None)
         self._compiled: dict[tuple, Any] = {}
         self._state_shardings: TrainState[NamedSharding] | None = None
@@ -204,7 +237,7 @@ class TrainStep:
         """:meth:`state_shardings` of a step with a mesh (built once)."""
         assert self.mesh is not None
         if self._state_shardings is None:
-            p_sh = shd.tree_shardings(self.mesh, self.rules, decoder.param_axes(self.model_cfg))
+            p_sh = shd.tree_shardings(self.mesh, self.rules, self._trained_axes())
             abstract = jax.eval_shape(self._init_host, self._abstract_params(),
                                       jax.ShapeDtypeStruct((2,), jnp.uint32))
             rep = self._named(PartitionSpec())
@@ -218,11 +251,53 @@ class TrainStep:
             )
         return self._state_shardings
 
+    def _trained_axes(self) -> Any:
+        """Logical axes of the trained tree: the params', or the adapters' under LoRA."""
+        if self.lora is not None:
+            return lora_lib.adapter_axes(self.model_cfg, self.lora)
+        return decoder.param_axes(self.model_cfg)
+
     def _abstract_params(self) -> Any:
+        if self.lora is not None:
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+                                lora_lib.adapter_shapes(self.model_cfg, self.lora),
+                                is_leaf=lambda x: isinstance(x, tuple))
         return jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
             decoder.param_shapes(self.model_cfg),
         )
+
+    def base_shardings(self) -> Any:
+        """NamedShardings of the frozen base (the params' rules; None without a mesh)."""
+        if self.mesh is None:
+            return None
+        return shd.tree_shardings(self.mesh, self.rules, decoder.param_axes(self.model_cfg))
+
+    def abstract_base(self) -> Any:
+        """ShapeDtypeStructs (with shardings on a mesh) of the placed base (LoRA), for
+        :meth:`lower`; ``base_dtype`` '' reads as the model's ``param_dtype``."""
+        dt = jnp.dtype(self.base_dtype or self.model_cfg.param_dtype)
+        shapes = decoder.param_shapes(self.model_cfg)
+        sh = self.base_shardings()
+        if sh is None:
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), shapes)
+        return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, dt, sharding=h),
+                            shapes, sh)
+
+    def place_base(self, params: Any) -> Any:
+        """The frozen base of a LoRA step: ``params`` cast to ``base_dtype`` (no copy when
+        they are in it already, or ``base_dtype`` is '') and placed like the params."""
+        if self.lora is None:
+            raise ValueError("place_base: this TrainStep has no lora (full fine-tuning)")
+        decoder.check_params(params, self.model_cfg)
+        dt = jnp.dtype(self.base_dtype) if self.base_dtype else None
+        same = dt is None or all(x.dtype == dt for x in jax.tree.leaves(params))
+        if self.mesh is None:
+            return params if same else jax.jit(lambda p: _cast(p, dt))(params)
+        sh = self.base_shardings()
+        shd.check_divisible(self.mesh, self.rules, params, decoder.param_axes(self.model_cfg))
+        params = jax.device_put(params, sh)
+        return params if same else jax.jit(lambda p: _cast(p, dt), out_shardings=sh)(params)
 
     def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding] | None:
         if self.mesh is None:
@@ -235,6 +310,10 @@ class TrainStep:
 
     # ------------------------------------------------------------- init
     def _init_host(self, params: Any, rng: Array) -> TrainState:
+        if self.lora is not None:  # the adapters are what trains (``params`` is unused)
+            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32)),
+                                     LORA_INIT_STREAM)
+            params = lora_lib.init_adapters(self.model_cfg, self.lora, key)
         master = _cast(params, self.opts.storage_dtype)
         teacher = None
         if self.opts.keeps_teacher and self.trains:
@@ -248,11 +327,14 @@ class TrainStep:
         )
 
     def init(self, params: Any, rng: Array | int = 0) -> TrainState:
-        """The initial TrainState (placed on the mesh when there is one)."""
+        """The initial TrainState (placed on the mesh when there is one). LoRA: the adapters'
+        state (``params`` is not read: the base goes to :meth:`place_base`)."""
         if isinstance(rng, int):
             rng = jax.random.key_data(jax.random.PRNGKey(rng))
         elif jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)
+        if self.lora is not None:
+            return jax.jit(self._init_host, out_shardings=self.state_shardings())(None, rng)
         if self.mesh is None:
             return jax.jit(self._init_host)(params, rng)
         p_sh = self._mesh_state_shardings().params
@@ -261,45 +343,60 @@ class TrainStep:
         return jax.jit(self._init_host, out_shardings=self.state_shardings())(params, rng)
 
     # ------------------------------------------------------------- step
-    def _step(self, state: TrainState, batch: dict[str, Array]) -> tuple[TrainState, dict]:
-        """The function jitted per batch layout: loss and gradient, then :func:`apply_update`."""
+    def _step(self, state: TrainState, batch: dict[str, Array], base: Any = None
+              ) -> tuple[TrainState, dict]:
+        """The function jitted per batch layout: loss and gradient, then :func:`apply_update`
+        (``base``: the frozen base of a LoRA step, else None)."""
         return apply_update(self.opts, state,
-                            *self._loss_and_grads(state.params, state.teacher, batch))
+                            *self._loss_and_grads(state.params, state.teacher, batch, base))
 
-    def _loss_and_grads(self, params: Any, teacher: Any, batch: dict[str, Array]
-                        ) -> tuple[Array, dict, Any]:
+    def _loss_and_grads(self, params: Any, teacher: Any, batch: dict[str, Array],
+                        base: Any = None) -> tuple[Array, dict, Any]:
         """The loss, its metrics and its gradient w.r.t. ``params`` (accumulated over
-        microbatches, plus the lesson NLL's for ``mel``); reads no optimizer state."""
+        microbatches, plus the lesson NLL's for ``mel``); reads no optimizer state. LoRA:
+        ``params`` are the adapters and ``base`` the frozen params (no gradient)."""
+        if base is not None:
+            loss_fn = functools.partial(self.loss_fn, base=base)
+            nll_fn = (None if self.lesson_nll_fn is None
+                      else functools.partial(self.lesson_nll_fn, base=base))
+            return self._loss_and_grads_of(loss_fn, nll_fn, params, teacher, batch)
+        return self._loss_and_grads_of(self.loss_fn, self.lesson_nll_fn, params, teacher, batch)
+
+    def _loss_and_grads_of(self, loss_fn: Any, nll_fn: Any, params: Any, teacher: Any,
+                           batch: dict[str, Array]) -> tuple[Array, dict, Any]:
         lessons = None
         if self.lesson_nll_fn is not None:  # mode=mel: the lesson rows, outside the split
             lessons = {k: batch[k] for k in LESSON_KEYS}
             batch = {k: v for k, v in batch.items() if k not in LESSON_KEYS}
         n_micro = self.num_microbatches(batch["response_mask"].shape[0])
         if n_micro > 1:
-            (loss, metrics), grads = self._accumulated(params, teacher, batch, n_micro)
+            (loss, metrics), grads = self._accumulated(loss_fn, params, teacher, batch, n_micro)
         else:
-            grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (loss, metrics), grads = grad_fn(params, teacher, batch)
         if lessons is not None:
-            loss, metrics, grads = self._add_lesson_nll(params, lessons, loss, metrics, grads)
+            loss, metrics, grads = self._add_lesson_nll(nll_fn, params, lessons, loss, metrics,
+                                                        grads)
         return loss, metrics, grads
 
-    def _add_lesson_nll(self, params: Any, lessons: dict[str, Array], loss: Array,
-                        metrics: Mapping[str, Array], grads: Any) -> tuple[Array, dict, Any]:
+    def _add_lesson_nll(self, nll_fn: Any, params: Any, lessons: dict[str, Array],
+                        loss: Array, metrics: Mapping[str, Array], grads: Any
+                        ) -> tuple[Array, dict, Any]:
         """``loss + w * NLL(lessons)`` and its gradient (``w = lesson_nll_weight``); with
         ``w = 0`` the NLL is only measured (loss and gradient are the GRPO ones, bitwise)."""
-        assert self.lesson_nll_fn is not None
+        assert nll_fn is not None
         w = self.lesson_nll_weight
         metrics = {**metrics, "grpo_loss": loss}
         if w == 0.0:
-            _, m = self.lesson_nll_fn(jax.lax.stop_gradient(params), lessons)
+            _, m = nll_fn(jax.lax.stop_gradient(params), lessons)
             return loss, {**metrics, **m}, grads
-        (nll, m), g = jax.value_and_grad(self.lesson_nll_fn, has_aux=True)(params, lessons)
+        (nll, m), g = jax.value_and_grad(nll_fn, has_aux=True)(params, lessons)
         grads = jax.tree.map(lambda a, b: (a.astype(jnp.float32) + w * b.astype(jnp.float32)
                                            ).astype(a.dtype), grads, g)
         return loss + w * nll, {**metrics, **m}, grads
 
-    def _accumulated(self, params: Any, teacher: Any, batch: dict[str, Array], n: int) -> Any:
+    def _accumulated(self, loss_fn: Any, params: Any, teacher: Any, batch: dict[str, Array],
+                     n: int) -> Any:
         """Loss, metrics and gradient of the whole batch from ``n`` microbatches."""
         sharding = grad_sh = None
         if self.mesh is not None:
@@ -307,7 +404,7 @@ class TrainStep:
             sharding = lambda nd: self._named(accumulate.mesh_spec(s2, s1, nd))  # noqa: E731
             grad_sh = self._mesh_state_shardings().params
         return accumulate.accumulated_value_and_grad(
-            self.loss_fn, params, teacher, batch, loss_name=self.opts.loss_name, n=n,
+            loss_fn, params, teacher, batch, loss_name=self.opts.loss_name, n=n,
             sharding=sharding, grad_sharding=grad_sh)
 
     def _update(self, state: TrainState, loss: Array, metrics: dict[str, Array], grads: Any
@@ -317,6 +414,10 @@ class TrainStep:
         clipped gradient is a temporary the size of the weights: 2.35 GiB on the 0.5B coder,
         measured with ``memory_analysis()``)."""
         return apply_update_and_clip(self.opts, state, loss, metrics, grads)
+
+    def _base_in_shardings(self) -> tuple[Any, ...]:
+        """The base's in_shardings entry of a program (LoRA), else nothing."""
+        return (self.base_shardings(),) if self.lora is not None else ()
 
     def _get_compiled(self, batch: Mapping[str, Any]) -> Any:
         key = tuple(sorted(batch))
@@ -329,7 +430,7 @@ class TrainStep:
                 rep = self._named(PartitionSpec())
                 fn = jax.jit(
                     self._step,
-                    in_shardings=(st, self.batch_shardings(batch)),
+                    in_shardings=(st, self.batch_shardings(batch), *self._base_in_shardings()),
                     out_shardings=(st, rep),
                     donate_argnums=donate,
                 )
@@ -347,7 +448,8 @@ class TrainStep:
                 st = self._mesh_state_shardings()
                 rep = self._named(PartitionSpec())
                 fn = jax.jit(self._loss_and_grads,
-                             in_shardings=(st.params, st.teacher, self.batch_shardings(batch)),
+                             in_shardings=(st.params, st.teacher, self.batch_shardings(batch),
+                                           *self._base_in_shardings()),
                              out_shardings=(rep, rep, st.params))
             self._compiled[key] = fn
         return self._compiled[key]
@@ -386,25 +488,44 @@ class TrainStep:
                 f"batch size {b} is not divisible by the mesh's batch axes {axes} (size {n})"
             )
 
-    def __call__(self, state: TrainState, batch: Mapping[str, Any]) -> tuple[TrainState, dict]:
-        return self.step(state, batch)
+    def __call__(self, state: TrainState, batch: Mapping[str, Any], base: Any = None
+                 ) -> tuple[TrainState, dict]:
+        return self.step(state, batch, base)
 
-    def step(self, state: TrainState, batch: Mapping[str, Any]) -> tuple[TrainState, dict]:
-        """One update; raises :class:`BatchError` on a malformed batch before any compute."""
+    def _base_args(self, base: Any) -> tuple[Any, ...]:
+        """``(base,)`` for a LoRA step (which needs it), ``()`` otherwise (which takes none)."""
+        if self.lora is None:
+            if base is not None:
+                raise ValueError("base= is for a LoRA step; this TrainStep trains the full "
+                                 "params (lora=None)")
+            return ()
+        if base is None:
+            raise ValueError("a LoRA TrainStep needs the frozen base params: pass "
+                             "base=TrainStep.place_base(params)")
+        return (base,)
+
+    def step(self, state: TrainState, batch: Mapping[str, Any], base: Any = None
+             ) -> tuple[TrainState, dict]:
+        """One update; raises :class:`BatchError` on a malformed batch before any compute.
+        ``base``: the frozen base params of a LoRA step (:meth:`place_base`), else None."""
         if not self.trains:
             raise ValueError("this TrainStep was built with trains=False (a mode whose weights "
                              "never change): its state has no optimizer to update")
+        extra = self._base_args(base)
         batch = self._checked(batch)
-        return self._get_compiled(batch)(state, batch)
+        return self._get_compiled(batch)(state, batch, *extra)
 
-    def gradients(self, params: Any, teacher: Any, batch: Mapping[str, Any]
+    def gradients(self, params: Any, teacher: Any, batch: Mapping[str, Any], base: Any = None
                   ) -> tuple[Array, dict, Any]:
         """The first half of :meth:`step` as its own program: the loss, its metrics and the
         gradient, computed to the end before returning. It reads params and teacher only, so
         the optimizer state may wait elsewhere meanwhile
-        (``train.offload_optimizer_during_grads``); :meth:`apply_gradients` is the rest."""
+        (``train.offload_optimizer_during_grads``); :meth:`apply_gradients` is the rest.
+        ``base`` as in :meth:`step`."""
+        extra = self._base_args(base)
         batch = self._checked(batch)
-        return jax.block_until_ready(self._get_grad_program(batch)(params, teacher, batch))
+        return jax.block_until_ready(self._get_grad_program(batch)(params, teacher, batch,
+                                                                   *extra))
 
     def apply_gradients(self, state: TrainState, loss: Array, metrics: dict[str, Array],
                         grads: Any) -> tuple[TrainState, dict]:
@@ -434,10 +555,27 @@ class TrainStep:
             self._check_batch_divisible(int(np.shape(batch["lesson_tokens"])[0]))
         return dict(batch)
 
-    def lower(self, state: Any, batch: Mapping[str, Any]) -> Any:
-        """``jax.jit(...).lower`` on (abstract) state and batch, for dry-run compiles."""
+    def lower(self, state: Any, batch: Mapping[str, Any], base: Any = None) -> Any:
+        """``jax.jit(...).lower`` on (abstract) state and batch, for dry-run compiles (a LoRA
+        step: and base, e.g. :meth:`abstract_base`)."""
         check_batch(batch, self.opts.loss_spec)
-        return self._get_compiled(batch).lower(state, dict(batch))
+        return self._get_compiled(batch).lower(state, dict(batch), *self._base_args(base))
+
+    def merged_params(self, state: TrainState, base: Any) -> Any:
+        """LoRA: the policy as plain params in the compute dtype, each target ``W + scaling *
+        A B`` (:func:`pmd_jax.models.lora.merge`, summed in float32): what the sampler and the
+        HF export get. One jitted program (placed like the params on a mesh)."""
+        if self.lora is None:
+            raise ValueError("merged_params: this TrainStep has no lora (use compute_params)")
+        key = ("merge",)
+        if key not in self._compiled:
+            cfg, lc, dt = self.model_cfg, self.lora, jnp.dtype(self.opts.param_dtype)
+
+            def merge(adapters: Any, base: Any) -> Any:
+                return lora_lib.merge(_cast(base, dt), _cast(adapters, dt), cfg, lc)
+
+            self._compiled[key] = jax.jit(merge, out_shardings=self.base_shardings())
+        return self._compiled[key](state.params, base)
 
     def abstract_state(self) -> TrainState[jax.ShapeDtypeStruct]:
         """ShapeDtypeStructs (with shardings on a mesh) of the TrainState, no allocation."""

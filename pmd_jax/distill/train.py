@@ -1,5 +1,11 @@
 """The train step as the loop holds it: the jitted step (``distill.step.TrainStep``), its
 state and the initial params, and the host-side call of one update.
+
+LoRA (``lora.enabled``): the state trains the adapters and the bundle holds the frozen base
+(``TrainBundle.base``), which is also the initial policy the KL measures against (the
+forward with the adapters off: no second copy of the weights and no file, so
+``train.offload_initial_policy`` has nothing to do); :func:`current_params` merges the adapters
+into the base for the sampler and the export.
 """
 
 from __future__ import annotations
@@ -27,22 +33,37 @@ class TrainBundle:
     initial_params: Any  # for KL(policy || initial) at eval (None to skip)
     # train.offload_optimizer_during_grads: the run key its optimizer file is named by
     optimizer_offload_key: str | None = None
+    # LoRA: the frozen base params (placed, in lora.base_dtype), an argument of every step
+    base: Any = None
+
+    @property
+    def lora(self) -> Any:
+        """The step's models.lora.LoraConfig (None: full fine-tuning)."""
+        return getattr(self.step_fn, "lora", None)
 
 
 def init_train_state(cfg: RunConfig, model: Any, trains: bool = True) -> TrainBundle:
     """The train step for ``model`` (a build.ModelBundle) and its initial state. ``trains``
     False (the mode's weights never change): the state holds no optimizer or teacher, and
     the initial policy, which only the KL to it reads, is not kept
-    (:func:`place_initial_policy`)."""
+    (:func:`place_initial_policy`); ``lora`` is ignored then (nothing trains). LoRA: the
+    state holds the adapters, the bundle the frozen base, which is the initial policy."""
     from pmd_jax.distill.step import TrainStep
 
+    lora = cfg.lora.config() if trains else None
+    if cfg.lora.enabled and not trains:
+        log.info("lora.enabled is ignored: mode=%s never changes the weights", cfg.mode)
     ts = TrainStep(model.cfg, cfg.distill, mesh=model.mesh, rules=model.rules,
                    microbatch_rows=int(cfg.train.microbatch_rows),
                    lesson_nll_weight=float(cfg.mel.nll_weight),  # used by the mel loss only
-                   shared_prefix=cfg.train.shared_prefix, trains=trains)
+                   shared_prefix=cfg.train.shared_prefix, trains=trains, lora=lora,
+                   base_dtype=cfg.lora.base_dtype if lora is not None else "")
     state = ts.init(model.params, rng=int(cfg.seed))
     key = str(cfg.run_dir) if cfg.train.offload_optimizer_during_grads else None
-    return TrainBundle(ts, state, model.params, key)
+    if lora is None:
+        return TrainBundle(ts, state, model.params, key)
+    base = ts.place_base(model.params)
+    return TrainBundle(ts, state, base, key, base=base)
 
 
 def prepare_offloads(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: str
@@ -73,6 +94,14 @@ def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_ke
 
     tr = cfg.train
     measured = tr.kl_initial_every > 0 and bundle.step_fn.trains
+    if bundle.lora is not None:  # the initial policy is the base, which the steps need
+        model.params = None
+        footprint.release_free_memory()
+        if not measured:
+            bundle.initial_params = None
+            return "the base model (LoRA); the KL to it is not measured"
+        return ("the base model (LoRA: no copy; train.offload_initial_policy has nothing "
+                "to do)" if tr.offload_initial_policy else "")
     if measured and not tr.offload_initial_policy:
         return ""
     disk = DiskParams.write_temp(bundle.initial_params, run_key) if measured else None
@@ -95,12 +124,13 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
         # Every process holds the same global host batch; jit refuses numpy inputs with
         # shardings that span processes, so place them first (each process its own shards).
         batch = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+    base = bundle.base  # (LoRA: the frozen base; None otherwise)
     if bundle.optimizer_offload_key is None:
-        bundle.state, metrics = bundle.step_fn.step(bundle.state, batch)
+        bundle.state, metrics = bundle.step_fn.step(bundle.state, batch, base)
     else:  # train.offload_optimizer_during_grads: the moments wait in a file meanwhile
         with optimizer_set_aside(bundle, bundle.optimizer_offload_key):
             loss, metrics, grads = bundle.step_fn.gradients(bundle.state.params,
-                                                            bundle.state.teacher, batch)
+                                                            bundle.state.teacher, batch, base)
         bundle.state, metrics = bundle.step_fn.apply_gradients(bundle.state, loss, metrics,
                                                                grads)
         del grads
@@ -129,7 +159,10 @@ def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: in
 
 
 def current_params(cfg: RunConfig, bundle: TrainBundle) -> Any:
-    """The policy's params in the compute dtype (what the sampler and the export get)."""
+    """The policy's params in the compute dtype (what the sampler and the export get); LoRA:
+    the adapters merged into the base (``TrainStep.merged_params``)."""
     from pmd_jax.distill.step import compute_params
 
+    if bundle.lora is not None:
+        return bundle.step_fn.merged_params(bundle.state, bundle.base)
     return compute_params(bundle.state, cfg.distill)

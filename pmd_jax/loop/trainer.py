@@ -14,7 +14,8 @@
 7. checkpoint    train state, memory, data cursor (``checkpoint.RunCheckpointer``)
 8. evaluate      memory-free, on held-out problems (``evaluate.py``); a restart at an
                  evaluation's step keeps its finished record or runs it first
-9. export        the final weights as a HF checkpoint (``export.py``)
+9. export        the final weights as a HF checkpoint (``export.py``; LoRA: merged, and the
+                 adapters as a PEFT folder)
 
 The parts are built once at start-up (``build.py``). This file reads in that order.
 
@@ -63,6 +64,14 @@ __all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by old
 
 # the training progress line: (name shown, step metric)
 _PROGRESS_FIELDS = (("reward", "reward_mean"), ("loss", "loss"), ("s_per_step", "time_step"))
+
+
+def _cast_base(base: Any, params: Any) -> bool:
+    """Whether the LoRA base is a cast copy of the loaded params (lora.base_dtype)."""
+    import jax
+
+    return any(b.dtype != p.dtype for b, p in zip(jax.tree.leaves(base),
+                                                  jax.tree.leaves(params), strict=True))
 
 
 class Trainer:
@@ -127,9 +136,17 @@ class Trainer:
         self._next: Future | StepBatch | None = None
         self._pool: ThreadPoolExecutor | None = None
         log.info("set-up took %.1fs", time.perf_counter() - t0)
+        if self.state.lora is not None:
+            log.info("LoRA: %s; the train state holds the adapters, the frozen base is in %s",
+                     self.state.lora, self.state.step_fn.base_dtype or cfg.model.param_dtype)
+            if _cast_base(self.state.base, self.model.params):  # (lora.base_dtype)
+                # the sampler samples the policy the step trains from step 0 on (the base as
+                # the step holds it), and lets go of the weights as loaded
+                self._publish(0)
         log.info(footprint.format_breakdown(footprint.breakdown({
             "params": self.state.state.params, "optimizer": self.state.state.opt_state,
-            "teacher": self.state.state.teacher, "initial_policy": self.state.initial_params,
+            "teacher": self.state.state.teacher, "lora_base": self.state.base,
+            "initial_policy": self.state.initial_params,
             "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
@@ -485,6 +502,8 @@ class Trainer:
     def _initial_state(self) -> Any:
         """The train state a run starts from, made again from the model's source weights
         (the resume let go of the first one before restoring; no checkpoint was usable)."""
+        if self.state.lora is not None:  # (the adapters' init; the base is still held)
+            return self.state.step_fn.init(None, rng=int(self.cfg.seed))
         log.info("loading the initial weights again to start from step 0")
         return self.state.step_fn.init(build.load_model(self.cfg).params, rng=int(self.cfg.seed))
 
@@ -541,8 +560,10 @@ class Trainer:
         t0 = time.perf_counter()
         out_dir = self.run_dir / "eval" / f"step_{step:06d}"
         key = None if step else eval_reuse.start_key(  # (eval.reuse_from)
-            self.cfg, self.mode, self.mode_rt, self.state.state.params, self.task,
-            self.eval_problems)
+            self.cfg, self.mode, self.mode_rt,
+            # (LoRA: the initial policy is the base; its adapters change nothing at step 0)
+            self.state.state.params if self.state.lora is None else self.state.base,
+            self.task, self.eval_problems)
         # Process 0 evaluates and writes the results; the others serve its generate calls.
         res = eval_reuse.taken(self.cfg, key, out_dir, self.run_dir) or multihost.lead(
             lambda: evaluation.evaluate(self.cfg, self.model, self.task, self.textgen,
@@ -593,13 +614,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:
-        from pmd_jax.loop.export import export_hf
+        from pmd_jax.loop.export import export_hf, export_peft
 
         if isinstance(self.state.initial_params, offload.DiskParams):
             self.state.initial_params.remove()
         if self.cfg.train.export_hf:
             # Every process takes part in gathering the params; process 0 writes them.
             export_hf(self.cfg, self.model, self.state, self.run_dir / "final_hf")
+            if self.state.lora is not None:  # and the adapters, as a PEFT folder
+                export_peft(self.cfg, self.model, self.state, self.run_dir / "final_peft")
         if not self.is_main:
             return
         plots = write_plots(self.run_dir)

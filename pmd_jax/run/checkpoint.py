@@ -6,6 +6,8 @@ One checkpoint (one step directory, ``<root>/<step>/``) holds:
   params, step and the RNG key data (see :class:`pmd_jax.distill.step.TrainState`). With the
   trust-region teacher the frozen initial params are the teacher tree, so they are saved here
   too (no need to re-derive them from the initial checkpoint, which may be gone or changed).
+  A LoRA run's state holds the adapters, their AdamW moments and the teacher's adapters; its
+  frozen base is not saved (a resumed run loads it again from ``model.source``, as at start).
 * named slots, one per owner (``"memory"``, ``"data_cursor"``, ...), each holding a JSON value,
   raw bytes, or a copy of a directory (for large ``state_dict`` blobs such as a memory with an
   index). Slots are written by :class:`pmd_jax.run.slots.BlobCheckpointHandler`.
@@ -473,9 +475,12 @@ class RunCheckpointer:
         :class:`DiskSpaceError` when the file system cannot hold two checkpoints (the kept
         one and the next); logs a warning when it cannot hold all that
         ``train.keep_checkpoints`` keeps."""
+        # (LoRA: the merged weights, the size of the base, and the PEFT adapter folder)
+        base = getattr(bundle, "base", None)
+        exported = (export_bytes(bundle.state.params) + (
+            export_bytes(base) if base is not None else 0)) if export_hf else 0
         plan = disk_plan(self.ckpt.directory, bundle.state, slots, keep=self.ckpt._max_to_keep,
-                         present=len(self.ckpt.committed_steps()),
-                         export=export_bytes(bundle.state.params) if export_hf else 0)
+                         present=len(self.ckpt.committed_steps()), export=exported)
         plan.check()
         return plan.describe()
 
