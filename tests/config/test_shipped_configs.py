@@ -5,7 +5,7 @@ weight (a preset, or an embedded model's GGUF header), and runs on each config o
 one line with exit 2.
 
 The dry runs compile the full-size step on 64 simulated devices (about 40 s each on 2 cores):
-the embedded default's and the refusals run in the default suite, the others are slow.
+they are slow tests; the refusals run in the default suite.
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ def _dry_run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", [
-    n if n == "smollm2_sciq.py" else pytest.param(n, marks=pytest.mark.slow)
-    for n in CONFIGS])
+# slow (about 40 s each: the full-size step compiled on 64 simulated devices); the default
+# suite gets every config's shapes above and the refusals below, and tests/dry_run compiles a
+# run config's dry run
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
 def test_dry_run_on_a_shipped_config(name):
     if name in EMBEDDED and embedded_missing(EMBEDDED[name]):
         pytest.skip(embedded_missing(EMBEDDED[name]))

@@ -87,19 +87,6 @@ def test_small_probe_writes_report_and_pairs_attempts(tmp_path):
     assert "| train | own_insights | other_insights | primary" in md
     assert "Lesson" in md  # one prompt per arm shown
     assert "probe arm own_insights (train)" in r.stderr  # progress lines
-    # a kill during the last batch (its line half-written): the same command again restores
-    # every finished batch, redoes the last one, and writes the same outcomes
-    done = out / "probe_batches.jsonl"
-    lines = done.read_text().splitlines()
-    assert len(lines) == 6  # screening + 5 arms
-    done.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
-    again = _probe(f"--memory={mem}", f"--out={out}", "--samples=2", "--screen_samples=4",
-                   "--max_train=4", "--max_heldout=0",
-                   "--train_arms=own_insights,other_insights,own_behaviors,other_behaviors",
-                   "--config.memory.behavior.top_k=1")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("attempts restored from") == 5, again.stderr[-3000:]
-    assert json.loads((out / "probe.json").read_text())["outcomes"] == data["outcomes"]
 
 
 def test_done_batches_skip_a_cut_line(tmp_path):
@@ -116,3 +103,51 @@ def test_done_batches_skip_a_cut_line(tmp_path):
     assert set(back.rows) == {"a", "b"} and back.get("c") is None
     np.testing.assert_array_equal(back.get("b"), [[False, False], [True, True]])
     assert back.get("b").dtype == bool
+
+
+@pytest.mark.slow
+def test_a_killed_probe_resumes_from_its_finished_batches(tmp_path):
+    """A kill during the last batch (its line half-written): the same command again restores
+    every finished batch, redoes the last one, and writes the same outcomes."""
+    from pmd_jax.config import apply_mode, freeze
+    from pmd_jax.config.cli import load_config_file
+    from pmd_jax.loop.build import build_task
+
+    task = build_task(freeze(apply_mode(load_config_file("configs/smollm2_sciq.py"))),
+                      check_heldout=False)
+    mem = _memory(tmp_path / "memory.jsonl", [str(p.id) for p in task.problems("train")[:12]])
+    out = tmp_path / "out"
+    args = (f"--memory={mem}", f"--out={out}", "--samples=2", "--screen_samples=4",
+            "--max_train=4", "--max_heldout=0",
+            "--train_arms=own_insights,other_insights,own_behaviors,other_behaviors",
+            "--config.memory.behavior.top_k=1")
+    r = _probe(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "probe.json").read_text())
+    done = out / "probe_batches.jsonl"
+    lines = done.read_text().splitlines()
+    assert len(lines) == 6  # screening + 5 arms
+    done.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    again = _probe(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("attempts restored from") == 5, again.stderr[-3000:]
+    assert json.loads((out / "probe.json").read_text())["outcomes"] == data["outcomes"]
+
+
+def test_a_batch_key_changes_with_what_the_attempts_depend_on():
+    from pmd_jax.config import apply_mode, freeze
+    from pmd_jax.config.cli import load_config_file
+    from pmd_jax.probe.run import batch_key
+    from pmd_jax.sampling.base import SamplingParams
+
+    cfg = freeze(apply_mode(load_config_file("configs/smollm2_sciq.py")))
+    p = SamplingParams(n=2, temperature=0.7, max_tokens=8, seed=3)
+    k = batch_key("arm a", "train", p, [[1, 2], [3]], cfg)
+    assert k == batch_key("arm a", "train", p, [[1, 2], [3]], cfg)
+    others = [batch_key("arm b", "train", p, [[1, 2], [3]], cfg),
+              batch_key("arm a", "hidden", p, [[1, 2], [3]], cfg),
+              batch_key("arm a", "train", SamplingParams(n=2, temperature=0.7, max_tokens=8,
+                                                         seed=4), [[1, 2], [3]], cfg),
+              batch_key("arm a", "train", p, [[1], [2, 3]], cfg),  # (same tokens, split)
+              batch_key("arm a", "train", p, [[1, 2], [4]], cfg)]
+    assert k not in others and len(set(others)) == len(others)
