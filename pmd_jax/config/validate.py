@@ -28,6 +28,7 @@ from pmd_jax.config.context_length import model_context_length
 from pmd_jax.config.modes import loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, item_type_errors, unknown_keys
 from pmd_jax.config.sections import RunConfig
+from pmd_jax.distill.registry import get_loss
 from pmd_jax.models.config import ConfigError
 
 # Keys that moved (issue 16): the old spelling is an error naming the kept key.
@@ -127,15 +128,12 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     errs = config_errors(c)
     if errs:
         raise ConfigError(format_errors(errs))
-    loss = c.distill.loss
-    if loss.name == "hybrid" and (loss.alpha != 1.0 or loss.full_logit_distillation):
+    spec = get_loss(c.distill.loss.name)  # (a loss declares what to warn of: its spec)
+    warning = spec.config_warning(c.distill.loss) if spec.config_warning else None
+    if warning:
         import logging
 
-        logging.getLogger("pmd_jax").warning(
-            "distill.loss.name='hybrid': its SDPO advantage is the sampled token's teacher / "
-            "student log-ratio (reverse KL on the sampled token); distill.loss.alpha=%s, "
-            "topk=%s and full_logit_distillation=%s only define its kl metric, not its "
-            "gradient", loss.alpha, loss.topk, loss.full_logit_distillation)
+        logging.getLogger("pmd_jax").warning("%s", warning)
 
 
 def config_errors(cfg: ml_collections.ConfigDict) -> list[str]:

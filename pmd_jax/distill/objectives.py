@@ -145,6 +145,16 @@ def hybrid(x: LossInputs, opts: Any) -> tuple[Array, dict[str, Array]]:
     return loss, _pg_metrics(metrics, loss, m, x)
 
 
+def _hybrid_warning(loss: Any) -> str | None:
+    """The knobs that shape SDPO's gradient but only hybrid's kl metric, when set."""
+    if loss.alpha == 1.0 and not loss.full_logit_distillation:
+        return None
+    return ("distill.loss.name='hybrid': its SDPO advantage is the sampled token's teacher / "
+            f"student log-ratio (reverse KL on the sampled token); distill.loss.alpha="
+            f"{loss.alpha}, topk={loss.topk} and full_logit_distillation="
+            f"{loss.full_logit_distillation} only define its kl metric, not its gradient")
+
+
 register_loss(LossSpec(
     name="hybrid", fn=hybrid, needs_teacher=True, needs_rewards=True, needs_old_logprobs=False,
     batch_keys=(*TEACHER_KEYS, "rewards"),
@@ -154,6 +164,7 @@ register_loss(LossSpec(
         "topk, add_tail and full_logit_distillation do not shape its gradient (they only "
         "define its kl metric)",
     metric_kinds={**_PG_KINDS, **_DISTILL_METRIC_KINDS, "hybrid_adv_mean": "response"},
+    config_warning=_hybrid_warning,
 ))
 
 

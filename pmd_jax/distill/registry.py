@@ -22,6 +22,9 @@ config validation ask the registry; nothing else branches on loss names.
   teacher got no signal (``sd_mask == 0``: out of the loss mask, a token mean over it), so
   ``train.drop_unsignaled_rows`` may leave them out of the update batch
   (:func:`pmd_jax.distill.update_rows.rows_for_update`); a loss with advantages uses every row.
+* ``config_warning``: ``(distill.loss section) -> str | None``, a warning validation logs
+  for knobs that do not act on this loss the way their names suggest (``hybrid``: alpha and
+  top-K define its kl metric, not its gradient).
 * ``lesson_nll``: the batch also carries lesson rows (:data:`LESSON_KEYS`, ``mode=mel``,
   :mod:`pmd_jax.mel`); the step adds ``nll_weight`` x their token-mean NLL to the loss, from
   a second forward in the same jitted step (:func:`pmd_jax.distill.loss_fn.make_lesson_nll_fn`).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 # the combination rules a metric may declare (pmd_jax.distill.accumulate)
 METRIC_KINDS = ("loss_mask", "response", "rows", "sum", "max")
@@ -61,6 +65,8 @@ class LossSpec:
     metric_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     lesson_nll: bool = False
     drops_unsignaled_rows: bool = False
+    config_warning: Callable[[Any], str | None] | None = dataclasses.field(default=None,
+                                                                            hash=False)
 
     def required_keys(self) -> tuple[str, ...]:
         """The arrays this loss reads beyond the base keys, including ``old_logp`` if needed."""

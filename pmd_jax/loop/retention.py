@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 _SPLITS = ("train", "validation", "test", "dev")
 
 
+DEFAULT_RETENTION_TASK = "mmlu_science"
+
+
 class RetentionError(ValueError):
     """The retention set cannot be built as configured."""
 
@@ -48,11 +51,10 @@ def retention_task_name(cfg: RunConfig) -> str:
     name = str(cfg.eval.retention_task or "")
     if name:
         return name
-    from pmd_jax.tasks.registry import is_code_task
+    from pmd_jax.tasks.registry import get_spec
 
-    if is_code_task(cfg.task.name) or cfg.task.name == "mmlu_science":
-        return "sciq"
-    return "mmlu_science"
+    spec = get_spec(cfg.task.name)  # (the task declares it; code tasks: question answering)
+    return spec.retention_task or ("sciq" if spec.is_code else DEFAULT_RETENTION_TASK)
 
 
 def _task_styles(name: str) -> tuple[str, ...]:

