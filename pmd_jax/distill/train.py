@@ -41,6 +41,21 @@ class TrainBundle:
         """The step's models.lora.LoraConfig (None: full fine-tuning)."""
         return getattr(self.step_fn, "lora", None)
 
+    def parts(self) -> dict[str, Any]:
+        """What the bundle holds, by name (run.footprint's memory breakdown)."""
+        return {"params": self.state.params, "optimizer": self.state.opt_state,
+                "teacher": self.state.teacher, "lora_base": self.base,
+                "initial_policy": self.initial_params}
+
+    def base_is_cast(self, params: Any) -> bool:
+        """LoRA: whether the frozen base is a cast copy of the loaded ``params``
+        (lora.base_dtype), not the loaded arrays themselves."""
+        import jax
+
+        return self.base is not None and any(
+            b.dtype != p.dtype for b, p in zip(jax.tree.leaves(self.base),
+                                               jax.tree.leaves(params), strict=True))
+
 
 def init_train_state(cfg: RunConfig, model: Any, trains: bool = True) -> TrainBundle:
     """The train step for ``model`` (a build.ModelBundle) and its initial state. ``trains``

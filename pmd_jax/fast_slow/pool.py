@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pmd_jax import episode
+from pmd_jax.episode import response_prefix, user_text
 from pmd_jax.fast_slow.contexts import fit_lines as _fit
 from pmd_jax.fast_slow.contexts import (
     render_memory,
@@ -17,7 +19,7 @@ from pmd_jax.fast_slow.contexts import (
     with_context,
 )
 from pmd_jax.fast_slow.pareto import pareto_front
-from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
+from pmd_jax.sampling.base import Messages, TextGenerator
 from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -145,7 +147,6 @@ class ContextPool:
         """GEPA-style reflective mutations: a parent drawn from the pool (by how many validation
         problems it is best on, GEPA's rule; uniform before any score), shown this step's
         rollouts made with it (else any), rewritten by the policy."""
-        from pmd_jax.loop.teaching import user_text
         from pmd_jax.memory.sanitize import sanitize_text
 
         fs = self.fs
@@ -175,11 +176,9 @@ class ContextPool:
             else:
                 st["fast_slow_rewrite_too_long"] += 1.0
         r = fs.rewrite
-        sp = SamplingParams(n=1, temperature=float(r.temperature), top_p=float(r.top_p),
-                            top_k=int(r.top_k), max_tokens=int(r.max_tokens),
-                            stop_token_ids=tuple(self.model.stop_token_ids),
-                            seed=derive_seed("fast_slow.rewrite", int(self.cfg.seed),
-                                             int(r.seed), int(step)))
+        sp = episode.sampling_params(r, n=1, stop_token_ids=self.model.stop_token_ids,
+                                     purpose="fast_slow.rewrite",
+                                     seed_parts=(int(self.cfg.seed), int(r.seed), int(step)))
         replies = textgen.generate_replies(convs, sp) if convs else []
         out = []
         extra = tuple(getattr(self.model.tokenizer, "special_tokens", ()))
@@ -213,30 +212,21 @@ class ContextPool:
                st: dict[str, float]) -> None:
         """Each candidate's mean reward per validation problem: ``fast_slow.val_samples``
         samples of every validation problem with the candidate in the prompt."""
-        from pmd_jax.loop.teaching import response_prefix
-
         if not todo:
             return
-        fs, ro, task = self.fs, self.cfg.rollout, self.task
+        fs, task = self.fs, self.task
         probs = self.val_problems
         prefix = [response_prefix(task, p) for p in probs]
         prompts = [self.model.encode_prompt(with_context(task.prompt(p), c.text), pre)
                    for c in todo for p, pre in zip(probs, prefix, strict=True)]
         k = int(fs.val_samples)
-        sp = SamplingParams(n=k, temperature=float(ro.temperature), top_p=float(ro.top_p),
-                            top_k=int(ro.top_k),
-                            max_tokens=int(fs.val_max_tokens or ro.max_tokens),
-                            stop_token_ids=tuple(self.model.stop_token_ids),
-                            seed=derive_seed("fast_slow.val", int(self.cfg.seed), int(step)))
-        rollouts = textgen.sampler.generate(prompts, sp)
-        texts: list[list[str]] = [[] for _ in prompts]
-        for r in rollouts:
-            st["fast_slow_val_tokens"] += float(len(r.tokens))
-            texts[r.prompt_index].append(
-                prefix[r.prompt_index % len(probs)] + textgen.decode(r.tokens.tolist()))
-        flat_p = [probs[i % len(probs)] for i in range(len(prompts)) for _ in texts[i]]
-        res = task.verify_batch(flat_p, [t for ts in texts for t in ts], "train")
-        rewards = np.array([x.reward for x in res], np.float64).reshape(len(todo), len(probs), k)
+        sp = episode.rollout_params(self.cfg, self.model, k, "fast_slow.val", int(step),
+                                    max_tokens=int(fs.val_max_tokens) or None)
+        att = episode.attempt(textgen.sampler, textgen, task, probs * len(todo), prompts, sp,
+                              prefixes=prefix * len(todo))
+        st["fast_slow_val_tokens"] += float(att.generated_tokens)
+        rewards = att.grid(len(prompts), k, [float(x.reward) for x in att.results], np.float64)
+        rewards = rewards.reshape(len(todo), len(probs), k)
         for c, sc in zip(todo, rewards.mean(axis=2), strict=True):
             c.scores = [float(x) for x in sc]
 
@@ -267,8 +257,6 @@ def validation_problems(cfg: RunConfig, model: Any, task: Any, train_problems: S
     """``fast_slow.val_size`` training problems in a seeded order: none whose problem text is
     an evaluation problem's, none whose prompt with a full context would exceed
     rollout.max_prompt_tokens."""
-    from pmd_jax.loop.teaching import response_prefix, user_text
-
     fs = cfg.fast_slow
     held_out = {user_text(task.prompt(p)) for p in eval_problems}
     room = int(cfg.rollout.max_prompt_tokens) - int(fs.max_context_tokens) - 8

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.loop.phases import TrainingError
 from pmd_jax.modes import get_mode
-from pmd_jax.sampling.base import Messages
+from pmd_jax.run import multihost
+from pmd_jax.sampling.base import Messages, TextGenerator
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -74,6 +76,18 @@ def build_task(cfg: RunConfig, check_heldout: bool = True, check_sandbox: bool =
             log.warning("evaluation is IN-SAMPLE: %d of %d evaluation problems are training "
                         "problems (eval.allow_in_sample=True)", len(overlap), n_eval)
     return task
+
+
+def select_problems(cfg: RunConfig, task: Any) -> tuple[list[Any], list[Any]]:
+    """The run's training problems (the first ``task.max_train_problems``; 0: all) and its
+    evaluation problems (the first ``task.max_eval_problems`` of ``task.eval_split``)."""
+    train = list(task.problems("train"))
+    if cfg.task.max_train_problems:
+        train = train[: cfg.task.max_train_problems]
+    held = list(task.problems(cfg.task.eval_split))[: cfg.task.max_eval_problems]
+    log.info("task %s: %d train / %d %s problems", cfg.task.name, len(train), len(held),
+             cfg.task.eval_split)
+    return train, held
 
 
 def runs_code(task: Any) -> bool:
@@ -224,6 +238,50 @@ def build_sampler(cfg: RunConfig, model: ModelBundle):
     from pmd_jax.sampling import backends
 
     return backends.build(r.sampler, cfg, model, max_len)
+
+
+@dataclasses.dataclass
+class Samplers:
+    """A run's samplers. ``rollout`` draws the training rollouts; with ``rollout.overlap`` the
+    background rollout thread alone uses it, and the memory's reflections and evaluation get
+    ``reflect``, a sampler of their own (else the same one). ``leader`` is ``reflect`` as
+    process 0 uses it with several processes (``run/multihost.py``: it forwards the generate
+    calls to the others); ``textgen`` is ``leader`` at the chat level."""
+
+    rollout: Any
+    reflect: Any
+    leader: Any
+    textgen: Any
+
+
+def build_samplers(cfg: RunConfig, model: ModelBundle) -> Samplers:
+    """The rollout sampler and, with ``rollout.overlap``, the one for the main thread.
+
+    The background thread calls the rollout sampler's ``generate`` while the main thread
+    runs the memory update, whose reflections also generate. Rather than a lock (which would
+    make every reflection wait for the whole rollout batch, i.e. no overlap during the memory
+    update), the in-process JAX sampler gets a second instance for the main thread: it shares
+    the compiled programs (cached per model config) and, from the first publish on, the very
+    same weight arrays (the trainer's publish hands it the rollout sampler's), so it costs no
+    compilation and no weights beyond the initial ones; the two objects share no mutable
+    state. The vLLM client holds none beyond the version number (one urllib request per call)
+    and the server batches concurrent requests, so it is shared as is."""
+    import jax
+
+    rollout = build_sampler(cfg, model)
+    reflect = rollout
+    if cfg.rollout.overlap:
+        if jax.process_count() > 1:
+            raise TrainingError(
+                "rollout.overlap=True is single-process only: with several processes the "
+                "rollout thread and the train step would issue collectives in an order that "
+                "can differ between processes (deadlock); set rollout.overlap=False"
+            )
+        if cfg.rollout.sampler == "jax":
+            reflect = build_sampler(cfg, model)
+    leader = multihost.LeaderSampler(reflect)
+    return Samplers(rollout, reflect, leader,
+                    TextGenerator(leader, model.encode_chat, model.decode))
 
 
 # ----------------------------------------------------------------------------- memory

@@ -12,10 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pmd_jax.loop.teaching import response_prefix, teacher_messages, user_text
+from pmd_jax import episode
+from pmd_jax.distill import kl
+from pmd_jax.episode import response_prefix, user_text
+from pmd_jax.loop.teaching import build_train_batch, teacher_messages
 from pmd_jax.modes import get_mode
-from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
-from pmd_jax.sampling.seeds import derive_seed
+from pmd_jax.run import multihost
+from pmd_jax.sampling.base import Messages, TextGenerator
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -34,17 +37,10 @@ def make_generate_fn(
     from pmd_jax.run.metrics import Progress
 
     e = cfg.eval
-    # by user text; a rewritten prompt (the memory's context replaces the user turn) is added
-    # under its new text, so it keeps its problem's response prefix
-    prefixes = dict(prefix_by_text or {})
-    gen = TextGenerator(
-        textgen.sampler,
-        lambda conv: model.encode_prompt(conv, prefixes.get(user_text(conv), "")),
-        textgen.decode,
-    )
+    prefixes = dict(prefix_by_text or {})  # by user text
 
     def generate(convs: list[Messages], n: int, seed: int) -> list[list[str]]:
-        pre = [prefixes.get(user_text(c), "") for c in convs]
+        pre = [prefixes.get(user_text(c), "") for c in convs]  # (before a rewrite of the turn)
         if memory is not None:  # memory-conditioned evaluation (frozen-policy mode only)
             pids = pid_by_text or {}
             ctxs = [memory.teacher_context(pids.get(user_text(c), ""), user_text(c))
@@ -58,10 +54,8 @@ def make_generate_fn(
             from pmd_jax.fast_slow.contexts import with_context
 
             convs = [with_context(c, context) for c in convs]
-        prefixes.update((user_text(c), p) for c, p in zip(convs, pre, strict=True))
-        sp = SamplingParams(n=n, temperature=e.temperature, top_p=e.top_p,
-                            max_tokens=e.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-                            seed=derive_seed("eval", int(seed)))
+        sp = episode.sampling_params(e, n=n, stop_token_ids=model.stop_token_ids,
+                                     purpose="eval", seed_parts=(int(seed),))
         # One request: the sampler sorts the rows by prompt length and cuts them into batches
         # (for the JAX sampler, the plan of sampling/batching.py: little padding, programs
         # it has already compiled); it reports rows as batches finish.
@@ -73,11 +67,33 @@ def make_generate_fn(
             if done[0] // n > prog.count:
                 prog.update(done[0] // n - prog.count)
 
-        texts = gen.generate_texts(convs, sp, progress=progress)
+        out: list[list[str]] = [[] for _ in convs]
+        if convs:
+            prompts = [model.encode_prompt(c, p) for c, p in zip(convs, pre, strict=True)]
+            rollouts = episode.generate(textgen.sampler, prompts, sp, progress)
+            for r, text in zip(rollouts, episode.decode(textgen, rollouts, pre), strict=True):
+                out[r.prompt_index].append(text)
         prog.close()
-        return [[p + t for t in ts] for p, ts in zip(pre, texts, strict=True)]
+        return out
 
     return generate
+
+
+def final_kl(cfg: RunConfig, model: ModelBundle, task: Any, state: Any, rollouts: Any,
+             leader_sampler: Any, step: int) -> float:
+    """KL(policy || initial) of the final weights (eval.kl_final): the rollouts of a step
+    ``step`` (the next problems of the data stream, the rollout settings of training, sampled
+    by every process; ``rollouts``: the run's ``loop.rollout.RolloutPhase``), verified, as
+    GRPO's batch, through the same estimator as the steps' (distill.kl). The memory is not
+    touched."""
+    sb = rollouts.sample(step)
+
+    def host() -> dict[str, Any]:
+        return build_train_batch(cfg, model, task, None, sb.verified(rollouts.verify(sb)),
+                                 student_only=True)[0]
+
+    batch = multihost.lead(host, leader_sampler, f"final KL at step {step}")
+    return kl.kl_to_initial(cfg, model, state, batch)
 
 
 def evaluate(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerator,

@@ -1,20 +1,30 @@
-"""The rollout phase's data: the problem stream and a step's rollout record.
+"""Phase 1 of the loop, the rollouts: the problem stream, a step's rollout record, and the
+phase itself with its background thread.
 
 :class:`ProblemStream` draws the training problems: each epoch is a seeded permutation of them;
 the cursor (epoch, position) is all the state there is, so a restored run draws exactly the
 batches it would have drawn. :class:`StepBatch` is what one step's rollouts carry through the
 loop (sampled, then verified, then turned into teacher prompts and a train batch).
+:class:`RolloutPhase` draws a step's problems, samples and decodes them on the episode road
+(``pmd_jax/episode.py``), verifies them, and with ``rollout.overlap`` samples the next step's
+batch in a background thread (``loop/trainer.py``'s docstring: when, and with which weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from pmd_jax.sampling.base import Rollouts
+from pmd_jax import episode
+from pmd_jax.loop.phases import TrainingError, retry
+from pmd_jax.run.slots import load_pickle
+from pmd_jax.sampling.base import Messages, Rollouts
 
 T = TypeVar("T")
 
@@ -108,3 +118,149 @@ class Drawn:
     prompts: list[list[int]]
     skipped: int
     messages: list[Any]  # each problem's task prompt (StepBatch.messages)
+
+
+class RolloutPhase:
+    """Draws, samples, decodes and verifies a step's rollouts; owns the data stream and, with
+    ``rollout.overlap``, the background thread and the batch it prefetches (``next``: a Future
+    while it samples, the StepBatch once joined; the checkpoint stores the joined batch).
+
+    ``sampler``: the rollout sampler (the only thing the background thread touches);
+    ``student_messages(step, index, task_messages)``: the mode's student prompt (fast_slow
+    adds its context)."""
+
+    def __init__(self, cfg: Any, model: Any, task: Any, sampler: Any, stream: ProblemStream,
+                 student_messages: Callable[[int, int, Messages], Messages]) -> None:
+        self.cfg, self.model, self.task, self.sampler = cfg, model, task, sampler
+        self.stream = stream
+        self.student_messages = student_messages
+        self.next: Future | StepBatch | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def params(self, step: int) -> Any:
+        return episode.rollout_params(self.cfg, self.model, int(self.cfg.rollout.n), "rollout",
+                                      int(step))
+
+    def sample(self, step: int) -> StepBatch:
+        """Draws step ``step``'s problems and samples their rollouts (in this thread)."""
+        drawn = self.draw(step)
+        return self.decode(drawn, self.generate(drawn))
+
+    def draw(self, step: int) -> Drawn:
+        """The next problems of the data stream (advances the cursor) and their prompts;
+        problems whose prompt exceeds ``rollout.max_prompt_tokens`` are counted and skipped."""
+        r = self.cfg.rollout
+        problems: list[Any] = []
+        prefixes: list[str] = []
+        prompts: list[list[int]] = []
+        messages: list[Any] = []
+        skipped = 0
+        while len(problems) < r.problems_per_step:
+            for p in self.stream.next_batch(r.problems_per_step - len(problems)):
+                task_msgs = self.task.prompt(p)  # (the only call: StepBatch.messages)
+                msgs = self.student_messages(step, len(problems), task_msgs)  # (+ a context)
+                pre, ids = episode.encode(self.model, self.task, p, msgs)
+                if len(ids) > r.max_prompt_tokens:
+                    skipped += 1
+                    if skipped > 100 * r.problems_per_step:
+                        raise TrainingError(
+                            "almost every prompt is longer than rollout.max_prompt_tokens="
+                            f"{r.max_prompt_tokens}: raise it"
+                        )
+                    continue
+                problems.append(p)
+                prefixes.append(pre)
+                prompts.append(ids)
+                messages.append(task_msgs)
+        return Drawn(step, problems, prefixes, prompts, skipped, messages)
+
+    def generate(self, drawn: Drawn) -> tuple[Rollouts, float]:
+        """The generate() call alone: the only part that runs in the rollout thread (it
+        touches nothing but the sampler; tokenizing and the data stream stay on the main
+        thread)."""
+        t0 = time.perf_counter()
+        sp = self.params(drawn.step)
+        rollouts = retry(lambda: episode.generate(self.sampler, drawn.prompts, sp),
+                         "rollout generation", self.cfg.rollout.retries)
+        return rollouts, time.perf_counter() - t0
+
+    def decode(self, drawn: Drawn, generated: tuple[Rollouts, float]) -> StepBatch:
+        rollouts, seconds = generated
+        texts = episode.decode(self.model, rollouts, drawn.prefixes)
+        v = rollouts.weights_version
+        return StepBatch(drawn.problems, drawn.prompts, rollouts, texts, np.zeros(0), [],
+                         step=drawn.step, weights_version=0 if v is None else int(v),
+                         skipped=drawn.skipped, sample_seconds=seconds,
+                         messages=drawn.messages)
+
+    def verify(self, sb: StepBatch) -> Verdicts:
+        """The task's verdict on each rollout (``sb`` is not changed: ``sb.verified``)."""
+        results = episode.grade(self.task, sb.problems, sb.rollouts, sb.texts, "train")
+        return Verdicts(results, np.array([r.reward for r in results],
+                                          np.float64).reshape(-1, int(self.cfg.rollout.n)))
+
+    # ------------------------------------------------------------------ overlap
+    def take(self, step: int) -> StepBatch:
+        """This step's rollouts: the batch prefetched during the previous step, or sampled
+        now (the first step, overlap off, or a resume without a prefetched batch)."""
+        nxt, self.next = self.next, None
+        if isinstance(nxt, Future):
+            nxt = self._join(nxt)
+        if nxt is None:
+            return self.sample(step)
+        if nxt.step != step:
+            raise TrainingError(f"internal: prefetched rollouts of step {nxt.step} at step {step}")
+        nxt.prefetched = True
+        return nxt
+
+    def prefetch(self, step: int) -> None:
+        """Starts sampling step ``step``'s rollouts in the background with the weights the
+        sampler holds now (published after step - 2): one version stale when trained on."""
+        drawn = self.draw(step)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pmd-rollouts")
+        fut = self._pool.submit(self.generate, drawn)
+        fut.drawn = drawn  # type: ignore[attr-defined]
+        self.next = fut
+
+    def _join(self, fut: Future) -> StepBatch:
+        return self.decode(fut.drawn, fut.result())  # type: ignore[attr-defined]
+
+    def finish_prefetch(self) -> StepBatch | None:
+        """Waits for the background batch and returns it (None: none); must precede the next
+        publish (the batch is sampled entirely with one weights version) and any checkpoint
+        (which stores it)."""
+        if isinstance(self.next, Future):
+            self.next = self._join(self.next)
+        return self.next
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The phase's checkpoint slots: the data cursor and, with rollout.overlap, the next
+        step's rollouts (joined first; the cursor is already past them)."""
+        nxt = self.finish_prefetch()
+        return {"data_cursor": self.stream.cursor.state_dict(),
+                "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None}
+
+    def load_state_dict(self, extras: dict[str, Any], step: int) -> bool:
+        """Restores :meth:`state_dict`'s slots at step ``step``; whether a prefetched batch
+        came back. That batch was sampled (one version stale) before the checkpoint and the
+        cursor is already past it: the resumed run trains on it exactly as the killed run
+        would have (its stale weights are not in the checkpoint to sample it again)."""
+        self.stream.cursor = DataCursor.from_state(extras["data_cursor"])
+        blob = extras.get("prefetch")
+        if blob is None:
+            return False
+        sb = load_pickle(blob)  # (the classes of moved modules found)
+        if "messages" not in vars(sb):  # (pickled before StepBatch carried them)
+            sb.messages = [self.task.prompt(p) for p in sb.problems]
+        if sb.step != step:
+            raise TrainingError(f"checkpoint at step {step} holds the prefetched rollouts of "
+                                f"step {sb.step}")
+        self.next = sb
+        return True
+
+    def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -21,30 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pmd_jax import episode
 from pmd_jax.distill.assemble import TrainRows, assemble
+from pmd_jax.episode import response_prefix, user_text
 from pmd_jax.modes import get_mode
-from pmd_jax.sampling.base import Messages, SamplingParams, TextGenerator
-from pmd_jax.sampling.seeds import derive_seed
+from pmd_jax.sampling.base import Messages, TextGenerator
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
 
 
 # ----------------------------------------------------------------------------- prompts
-def response_prefix(task: Any, problem: Any) -> str:
-    """The text the task puts at the start of every response ("" for most tasks)."""
-    fn = getattr(task, "response_prefix", None)
-    return fn(problem) if fn is not None else ""
-
-
-def user_text(messages: Messages) -> str:
-    """The last user message of a task prompt (the problem as the memory and teacher see it)."""
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    if not users:
-        raise ValueError("task prompt has no user message")
-    return users[-1]
-
-
 def teacher_messages(student_messages: Messages, user_text: str) -> Messages:
     """The teacher conversation: system messages kept, the user turn replaced (SDPO 1.5)."""
     out = [dict(m) for m in student_messages if m["role"] == "system"]
@@ -167,24 +154,19 @@ def extra_demonstrations(cfg: RunConfig, model: Any, task: Any, sb: Any, sampler
                          ) -> tuple[list[str | None], dict[str, float]]:
     """``teacher_prompt.extra_demo_samples`` more samples of each problem's student prompt
     (verified, not trained on): each problem's first success, or None; and their costs."""
-    r, tp = cfg.rollout, cfg.teacher_prompt
-    params = SamplingParams(
-        n=int(tp.extra_demo_samples), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-        seed=derive_seed("extra_demos", int(cfg.seed), int(sb.step)))
-    rollouts = sampler.generate(sb.student_prompts, params)
-    probs = [sb.problems[ro.prompt_index] for ro in rollouts]
-    texts = [response_prefix(task, p) + model.decode(ro.tokens.tolist())
-             for p, ro in zip(probs, rollouts, strict=True)]
-    results = task.verify_batch(probs, texts, "train")
+    tp = cfg.teacher_prompt
+    params = episode.rollout_params(cfg, model, int(tp.extra_demo_samples), "extra_demos",
+                                    int(sb.step))
+    att = episode.attempt(sampler, model, task, sb.problems, sb.student_prompts, params)
     found: list[str | None] = [None] * len(sb.problems)
-    for ro, text, res in zip(rollouts, texts, results, strict=True):
-        if found[ro.prompt_index] is None and float(res.reward) >= float(tp.success_threshold):
+    for ro, text, ok in zip(att.rollouts, att.texts, att.solved(tp.success_threshold),
+                            strict=True):
+        if found[ro.prompt_index] is None and ok:
             found[ro.prompt_index] = text
     return found, {
-        "extra_demo_sequences": float(len(rollouts)),
-        "extra_demo_generated_tokens": float(sum(len(ro.tokens) for ro in rollouts)),
-        "extra_demo_prompt_tokens": float(sum(len(x) for x in sb.student_prompts)),
+        "extra_demo_sequences": float(att.sequences),
+        "extra_demo_generated_tokens": float(att.generated_tokens),
+        "extra_demo_prompt_tokens": float(att.prompt_tokens),
         "extra_demo_found_fraction": float(np.mean([f is not None for f in found])),
     }
 
@@ -239,12 +221,8 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
                     props[i].append(Proposal(key, levels.get(section, section), section,
                                              value))
     cost = {"verify_sequences": 0, "verify_generated_tokens": 0, "verify_prompt_tokens": 0}
-    r = cfg.rollout
-    params = SamplingParams(
-        n=int(cfg.memory.verify.replays), temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=tuple(model.stop_token_ids),
-        seed=derive_seed("verify", int(cfg.seed), int(cfg.memory.verify.seed),
-                         int(sb.step)))
+    params = episode.rollout_params(cfg, model, int(cfg.memory.verify.replays), "verify",
+                                    int(cfg.memory.verify.seed), int(sb.step))
     found: dict[int, str] = {}  # problem index -> its first successful baseline replay's text
     # (problem index, section, item) -> the first success of that item's arm: shown only if
     # the check admits the item (an item the check has not admitted reaches no teacher, not
@@ -260,19 +238,13 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
                      else [(section, value)] if section is not None else [])
             prompts.append(memory_prompt(cfg, model, task, prob, sb.messages[i], items))
             probs.append(prob)
-        rollouts = sampler.generate(prompts, params)
-        cost["verify_prompt_tokens"] += sum(len(x) for x in prompts)
-        texts, rprobs = [], []
-        for ro in rollouts:
-            texts.append(response_prefix(task, probs[ro.prompt_index])
-                         + model.decode(ro.tokens.tolist()))
-            rprobs.append(probs[ro.prompt_index])
-            cost["verify_sequences"] += 1
-            cost["verify_generated_tokens"] += int(len(ro.tokens))
-        results = task.verify_batch(rprobs, texts, "train")
+        att = episode.attempt(sampler, model, task, probs, prompts, params)
+        cost["verify_prompt_tokens"] += att.prompt_tokens
+        cost["verify_sequences"] += att.sequences
+        cost["verify_generated_tokens"] += att.generated_tokens
         out: list[list[tuple[bool, bool]]] = [[] for _ in arms]
         thr = float(cfg.teacher_prompt.success_threshold)
-        for ro, text, res in zip(rollouts, texts, results, strict=True):
+        for ro, text, res in zip(att.rollouts, att.texts, att.results, strict=True):
             ok = float(res.reward) >= thr
             out[ro.prompt_index].append((ok, bool(res.ok)))
             if ok:

@@ -1,6 +1,7 @@
 """The co-evolution loop (DESIGN.md "The loop"), one step after another:
 
-1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch)
+1. rollout       sample the step's problems (``rollout.py``: the problem stream, StepBatch,
+                 the phase and its background thread; ``pmd_jax/episode.py``: the road)
 2. verify        reward each rollout (``tasks/``)
 3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``),
                  then the mode's own host work (mel: lessons from right/wrong pairs,
@@ -36,9 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -46,16 +45,13 @@ import numpy as np
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill import assemble, kl, offload, train
 from pmd_jax.loop import build, eval_reuse, teaching
-from pmd_jax.loop.phases import TrainingError, retry, timed
-from pmd_jax.loop.rollout import DataCursor, Drawn, ProblemStream, StepBatch, Verdicts
+from pmd_jax.loop.phases import TrainingError, timed
+from pmd_jax.loop.rollout import ProblemStream, RolloutPhase, StepBatch
 from pmd_jax.modes import get_mode
 from pmd_jax.run import footprint, multihost, paths
 from pmd_jax.run.checkpoint import build_checkpointer
 from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
-from pmd_jax.run.slots import load_pickle
-from pmd_jax.sampling.base import Rollouts, SamplingParams, TextGenerator
 from pmd_jax.sampling.publish import publish
-from pmd_jax.sampling.seeds import derive_seed
 
 log = logging.getLogger("pmd_jax")
 
@@ -64,14 +60,6 @@ __all__ = ["StepBatch", "Trainer", "TrainingError"]  # StepBatch: pickled by old
 
 # the training progress line: (name shown, step metric)
 _PROGRESS_FIELDS = (("reward", "reward_mean"), ("loss", "loss"), ("s_per_step", "time_step"))
-
-
-def _cast_base(base: Any, params: Any) -> bool:
-    """Whether the LoRA base is a cast copy of the loaded params (lora.base_dtype)."""
-    import jax
-
-    return any(b.dtype != p.dtype for b, p in zip(jax.tree.leaves(base),
-                                                  jax.tree.leaves(params), strict=True))
 
 
 class Trainer:
@@ -95,26 +83,14 @@ class Trainer:
 
         t0 = time.perf_counter()
         self.task = build.build_task(cfg, check_sandbox=self.is_main)  # process 0 grades
-        self.train_problems = self.task.problems("train")
-        if cfg.task.max_train_problems:
-            self.train_problems = self.train_problems[: cfg.task.max_train_problems]
-        self.eval_problems = self.task.problems(cfg.task.eval_split)[: cfg.task.max_eval_problems]
-        log.info(
-            "task %s: %d train / %d %s problems",
-            cfg.task.name, len(self.train_problems), len(self.eval_problems), cfg.task.eval_split,
-        )
+        self.train_problems, self.eval_problems = build.select_problems(cfg, self.task)
         self.model = build.load_model(cfg)  # ModelBundle: cfg, params, tokenizer, chat, mesh
-        # ``sampler`` draws the training rollouts; with rollout.overlap it is used by the
-        # background rollout thread only, and the memory's reflections and evaluation get a
-        # sampler of their own (``reflect_sampler``; see _build_overlap).
-        self.sampler = build.build_sampler(cfg, self.model)
+        # the rollout sampler and the main thread's (reflections, evaluation; its own with
+        # rollout.overlap), process 0's view of it and its chat-level generator
+        samplers = build.build_samplers(cfg, self.model)
+        self.sampler, self.reflect_sampler = samplers.rollout, samplers.reflect
+        self.leader_sampler, self.textgen = samplers.leader, samplers.textgen
         self.overlap = bool(cfg.rollout.overlap)
-        self.reflect_sampler = self._build_overlap() if self.overlap else self.sampler
-        # Reflections and evaluation run on process 0 (multihost.lead), which forwards their
-        # generate calls to the other processes through this wrapper.
-        self.leader_sampler = multihost.LeaderSampler(self.reflect_sampler)
-        self.textgen = TextGenerator(self.leader_sampler, self.model.encode_chat,
-                                     self.model.decode)
         # What the mode means (pmd_jax.modes): the loop asks it, never the mode's name.
         self.mode = get_mode(cfg.mode)
         # The memory lives on process 0 only (one owner; the others never read it).
@@ -126,28 +102,25 @@ class Trainer:
                                          self.eval_problems)
         self.stream = ProblemStream(self.mode_rt.train_items(self.train_problems),
                                     seed=cfg.seed)
+        # 1. the rollouts (rollout.overlap: its background thread and the prefetched batch)
+        self.rollouts = RolloutPhase(cfg, self.model, self.task, self.sampler, self.stream,
+                                     self.mode_rt.student_messages)
         self.ckpt = build_checkpointer(cfg, self.run_dir)
         self.nonfinite_in_a_row = self.skipped_long_prompts = 0
         self.step, self._restored_eval = 0, None  # (_restore: process 0's record, for all)
         # The policy version the sampler holds (0 = the initial weights; publish after step k
         # makes it k + 1). A rollout batch's staleness is this minus its weights_version.
         self.weights_version = 0
-        # rollout.overlap: the batch for step k + 1, being sampled (Future) or done (StepBatch).
-        self._next: Future | StepBatch | None = None
-        self._pool: ThreadPoolExecutor | None = None
         log.info("set-up took %.1fs", time.perf_counter() - t0)
         if self.state.lora is not None:
             log.info("LoRA: %s; the train state holds the adapters, the frozen base is in %s",
                      self.state.lora, self.state.step_fn.base_dtype or cfg.model.param_dtype)
-            if _cast_base(self.state.base, self.model.params):  # (lora.base_dtype)
+            if self.state.base_is_cast(self.model.params):  # (lora.base_dtype)
                 # the sampler samples the policy the step trains from step 0 on (the base as
                 # the step holds it), and lets go of the weights as loaded
                 self._publish(0)
         log.info(footprint.format_breakdown(footprint.breakdown({
-            "params": self.state.state.params, "optimizer": self.state.state.opt_state,
-            "teacher": self.state.state.teacher, "lora_base": self.state.base,
-            "initial_policy": self.state.initial_params,
-            "sampler_weights": getattr(self.sampler, "params", None),
+            **self.state.parts(), "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
         # the disk the checkpoints need; no room for two raises DiskSpaceError (main: exit 2)
@@ -157,32 +130,6 @@ class Trainer:
         # the offload options' temp files (no room: DiskSpaceError), the initial policy placed
         for line in train.prepare_offloads(cfg, self.state, self.model, str(self.run_dir)):
             log.info(line)
-
-    def _build_overlap(self):
-        """Checks that overlap can run here; returns the sampler for reflections/evaluation.
-
-        The background thread calls ``self.sampler.generate`` while the main thread runs the
-        memory update, whose reflections also generate. Rather than a lock (which would make
-        every reflection wait for the whole rollout batch, i.e. no overlap during the memory
-        update), the in-process JAX sampler gets a second instance for the main thread: it
-        shares the compiled programs (cached per model config) and, from the first publish
-        on, the very same weight arrays (_publish hands it the rollout sampler's), so it
-        costs no compilation and no weights beyond the initial ones; the two objects share
-        no mutable state. The vLLM client holds none beyond the version
-        number (one urllib request per call) and the server batches concurrent requests, so
-        it is shared as is.
-        """
-        import jax
-
-        if jax.process_count() > 1:
-            raise TrainingError(
-                "rollout.overlap=True is single-process only: with several processes the "
-                "rollout thread and the train step would issue collectives in an order that "
-                "can differ between processes (deadlock); set rollout.overlap=False"
-            )
-        if self.cfg.rollout.sampler == "jax":
-            return build.build_sampler(self.cfg, self.model)
-        return self.sampler
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
@@ -197,7 +144,7 @@ class Trainer:
         try:
             self._loop(prog, results)
         finally:
-            self._stop_rollout_thread()
+            self.rollouts.stop()
         prog.close()
         if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:
             results["after"] = self.evaluate(self.step)
@@ -232,7 +179,7 @@ class Trainer:
         t_step = time.perf_counter()
         # 1. rollout
         with timed(times, "sample"):  # 0 when the batch was prefetched during the last step
-            sb = self._take_batch(step)
+            sb = self.rollouts.take(step)
         self.skipped_long_prompts += sb.skipped
         if sb.skipped:
             log.warning("step %d: skipped %d problems whose prompts exceed "
@@ -245,7 +192,7 @@ class Trainer:
                 "at most 1 with rollout.overlap)")
         if self.overlap and step + 1 < cfg.train.steps:
             with timed(times, "prefetch_launch"):
-                self._prefetch(step + 1)  # sampled with the current weights while we train
+                self.rollouts.prefetch(step + 1)  # sampled with the current weights while we train
         # 2-4. Verification, the memory update and the teacher prompts: process 0's work with
         # several processes (its reflections' generate calls are served by all of them), the
         # others receive the results (pmd_jax.run.multihost).
@@ -267,7 +214,7 @@ class Trainer:
         # 6. publish (after the background batch: it is sampled with one weights version)
         if self.overlap:
             with timed(times, "prefetch_wait"):  # the next batch outlasted this step's work
-                self._finish_prefetch()
+                self.rollouts.finish_prefetch()
         if self.mode.trains_policy:
             with timed(times, "publish"):
                 self._publish(step + 1)
@@ -302,7 +249,7 @@ class Trainer:
         timings, with several processes)."""
         cfg, step = self.cfg, sb.step
         with timed(times, "verify"):  # 2. verify
-            verdicts = self.verify(sb)
+            verdicts = self.rollouts.verify(sb)
         sb = sb.verified(verdicts)
         mem_stats: dict[str, Any] = {}
         if self.memory is not None:
@@ -326,116 +273,6 @@ class Trainer:
             arrays = assemble.update_batch(cfg, rows, self.model.pad_id,
                                            rt.extra_rows(sb, divisor), divisor)
         return arrays, prompt_stats, mem_stats, verdicts, dict(times)
-
-    # ------------------------------------------------------------------ 1. rollout
-    def _sampling_params(self, step: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            max_tokens=r.max_tokens, stop_token_ids=tuple(self.model.stop_token_ids),
-            seed=derive_seed("rollout", int(self.cfg.seed), int(step)),
-        )
-
-    def sample(self, step: int) -> StepBatch:
-        """Draws step ``step``'s problems and samples their rollouts (in this thread)."""
-        drawn = self._draw(step)
-        return self._decode(drawn, self._generate(drawn))
-
-    def _draw(self, step: int) -> Drawn:
-        """The next problems of the data stream (advances the cursor) and their prompts."""
-        cfg = self.cfg
-        problems: list[Any] = []
-        prefixes: list[str] = []
-        prompts: list[list[int]] = []
-        messages: list[Any] = []
-        skipped = 0
-        while len(problems) < cfg.rollout.problems_per_step:
-            for p in self.stream.next_batch(cfg.rollout.problems_per_step - len(problems)):
-                pre = teaching.response_prefix(self.task, p)
-                task_msgs = self.task.prompt(p)  # (the only call: StepBatch.messages)
-                msgs = self.mode_rt.student_messages(step, len(problems),
-                                                     task_msgs)  # (+ a context)
-                ids = self.model.encode_prompt(msgs, pre)
-                if len(ids) > cfg.rollout.max_prompt_tokens:  # counted and skipped
-                    skipped += 1
-                    if skipped > 100 * cfg.rollout.problems_per_step:
-                        raise TrainingError(
-                            "almost every prompt is longer than rollout.max_prompt_tokens="
-                            f"{cfg.rollout.max_prompt_tokens}: raise it"
-                        )
-                    continue
-                problems.append(p)
-                prefixes.append(pre)
-                prompts.append(ids)
-                messages.append(task_msgs)
-        return Drawn(step, problems, prefixes, prompts, skipped, messages)
-
-    def _generate(self, drawn: Drawn) -> tuple[Rollouts, float]:
-        """The generate() call alone: the only part that runs in the rollout thread (it
-        touches nothing but ``self.sampler``; tokenizing and the data stream stay on the
-        main thread)."""
-        t0 = time.perf_counter()
-        sp = self._sampling_params(drawn.step)
-        rollouts = retry(lambda: self.sampler.generate(drawn.prompts, sp),
-                          "rollout generation", self.cfg.rollout.retries)
-        return rollouts, time.perf_counter() - t0
-
-    def _decode(self, drawn: Drawn, generated: tuple[Rollouts, float]) -> StepBatch:
-        rollouts, seconds = generated
-        texts = [drawn.prefixes[r.prompt_index] + self.model.decode(r.tokens.tolist())
-                 for r in rollouts]
-        v = rollouts.weights_version
-        return StepBatch(drawn.problems, drawn.prompts, rollouts, texts, np.zeros(0), [],
-                         step=drawn.step, weights_version=0 if v is None else int(v),
-                         skipped=drawn.skipped, sample_seconds=seconds,
-                         messages=drawn.messages)
-
-    # ------------------------------------------------------------------ rollout overlap
-    def _take_batch(self, step: int) -> StepBatch:
-        """This step's rollouts: the batch prefetched during the previous step, or sampled
-        now (the first step, overlap off, or a resume without a prefetched batch)."""
-        nxt, self._next = self._next, None
-        if isinstance(nxt, Future):
-            nxt = self._join(nxt)
-        if nxt is None:
-            return self.sample(step)
-        if nxt.step != step:
-            raise TrainingError(f"internal: prefetched rollouts of step {nxt.step} at step {step}")
-        nxt.prefetched = True
-        return nxt
-
-    def _prefetch(self, step: int) -> None:
-        """Starts sampling step ``step``'s rollouts in the background with the weights the
-        sampler holds now (published after step - 2): one version stale when trained on."""
-        drawn = self._draw(step)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pmd-rollouts")
-        fut = self._pool.submit(self._generate, drawn)
-        fut.drawn = drawn  # type: ignore[attr-defined]
-        self._next = fut
-
-    def _join(self, fut: Future) -> StepBatch:
-        return self._decode(fut.drawn, fut.result())  # type: ignore[attr-defined]
-
-    def _finish_prefetch(self) -> None:
-        """Waits for the background batch; must precede the next publish (the batch is
-        sampled entirely with one weights version) and any checkpoint (which stores it)."""
-        if isinstance(self._next, Future):
-            self._next = self._join(self._next)
-
-    def _stop_rollout_thread(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    # ------------------------------------------------------------------ 2. verify
-    def verify(self, sb: StepBatch) -> Verdicts:
-        """The task's verdict on each rollout (``sb`` is not changed: ``sb.verified``)."""
-        g = self.cfg.rollout.n
-        probs = [sb.problems[r.prompt_index] for r in sb.rollouts]
-        results = self.task.verify_batch(probs, sb.texts, "train")
-        return Verdicts(results, np.array([r.reward for r in results],
-                                          np.float64).reshape(-1, g))
 
     # ------------------------------------------------------------------ 5. train step
     def _train(self, arrays: assemble.StepArrays, step: int,
@@ -480,8 +317,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ 7. checkpoint
     def _save(self) -> None:
-        self._finish_prefetch()  # (already done: each step joins its prefetch before publish)
-        nxt = self._next
         memory_state = self.memory.state_dict() if self.memory is not None else None
         if memory_state is None and self.uses_memory:
             # Not process 0: the slot must exist on every process of a multi-process save
@@ -489,12 +324,10 @@ class Trainer:
             memory_state = {"process": "not written"}
         extras = {
             "step": self.step,
-            "data_cursor": self.stream.cursor.state_dict(),
+            **self.rollouts.state_dict(),  # the data cursor, a prefetched batch
             "memory": memory_state,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "skipped_long_prompts": self.skipped_long_prompts,
-            # rollout.overlap: the next step's rollouts (the cursor above is already past them)
-            "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None,
             "mode_state": self.mode_rt.state_dict(),
         }
         self.ckpt.save(self.step, self.state, extras)  # (names the step of a failed write)
@@ -521,31 +354,19 @@ class Trainer:
             return
         self.state, extras = restored
         self.step = int(extras["step"])
-        self.stream.cursor = DataCursor.from_state(extras["data_cursor"])
+        prefetched = self.rollouts.load_state_dict(extras, self.step)
         if self.memory is not None and extras.get("memory") is not None:
             self.memory.load_state_dict(extras["memory"])
         self.nonfinite_in_a_row = int(extras.get("nonfinite_in_a_row", 0))
         self.skipped_long_prompts = int(extras.get("skipped_long_prompts", 0))
         if extras.get("mode_state") is not None:
             self.mode_rt.load_state_dict(extras["mode_state"])
-        nxt = extras.get("prefetch")
-        if nxt is not None:
-            # The batch for this step was sampled (one version stale) before the checkpoint
-            # and the data cursor is already past it: train on it exactly as the killed run
-            # would have (its stale weights are not in the checkpoint to sample it again).
-            sb = load_pickle(nxt)  # (the classes of moved modules found)
-            if "messages" not in vars(sb):  # (pickled before StepBatch carried them)
-                sb.messages = [self.task.prompt(p) for p in sb.problems]
-            if sb.step != self.step:
-                raise TrainingError(f"checkpoint at step {self.step} holds the prefetched "
-                                    f"rollouts of step {sb.step}")
-            self._next = sb
         self.metrics.truncate_after(self.step - 1, keep=("eval", self.step))
         self._restored_eval = multihost.broadcast_object(self.metrics.last("eval", self.step))
         if self.mode.trains_policy:  # (else the weights never change)
             self._publish(self.step)
         log.info("resumed from checkpoint at step %d%s%s", self.step,
-                 " (with its prefetched rollouts)" if nxt is not None else "",
+                 " (with its prefetched rollouts)" if prefetched else "",
                  " (its evaluation finished before: kept)" if self._restored_eval else "")
 
     # ------------------------------------------------------------------ 8. evaluate
@@ -573,7 +394,9 @@ class Trainer:
         res["time_eval"] = time.perf_counter() - t0
         if self._final_kl_due(step):
             t1 = time.perf_counter()
-            res["kl_policy_initial"] = self._final_kl(step)
+            res["kl_policy_initial"] = evaluation.final_kl(
+                self.cfg, self.model, self.task, self.state, self.rollouts, self.leader_sampler,
+                step)
             res["time_kl_final"] = time.perf_counter() - t1
         footprint.release_free_memory()
         self.metrics.write("eval", step, res)
@@ -596,21 +419,6 @@ class Trainer:
         cfg = self.cfg
         return (cfg.eval.kl_final and step == cfg.train.steps and step > 0
                 and cfg.train.kl_initial_every > 0 and self.mode.trains_policy)
-
-    def _final_kl(self, step: int) -> float:
-        """KL(policy || initial) of the final weights (eval.kl_final): the rollouts of a step
-        ``step`` (the next problems of the data stream, the rollout settings of training,
-        sampled by every process), verified, as GRPO's batch, through the same estimator as
-        the steps' (distill.kl). The memory is not touched."""
-        sb = self.sample(step)
-
-        def host() -> dict[str, np.ndarray]:
-            return teaching.build_train_batch(self.cfg, self.model, self.task, None,
-                                              sb.verified(self.verify(sb)),
-                                              student_only=True)[0]
-
-        batch = multihost.lead(host, self.leader_sampler, f"final KL at step {step}")
-        return kl.kl_to_initial(self.cfg, self.model, self.state, batch)
 
     # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:

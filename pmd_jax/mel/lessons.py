@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pmd_jax import episode
+from pmd_jax.episode import user_text
 from pmd_jax.memory import parsing, prompts
 from pmd_jax.memory.schemas import mel_reflection_schema, schema_param, validate
 from pmd_jax.sampling.base import Messages, SamplingParams
-from pmd_jax.sampling.seeds import derive_seed
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -152,21 +153,17 @@ def context_limit(cfg: RunConfig, model: Any) -> int:
 
 def reflection_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
     r, mel = cfg.mel.reflection, cfg.mel
-    return SamplingParams(
-        n=1, temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k),
-        max_tokens=int(r.max_tokens),
-        seed=derive_seed("mel.reflection", int(cfg.seed), int(r.seed), int(step)),
-        stop_token_ids=tuple(model.stop_token_ids),
+    return episode.sampling_params(
+        r, n=1, stop_token_ids=model.stop_token_ids, purpose="mel.reflection",
+        seed_parts=(int(cfg.seed), int(r.seed), int(step)),
         json_schema=schema_param(mel_reflection_schema(mel)) if mel.structured_output else None)
 
 
 def replay_params(cfg: RunConfig, model: Any, step: int) -> SamplingParams:
-    mel, r = cfg.mel, cfg.rollout
-    return SamplingParams(
-        n=int(mel.replays), temperature=float(mel.replay_temperature), top_p=float(r.top_p),
-        top_k=int(r.top_k), max_tokens=int(mel.replay_max_tokens or r.max_tokens),
-        stop_token_ids=tuple(model.stop_token_ids),
-        seed=derive_seed("mel.replay", int(cfg.seed), int(step)))
+    mel = cfg.mel
+    return episode.rollout_params(cfg, model, int(mel.replays), "mel.replay", int(step),
+                                  temperature=float(mel.replay_temperature),
+                                  max_tokens=int(mel.replay_max_tokens) or None)
 
 
 def lesson_messages(task_messages: Messages, lesson: str) -> Messages:
@@ -183,8 +180,6 @@ def run_step(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any) -> St
     """Reflections on the step's contrastive pairs and the replay filter, for the verified
     rollouts ``sb`` (a trainer StepBatch). ``sampler``: the run's (the policy), token level;
     ``model``: encode_chat / encode_prompt / decode / stop_token_ids / tokenizer."""
-    from pmd_jax.loop.teaching import user_text
-
     mel, g = cfg.mel, int(cfg.rollout.n)
     thr = float(cfg.teacher_prompt.success_threshold)
     stats = {k: 0.0 for k in STAT_KEYS}
@@ -206,7 +201,7 @@ def run_step(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any) -> St
     pairs = [pr for pr, ok in zip(pairs, fits, strict=True) if ok]
     ids = [x for x, ok in zip(ids, fits, strict=True) if ok]
     if pairs:
-        rollouts = sampler.generate(ids, rp)
+        rollouts = episode.generate(sampler, ids, rp)
         first: dict[int, Any] = {}
         for ro in rollouts:
             first.setdefault(ro.prompt_index, ro)
@@ -245,12 +240,10 @@ def _replay(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any, todo: 
             limit: int, stats: dict[str, float]) -> None:
     """``mel.replays`` samples of each lesson's problem with the lesson in its prompt,
     verified like rollouts; marks the lessons with a right sample ``kept``."""
-    from pmd_jax.loop.teaching import response_prefix
-
     thr = float(cfg.teacher_prompt.success_threshold)
     pp = replay_params(cfg, model, sb.step)
     probs = [sb.problems[x.problem_index] for x in todo]
-    prefixes = [response_prefix(task, p) for p in probs]
+    prefixes = [episode.response_prefix(task, p) for p in probs]
     ids = [model.encode_prompt(lesson_messages(sb.messages[x.problem_index], x.text), pre)
            for x, pre in zip(todo, prefixes, strict=True)]
     fits = [len(x) + pp.max_tokens <= limit for x in ids]
@@ -259,15 +252,13 @@ def _replay(cfg: RunConfig, model: Any, task: Any, sampler: Any, sb: Any, todo: 
                                   for seq in (todo, probs, prefixes, ids))
     if not todo:
         return
-    rollouts = list(sampler.generate(ids, pp))
-    texts = [prefixes[ro.prompt_index] + model.decode(ro.tokens.tolist()) for ro in rollouts]
-    results = task.verify_batch([probs[ro.prompt_index] for ro in rollouts], texts, "train")
-    for ro, res in zip(rollouts, results, strict=True):
-        stats["mel_replay_tokens"] += len(ro.tokens)
-        if float(res.reward) >= thr:
+    att = episode.attempt(sampler, model, task, probs, ids, pp, prefixes=prefixes)
+    stats["mel_replay_tokens"] += att.generated_tokens
+    for ro, ok in zip(att.rollouts, att.solved(thr), strict=True):
+        if ok:
             stats["mel_replays_correct"] += 1
             todo[ro.prompt_index].kept = True
-    stats["mel_replays"] = float(len(rollouts))
+    stats["mel_replays"] = float(att.sequences)
     stats["mel_lessons_replayed"] = float(len(todo))
 
 

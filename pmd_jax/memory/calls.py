@@ -27,9 +27,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from pmd_jax import episode
 from pmd_jax.memory.schemas import Schema, schema_param
 from pmd_jax.sampling.base import Messages, SamplingParams
-from pmd_jax.sampling.seeds import derive_seed
 
 CALL_COUNTS = ("reflections", "parsed", "json_error", "schema_error", "truncated")
 COUNT_KEYS = (*CALL_COUNTS, "generated_tokens")  # every per-call key, reply counts first
@@ -42,13 +42,10 @@ def call_params(call: str, sampling_cfg: Any, step: int, memory_cfg: Any, schema
     ``extraction``, ``evolution``): ``sampling_cfg`` (temperature, top_p, top_k, max_tokens,
     seed; the sampling seed is ``derive_seed("memory.<call>", seed, step)``), the memory's
     stop tokens, and the schema when ``memory_cfg.structured_output`` is on."""
-    return SamplingParams(
-        n=1, temperature=float(sampling_cfg.temperature), top_p=float(sampling_cfg.top_p),
-        top_k=int(sampling_cfg.top_k), max_tokens=int(sampling_cfg.max_tokens),
-        seed=derive_seed(f"memory.{call}", int(sampling_cfg.seed), int(step)),
-        stop_token_ids=tuple(int(t) for t in memory_cfg.stop_token_ids),
-        json_schema=schema_param(schema) if memory_cfg.structured_output else None,
-    )
+    return episode.sampling_params(
+        sampling_cfg, n=1, stop_token_ids=memory_cfg.stop_token_ids, purpose=f"memory.{call}",
+        seed_parts=(int(sampling_cfg.seed), int(step)),
+        json_schema=schema_param(schema) if memory_cfg.structured_output else None)
 
 
 def generate_first(generator: Any, conversations: Sequence[Messages], params: SamplingParams,

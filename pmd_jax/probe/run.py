@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pmd_jax import episode
 from pmd_jax.probe import arms as arms_mod
 from pmd_jax.probe.memory_file import ProbeMemory
 from pmd_jax.sampling.base import SamplingParams
@@ -102,11 +103,7 @@ class ProbeRunner:
 
     # ------------------------------------------------------------------------ sampling
     def _params(self, n: int, purpose: str) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(n=int(n), temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, max_tokens=r.max_tokens,
-                              stop_token_ids=tuple(self.model.stop_token_ids),
-                              seed=derive_seed(purpose, int(self.cfg.seed)))
+        return episode.rollout_params(self.cfg, self.model, int(n), purpose)
 
     def attempt(self, problems: Sequence[Any], attempts: Sequence[arms_mod.Attempt | None],
                 params: SamplingParams, split: str, label: str) -> np.ndarray:
@@ -130,26 +127,22 @@ class ProbeRunner:
 
     def _sample_and_grade(self, problems: Sequence[Any], prompts: list[list[int]],
                           params: SamplingParams, split: str, label: str) -> np.ndarray:
-        from pmd_jax.loop.teaching import response_prefix
         from pmd_jax.run.metrics import Progress
 
         prog = Progress(len(prompts) * params.n, label, unit="attempt")
-        rollouts = self.sampler.generate(prompts, params,
-                                         progress=lambda rows: prog.update(rows))
+
+        def progress(rows: int) -> None:
+            prog.update(rows)
+
+        att = episode.attempt(self.sampler, self.model, self.task, problems, prompts, params,
+                              split=split, progress=progress)
         prog.close()
-        texts = [response_prefix(self.task, problems[ro.prompt_index])
-                 + self.model.decode(ro.tokens.tolist()) for ro in rollouts]
-        res = self.task.verify_batch([problems[ro.prompt_index] for ro in rollouts], texts,
-                                     split)
         thr = float(self.cfg.teacher_prompt.success_threshold)
-        ok = np.zeros((len(problems), params.n), bool)
-        for ro, r in zip(rollouts, res, strict=True):
-            ok[ro.prompt_index, ro.sample_index] = float(r.reward) >= thr
-        return ok
+        return att.grid(len(problems), params.n, att.solved(thr), bool)
 
     # ------------------------------------------------------------------------ the probe
     def run(self) -> dict[str, Any]:
-        from pmd_jax.loop.teaching import user_text
+        from pmd_jax.episode import user_text
         from pmd_jax.memory.embedder import shared_embedder
         from pmd_jax.memory.experience import MAX_PROBLEM_CHARS
         from pmd_jax.memory.sanitize import sanitize_text

@@ -90,16 +90,17 @@ CONTEXTS = ["CTX-ALPHA check units", "CTX-BETA read twice", "CTX-GAMMA eliminate
 
 # ----------------------------------------------------------------------------- prompts
 def _rollout_and_update(mode: str):
-    """The trainer's own _draw (rollout prompts) and teaching.build_train_batch (update)."""
+    """The rollout phase's own draw (rollout prompts) and teaching.build_train_batch
+    (update)."""
     from pmd_jax.loop import teaching
-    from pmd_jax.loop.trainer import Trainer
+    from pmd_jax.loop.rollout import RolloutPhase
 
     cfg = _cfg(mode)
     pool = _pool(cfg, CONTEXTS) if mode == "fast_slow" else None
     rt = FastSlowRuntime(pool) if pool is not None else ModeRuntime()
-    stub = types.SimpleNamespace(cfg=cfg, stream=ProblemStream(_problems(6), seed=0),
-                                 task=FakeTask(), model=FakeModel(), mode_rt=rt)
-    drawn = Trainer._draw(stub, 5)
+    phase = RolloutPhase(cfg, FakeModel(), FakeTask(), None, ProblemStream(_problems(6), seed=0),
+                         rt.student_messages)
+    drawn = phase.draw(5)
     g = cfg.rollout.n
     rollouts = Rollouts([Rollout(i, s, np.asarray([65 + s], np.int32),
                                  np.zeros(1, np.float32), "stop")
