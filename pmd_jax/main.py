@@ -141,6 +141,7 @@ def main(argv: list[str]) -> int:
     from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
     from pmd_jax.models.tokenizer import TokenizerError
     from pmd_jax.run.disk import DiskSpaceError
+    from pmd_jax.run.host_state import HostStateError, LegacyCheckpointError
     from pmd_jax.run.sharding import ShardingError
 
     try:  # set-up finds what validation could not see without loading: one line, exit 2
@@ -149,7 +150,10 @@ def main(argv: list[str]) -> int:
         return _refuse(str(e))
     except (ConfigError, ModelFolderError, TokenizerError, ShardingError) as e:
         return _report([str(e)])  # (e.g. a mesh the devices here cannot hold)
-    trainer.run()
+    try:
+        trainer.run()
+    except (LegacyCheckpointError, HostStateError) as e:  # (at the resume, before any step)
+        return _refuse(str(e))
     return 0
 
 

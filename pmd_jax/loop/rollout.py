@@ -13,7 +13,6 @@ batch in a background thread (``loop/trainer.py``'s docstring: when, and with wh
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +22,6 @@ import numpy as np
 
 from pmd_jax import episode
 from pmd_jax.loop.phases import TrainingError, retry
-from pmd_jax.run.slots import load_pickle
 from pmd_jax.sampling.base import Messages, Rollouts
 
 T = TypeVar("T")
@@ -105,6 +103,54 @@ class StepBatch:
     def verified(self, v: Verdicts) -> StepBatch:
         """This batch with its verdicts (a new record; this one is unchanged)."""
         return dataclasses.replace(self, results=list(v.results), rewards=v.rewards)
+
+    # a checkpoint holds a sampled batch before verification (the prefetched one)
+    def to_tree(self) -> dict[str, Any]:
+        """This (unverified) batch as a tree of JSON values and arrays (``run/host_state``),
+        each problem as its id."""
+        if self.results:
+            raise ValueError("StepBatch.to_tree: a verified batch (its results are task "
+                             "objects; a checkpoint holds the batch before verification)")
+        return {
+            "problems": [str(p.id) for p in self.problems],
+            "student_prompts": [[int(t) for t in x] for x in self.student_prompts],
+            "rollouts": [{"prompt_index": int(r.prompt_index), "sample_index": int(r.sample_index),
+                          "tokens": r.tokens, "logprobs": r.logprobs,
+                          "finish_reason": str(r.finish_reason)} for r in self.rollouts],
+            "weights_version_of_rollouts": self.rollouts.weights_version,
+            "texts": list(self.texts), "rewards": np.asarray(self.rewards),
+            "step": int(self.step), "weights_version": int(self.weights_version),
+            "skipped": int(self.skipped), "sample_seconds": float(self.sample_seconds),
+            "prefetched": bool(self.prefetched), "messages": self.messages,
+        }
+
+    @classmethod
+    def from_tree(cls, tree: dict[str, Any], items: Sequence[Any]) -> StepBatch:
+        """The batch :meth:`to_tree` wrote, its problems taken from ``items`` (the data
+        stream's) by id; refused when one is not there, or not once (the task or its training
+        set changed)."""
+        from pmd_jax.sampling.base import Rollout
+
+        by_id: dict[str, list[Any]] = {}
+        for p in items:
+            by_id.setdefault(str(p.id), []).append(p)
+        problems = []
+        for pid in tree["problems"]:
+            found = by_id.get(str(pid), [])
+            if len(found) != 1:
+                raise ValueError(
+                    f"the checkpoint's prefetched rollouts are of problem {pid!r}, which this "
+                    f"run's training problems hold {len(found)} times, not once (the task, its "
+                    "training set or task.max_train_problems changed)")
+            problems.append(found[0])
+        rollouts = Rollouts([Rollout(int(r["prompt_index"]), int(r["sample_index"]),
+                                     r["tokens"], r["logprobs"], r["finish_reason"])
+                             for r in tree["rollouts"]], tree["weights_version_of_rollouts"])
+        return cls(problems, [list(x) for x in tree["student_prompts"]], rollouts,
+                   list(tree["texts"]), tree["rewards"], [], step=int(tree["step"]),
+                   weights_version=int(tree["weights_version"]), skipped=int(tree["skipped"]),
+                   sample_seconds=float(tree["sample_seconds"]),
+                   prefetched=bool(tree["prefetched"]), messages=tree["messages"])
 
 
 @dataclasses.dataclass
@@ -240,7 +286,7 @@ class RolloutPhase:
         step's rollouts (joined first; the cursor is already past them)."""
         nxt = self.finish_prefetch()
         return {"data_cursor": self.stream.cursor.state_dict(),
-                "prefetch": pickle.dumps(nxt, protocol=5) if nxt is not None else None}
+                "prefetch": nxt.to_tree() if nxt is not None else None}
 
     def load_state_dict(self, extras: dict[str, Any], step: int) -> bool:
         """Restores :meth:`state_dict`'s slots at step ``step``; whether a prefetched batch
@@ -248,11 +294,14 @@ class RolloutPhase:
         cursor is already past it: the resumed run trains on it exactly as the killed run
         would have (its stale weights are not in the checkpoint to sample it again)."""
         self.stream.cursor = DataCursor.from_state(extras["data_cursor"])
-        blob = extras.get("prefetch")
-        if blob is None:
+        tree = extras.get("prefetch")
+        if tree is None:
             return False
-        sb = load_pickle(blob)  # (the classes of moved modules found)
-        if "messages" not in vars(sb):  # (pickled before StepBatch carried them)
+        try:
+            sb = StepBatch.from_tree(tree, self.stream.items)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        if not sb.messages:  # (converted from a pickle made before StepBatch carried them)
             sb.messages = [self.task.prompt(p) for p in sb.problems]
         if sb.step != step:
             raise TrainingError(f"checkpoint at step {step} holds the prefetched rollouts of "

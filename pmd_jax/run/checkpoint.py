@@ -39,7 +39,6 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import threading
 import time
 import zlib
@@ -51,14 +50,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from pmd_jax.loop.phases import TrainingError
-from pmd_jax.run import footprint, paths
+from pmd_jax.run import footprint, host_state, paths
 from pmd_jax.run.disk import disk_plan, export_bytes
 from pmd_jax.run.slots import (
     BlobCheckpointHandler,
     BlobRestore,
     BlobSave,
     CheckpointError,
-    load_pickle,
     write_bytes_sync,
 )
 
@@ -380,18 +378,19 @@ class RunCheckpointer:
 
     def save(self, step: int, bundle: Any, extras: dict[str, Any]) -> None:
         """Saves ``bundle.state`` (a distill.train.TrainBundle) and the trainer's ``extras``."""
-        mem = extras.get("memory")
+        def state(v: Any) -> Any:  # versioned JSON + arrays (run/host_state.py), or None
+            return host_state.encode(v) if v is not None else None
+
         slots = {
             "data_cursor": extras["data_cursor"],
             "trainer": {"step": int(step),
                         "nonfinite_in_a_row": int(extras.get("nonfinite_in_a_row", 0)),
                         "skipped_long_prompts": int(extras.get("skipped_long_prompts", 0))},
-            "memory": pickle.dumps(mem, protocol=5) if mem is not None else None,
-            # rollout.overlap: the next step's rollouts, already sampled (pickled bytes)
-            "prefetch": extras.get("prefetch"),
-            # the mode runtime's state (pmd_jax/modes; fast_slow: its context pool), pickled
-            "mode_state": (pickle.dumps(extras["mode_state"], protocol=5)
-                           if extras.get("mode_state") is not None else None),
+            "memory": state(extras.get("memory")),
+            # rollout.overlap: the next step's rollouts, already sampled
+            "prefetch": state(extras.get("prefetch")),
+            # the mode runtime's state (pmd_jax/modes; fast_slow: its context pool)
+            "mode_state": state(extras.get("mode_state")),
         }
         self.wait()  # a failed background write of the previous save stops here
         try:
@@ -427,19 +426,25 @@ class RunCheckpointer:
             log.warning("skipped corrupt checkpoint %d: %s", s, why)
         bundle.state = r.state
         tr = r.slots.get("trainer") or {"step": r.step}
-        mem = r.slots.get("memory")
+
+        def load(name: str) -> Any:
+            v = r.slots.get(name)
+            if isinstance(v, bytes):  # pickled by an older pmd_jax: never unpickled here
+                raise host_state.LegacyCheckpointError(
+                    self.ckpt.directory / str(r.step) / name, self.ckpt.directory.parent)
+            return v.load() if isinstance(v, host_state.StoredHostState) else v
+
+        # ("fast_slow": the mode state's slot in checkpoints written before the mode registry)
+        mode_state = load("mode_state") if r.slots.get("mode_state") else load("fast_slow")
         extras = {
             "step": int(tr["step"]),
             "data_cursor": r.slots["data_cursor"],
             "nonfinite_in_a_row": int(tr.get("nonfinite_in_a_row", 0)),
             "skipped_long_prompts": int(tr.get("skipped_long_prompts", 0)),
-            "memory": load_pickle(mem) if mem else None,
-            "prefetch": r.slots.get("prefetch"),
+            "memory": load("memory"),
+            "prefetch": load("prefetch"),
+            "mode_state": mode_state,
         }
-        # ("fast_slow": the slot's name in checkpoints written before the mode registry)
-        state = r.slots.get("mode_state") or r.slots.get("fast_slow")
-        if state:
-            extras["mode_state"] = load_pickle(state)
         return bundle, extras
 
     def wait(self, block: bool = True) -> None:

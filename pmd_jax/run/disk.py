@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import jax
 
 from pmd_jax.run import footprint, paths
+from pmd_jax.run.host_state import encode
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,13 @@ class DiskSpaceError(RuntimeError):
 def slot_bytes(value: Any) -> int:
     """Bytes of one slot value as ``RunCheckpointer.save`` (:mod:`pmd_jax.run.checkpoint`)
     writes it: ``bytes`` as they are, anything else (a JSON value, the memory's or the mode's
-    state) pickled (the JSON of a small dict is about as long)."""
+    state) as host state (``run/host_state.py``: JSON + arrays)."""
     if value is None:
         return 0
     if isinstance(value, bytes | bytearray | memoryview):
         return len(value)
-    return len(pickle.dumps(value, protocol=5))
+    st = encode(value)
+    return len(st.doc_bytes()) + sum(int(a.nbytes) for a in st.arrays)
 
 
 def checkpoint_bytes(state: Any, slots: Mapping[str, Any] | None = None) -> int:

@@ -1,6 +1,7 @@
 """How a checkpoint stores the values that are not arrays (its "slots": the memory, the data
-cursor, a mode's state): an orbax handler that writes JSON, bytes or a copy of a folder, and
-the unpickler that reads slot values written before modules moved."""
+cursor, a mode's state): an orbax handler that writes JSON, host state (``run/host_state.py``:
+versioned JSON + arrays), bytes or a copy of a folder, and the unpickler that only
+``python -m pmd_jax.run.convert`` uses, for slots pickled by older versions."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 from pmd_jax.run import paths
+from pmd_jax.run.host_state import ARRAYS_FILE, STATE_FILE, HostState, StoredHostState
 
 # the files of one slot's directory
 _KIND_FILE = "kind"
@@ -62,6 +64,8 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                               and not paths.is_remote(staging_root) else None)
 
     def _prepare(self, value: Any) -> tuple[str, Any]:
+        if isinstance(value, HostState):
+            return "state", (value.doc_bytes(), value.arrays_bytes())
         if isinstance(value, bytes | bytearray | memoryview):
             return "bytes", bytes(value)
         if isinstance(value, os.PathLike):
@@ -95,6 +99,9 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 write_bytes_sync(d / _BLOB_FILE, payload)
             elif kind == "json":
                 write_bytes_sync(d / _JSON_FILE, payload.encode())
+            elif kind == "state":
+                write_bytes_sync(d / STATE_FILE, payload[0])
+                write_bytes_sync(d / ARRAYS_FILE, payload[1])
             else:
                 paths.move(payload, d / _DIR_NAME)  # a copy + delete onto gs://
             write_bytes_sync(d / _KIND_FILE, kind.encode())
@@ -121,6 +128,9 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         kind = kind_path.read_text()
         if kind == "bytes":
             return (d / _BLOB_FILE).read_bytes()
+        if kind == "state":
+            return StoredHostState((d / STATE_FILE).read_bytes(),
+                                   (d / ARRAYS_FILE).read_bytes(), str(d))
         if kind == "json":
             try:
                 return json.loads((d / _JSON_FILE).read_text())

@@ -451,4 +451,4 @@ def test_the_run_checkpoint_stores_and_restores_the_pool(tmp_path):
     ck = RunCheckpointer(tmp_path / "b", keep=2)
     ck.save(5, bundle, {**extras, "mode_state": ModeRuntime().state_dict()})
     ck.wait()
-    assert "mode_state" not in RunCheckpointer(tmp_path / "b", keep=2).restore_latest(bundle)[1]
+    assert RunCheckpointer(tmp_path / "b", keep=2).restore_latest(bundle)[1]["mode_state"] is None
