@@ -314,3 +314,33 @@ def test_a_restart_at_an_evaluations_step_keeps_or_runs_it(tmp_path: Path):
     assert b[0]["time"] > first["time"]  # run again after the restart
     for ra, rb in zip(a, b, strict=True):
         assert (ra["accuracy"], ra["num_problems"]) == (rb["accuracy"], rb["num_problems"])
+
+
+def test_a_checkpoint_of_the_pickling_format_is_refused_in_one_line(clean_run: Path,
+                                                                     tmp_path: Path):
+    """A resume from a checkpoint whose host state was pickled (an older pmd_jax, or a
+    crafted one) stops in one line, exit 2, naming the converter, and unpickles nothing."""
+    import pickle
+    import shutil
+
+    from pmd_jax.run.checkpoint import write_commit_marker
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(clean_run, run_dir)
+    step_dir = max((run_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+    slot = step_dir / "memory"
+    for f in slot.iterdir():
+        if f.name != "commit_success.txt":
+            f.unlink()
+    ran = tmp_path / "ran"
+    (slot / "blob.bin").write_bytes(
+        pickle.dumps(type("Boom", (), {"__reduce__": lambda s: (os.system, (f"touch {ran}",))})()))
+    (slot / "kind").write_text("bytes")
+    write_commit_marker(step_dir, int(step_dir.name))
+    p = subprocess.run(_cmd(run_dir), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("cannot start: checkpoint slot") and "pickled host state" in last
+    assert f"python -m pmd_jax.run.convert --run_dir={run_dir}" in last, last
+    assert "Traceback" not in p.stderr and not ran.exists()
