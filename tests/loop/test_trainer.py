@@ -316,6 +316,9 @@ def test_a_restart_at_an_evaluations_step_keeps_or_runs_it(tmp_path: Path):
         assert (ra["accuracy"], ra["num_problems"]) == (rb["accuracy"], rb["num_problems"])
 
 
+# ~30 s (a start-up that loads the model); the crafted-slot and converter tests of
+# tests/run/test_host_state.py cover the checkpointer's side in the default run
+@pytest.mark.slow
 def test_a_checkpoint_of_the_pickling_format_is_refused_in_one_line(clean_run: Path,
                                                                      tmp_path: Path):
     """A resume from a checkpoint whose host state was pickled (an older pmd_jax, or a
