@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -93,3 +93,32 @@ def check_budget(info: dict | None, budget: dict, where: Path) -> None:
         raise GridError(
             f"{where} was run with {theirs}, this grid has {budget}: every cell must have the "
             "same budget; use the same config and overrides, or another --out / --scratch")
+
+
+@dataclass
+class CellResult:
+    """What the report reads of one cell (``report.load_cell``)."""
+
+
+    cell: Cell
+    step: int
+    scores: dict[str, float]  # problem_id -> mean reward (eval samples x eval seeds)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, accuracy)
+    in_sample: bool = False
+    # each evaluation with the KL(policy || initial) of the policy it evaluated
+    kl_points: list[dict] = field(default_factory=list)
+    last_kl: tuple[int, float] | None = None  # (step, kl_policy_initial): the last one
+    retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
+    retention_task: str = ""
+    tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
+    # the last evaluation with the mode's text in the prompt: (metric, accuracy)
+    in_prompt: tuple[str, float] | None = None
+    # step (0 and the last) -> the share of evaluation samples per reason (diagnostics)
+    reasons: dict[int, dict] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # diagnostics.run_counters
+    # every evaluated step -> problem_id -> mean reward, for the task and the retention set
+    step_scores: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_retention: dict[int, dict[str, float]] = field(default_factory=dict)
+    train_reward: dict[int, float] = field(default_factory=dict)  # step -> rollouts' reward
+    task: str = ""  # the run's task.name (config.json)
+    cost: dict[str, float] = field(default_factory=dict)  # diagnostics.cell_cost

@@ -13,12 +13,10 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pmd_jax.grid.report import CellResult
+from pmd_jax.grid.cells import CellResult
 
 # Train-record metrics that count tokens a mode generated besides its rollouts (summed over
 # steps): the memory's reflection calls (pmd_jax.memory.calls), MEL's reflections and replays

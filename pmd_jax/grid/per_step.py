@@ -20,14 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pmd_jax.grid.cells import eval_dir
-
-if TYPE_CHECKING:
-    from pmd_jax.grid.report import CellResult
+from pmd_jax.grid.cells import CellResult, eval_dir
 
 TRAIN_REWARD_PLOT = "train_reward_vs_step.png"
 # The per-step reward table shows at most this many steps (evenly spaced, the last included).

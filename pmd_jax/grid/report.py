@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 
 from pmd_jax.grid import diagnostics as dg
 from pmd_jax.grid import per_step as ps
-from pmd_jax.grid.cells import Cell, GridError, cell_state, eval_dir, read_info
+from pmd_jax.grid.cells import Cell, CellResult, GridError, cell_state, eval_dir, read_info
 from pmd_jax.grid.per_step import fmt as _f
 
 log = logging.getLogger("pmd_jax")
@@ -34,32 +33,6 @@ CI = ps.CI
 ACC_LABEL = "held-out accuracy (memory-free)"
 PLOT_FILE = "accuracy_vs_step.png"
 KL_PLOT_FILE = "accuracy_vs_kl.png"
-
-
-@dataclass
-class CellResult:
-    cell: Cell
-    step: int
-    scores: dict[str, float]  # problem_id -> mean reward (eval samples x eval seeds)
-    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, accuracy)
-    in_sample: bool = False
-    # each evaluation with the KL(policy || initial) of the policy it evaluated
-    kl_points: list[dict] = field(default_factory=list)
-    last_kl: tuple[int, float] | None = None  # (step, kl_policy_initial): the last one
-    retention_scores: dict[str, float] | None = None  # at the last step (eval.retention)
-    retention_task: str = ""
-    tokens: dict[str, float] = field(default_factory=dict)  # generated tokens by purpose
-    # the last evaluation with the mode's text in the prompt: (metric, accuracy)
-    in_prompt: tuple[str, float] | None = None
-    # step (0 and the last) -> the share of evaluation samples per reason (diagnostics)
-    reasons: dict[int, dict] = field(default_factory=dict)
-    counters: dict[str, float] = field(default_factory=dict)  # diagnostics.run_counters
-    # every evaluated step -> problem_id -> mean reward, for the task and the retention set
-    step_scores: dict[int, dict[str, float]] = field(default_factory=dict)
-    step_retention: dict[int, dict[str, float]] = field(default_factory=dict)
-    train_reward: dict[int, float] = field(default_factory=dict)  # step -> rollouts' reward
-    task: str = ""  # the run's task.name (config.json)
-    cost: dict[str, float] = field(default_factory=dict)  # diagnostics.cell_cost
 
 
 # Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context

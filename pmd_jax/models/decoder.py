@@ -53,15 +53,11 @@ from pmd_jax.models import lora as lora_lib
 from pmd_jax.models import rope as rope_lib
 from pmd_jax.models.config import ConfigError, ModelConfig
 from pmd_jax.models.lora import LoraConfig
-from pmd_jax.models.weights import INIT_STD
+from pmd_jax.models.weights import INIT_STD, ParamError
 
 Params = dict[str, Any]
 _BIG_WINDOW = attend.BIG_WINDOW
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
-
-
-class ParamError(ValueError):
-    """A param pytree does not match the config; the message names the tensor."""
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -97,47 +93,9 @@ def check_params(params: Params, cfg: ModelConfig, *, adapters: Params | None = 
         raise ParamError("LoRA adapters and their LoraConfig go together: pass both or neither "
                          f"(adapters {'given' if adapters is not None else 'missing'}, lora "
                          f"{'given' if lora is not None else 'missing'})")
-    _check_base(params, cfg)
+    weights.check_base(params, cfg)
     if adapters is not None and lora is not None:
         lora_lib.check_adapters(adapters, cfg, lora)
-
-
-def _check_base(params: Params, cfg: ModelConfig) -> None:
-    want = _raw_shapes(cfg)
-    layers = params.get("layers") if isinstance(params, dict) else None
-    if isinstance(layers, (list, tuple)):
-        if len(layers) != cfg.num_layers:
-            raise ParamError(
-                f"params/layers has {len(layers)} per-layer entries, expected {cfg.num_layers}")
-        one = {k: s[1:] for k, s in want["layers"].items()}
-        want = {**want, "layers": {}}
-        rest = {**params, "layers": {}}
-        for i, lp in enumerate(layers):
-            _walk_shapes(lp, one, f"/layers[{i}]")
-        _walk_shapes(rest, want, "")
-        return
-    _walk_shapes(params, want, "")
-
-
-def _walk_shapes(params: Any, want: Any, where: str, root: str = "params") -> None:
-    def walk(p: Any, w: Any, path: str) -> None:
-        if isinstance(w, dict):
-            if not isinstance(p, dict):
-                raise ParamError(f"{root}{path} should be a dict, got {type(p).__name__}")
-            missing = sorted(set(w) - set(p))
-            extra = sorted(set(p) - set(w))
-            if missing:
-                raise ParamError(f"{root}{path} is missing tensor(s) {missing} for this config")
-            if extra:
-                raise ParamError(f"{root}{path} has unexpected tensor(s) {extra} for this config")
-            for k in w:
-                walk(p[k], w[k], f"{path}/{k}")
-            return
-        shape = tuple(getattr(p, "shape", ()))
-        if shape != w:
-            raise ParamError(f"{root}{path} has shape {shape}, expected {w}")
-
-    walk(params, want, where)
 
 
 def unstack_layers(params: Params) -> Params:

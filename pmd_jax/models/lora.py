@@ -244,15 +244,13 @@ def _init_jit(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
 
 
 def check_adapters(adapters: Params, cfg: ModelConfig, lora: LoraConfig) -> None:
-    """Raise ``decoder.ParamError`` naming the first adapter tensor that is missing, extra or
+    """Raise ``weights.ParamError`` naming the first adapter tensor that is missing, extra or
     mis-shaped (adapters are always stacked on the layers axis)."""
-    from pmd_jax.models import decoder  # decoder imports this module
-
     if not isinstance(adapters, dict) or isinstance(adapters.get("layers"), (list, tuple)):
-        raise decoder.ParamError("adapters must be {'layers': {name: stacked array}} (stacked "
+        raise weights.ParamError("adapters must be {'layers': {name: stacked array}} (stacked "
                                  "on the layers axis; forward unstacks them for per-layer "
                                  "params)")
-    decoder._walk_shapes(adapters, adapter_shapes(cfg, lora), "", root="adapters")
+    weights.walk_shapes(adapters, adapter_shapes(cfg, lora), "", root="adapters")
 
 
 # --------------------------------------------------------------------------- merge
@@ -273,12 +271,11 @@ def merge(params: Params, adapters: Params, cfg: ModelConfig, lora: LoraConfig) 
     """Plain params with each target's ``W + scaling * A B`` folded in (summed in float32,
     cast back to W's dtype): what the adapted model computes, as ordinary weights, for
     ``hf_io.save_hf_checkpoint`` or a sampler. Params must be layer-stacked."""
-    from pmd_jax.models import decoder  # decoder imports this module
-
     if isinstance(params.get("layers"), (list, tuple)):
         raise LoraError("merge: params/layers is per-layer (unstack_layers); pass the stacked "
                         "params (decoder.stack_layers)")
-    decoder.check_params(params, cfg, adapters=adapters, lora=lora)
+    weights.check_base(params, cfg)
+    check_adapters(adapters, cfg, lora)
     layers = dict(params["layers"])
     for t in lora.targets:
         w = layers[t]

@@ -40,6 +40,10 @@ LAYER = "model.layers.{i}."  # HF name prefix of a layer's tensors
 BLOCK = "blk.{i}."  # GGUF name prefix of a layer's tensors
 
 
+class ParamError(ValueError):
+    """A param pytree does not match the config; the message names the tensor."""
+
+
 def _parse_layout(layout: str) -> tuple[tuple[str, ...], ...]:
     """``"(heads head_dim) embed"`` -> ``(("heads", "head_dim"), ("embed",))``."""
     return tuple(tuple(g.strip("()").split())
@@ -280,3 +284,46 @@ def gguf_names(cfg: ModelConfig) -> dict[str, tuple[str, Weight]]:
             g = w.gguf_name if i is None else w.gguf_name.format(i=i)
             out[g] = (w.hf_name if i is None else w.hf_name.format(i=i), w)
     return out
+
+
+# --------------------------------------------------------------------------- checks
+def check_base(params: Any, cfg: ModelConfig) -> None:
+    """Raise :class:`ParamError` naming the first base tensor of ``params`` (layer-stacked,
+    or with ``layers`` per layer) that is missing, extra or mis-shaped for ``cfg``."""
+    want = shape_tree(cfg)
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if isinstance(layers, (list, tuple)):
+        if len(layers) != cfg.num_layers:
+            raise ParamError(
+                f"params/layers has {len(layers)} per-layer entries, expected {cfg.num_layers}")
+        one = {k: s[1:] for k, s in want["layers"].items()}
+        want = {**want, "layers": {}}
+        rest = {**params, "layers": {}}
+        for i, lp in enumerate(layers):
+            walk_shapes(lp, one, f"/layers[{i}]")
+        walk_shapes(rest, want, "")
+        return
+    walk_shapes(params, want, "")
+
+
+def walk_shapes(params: Any, want: Any, where: str, root: str = "params") -> None:
+    """Raise :class:`ParamError` at the first difference between the tree ``params`` and the
+    tree of shapes ``want`` (named ``<root><where>/<key>...``)."""
+    def walk(p: Any, w: Any, path: str) -> None:
+        if isinstance(w, dict):
+            if not isinstance(p, dict):
+                raise ParamError(f"{root}{path} should be a dict, got {type(p).__name__}")
+            missing = sorted(set(w) - set(p))
+            extra = sorted(set(p) - set(w))
+            if missing:
+                raise ParamError(f"{root}{path} is missing tensor(s) {missing} for this config")
+            if extra:
+                raise ParamError(f"{root}{path} has unexpected tensor(s) {extra} for this config")
+            for k in w:
+                walk(p[k], w[k], f"{path}/{k}")
+            return
+        shape = tuple(getattr(p, "shape", ()))
+        if shape != w:
+            raise ParamError(f"{root}{path} has shape {shape}, expected {w}")
+
+    walk(params, want, where)
