@@ -55,13 +55,11 @@ def _refuse(msg: str) -> int:
 
 
 def _start_refusal(cfg: RunConfig) -> str | None:
-    """What stops a valid config from starting here, found before the model loads: the vLLM
-    server it samples from does not answer."""
-    if cfg.rollout.sampler == "vllm":
-        from pmd_jax.sampling.vllm_client import unreachable_message
+    """What stops a valid config from starting here, found before the model loads (its
+    sampler backend's check: e.g. the vLLM server it samples from does not answer)."""
+    from pmd_jax.sampling.backends import get_backend
 
-        return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
-    return None
+    return get_backend(cfg.rollout.sampler).start_refusal(cfg)
 
 
 def main(argv: list[str]) -> int:

@@ -22,13 +22,13 @@ from pmd_jax.fast_slow.config import FastSlowConfig
 from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
-from pmd_jax.sampling.backends import BACKENDS
+from pmd_jax.sampling.backends import backend_names, get_backend
 
 if TYPE_CHECKING:
     from pmd_jax.models.lora import LoraConfig
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/pmd_jax/jax_cache"
-SAMPLERS: tuple[str, ...] = tuple(BACKENDS)  # sampling/backends.py registers them
+SAMPLERS: tuple[str, ...] = backend_names()  # sampling/backends.py registers them
 # train.malloc_mmap_threshold_mib (measured on the embedded default: docs/benchmarks.md)
 MMAP_THRESHOLD_DEFAULT_MIB = 4.0
 
@@ -211,7 +211,8 @@ class RolloutConfig(Section):
     def errors(self) -> list[str]:
         r = self
         errs: list[str] = []
-        _need(errs, r.sampler in SAMPLERS, f"rollout.sampler={r.sampler!r} not in {SAMPLERS}")
+        names = backend_names()  # (read now: a backend registered after import counts)
+        _need(errs, r.sampler in names, f"rollout.sampler={r.sampler!r} not in {names}")
         _need(errs, r.n >= 1, f"rollout.n must be >= 1, got {r.n}")
         _need(errs, r.problems_per_step >= 1, "rollout.problems_per_step must be >= 1")
         _need(errs, r.temperature >= 0, "rollout.temperature must be >= 0")
@@ -231,9 +232,8 @@ class RolloutConfig(Section):
               f"rollout.max_context must be >= 0 (0 = the model's), got {r.max_context}")
         _need(errs, isinstance(r.overlap, bool),
               f"rollout.overlap must be True or False, got {r.overlap!r}")
-        if r.sampler == "vllm":
-            _need(errs, r.vllm_url.startswith("http"), "rollout.vllm_url must be an http(s) URL")
-            _need(errs, bool(r.weight_store), "rollout.sampler=vllm needs rollout.weight_store")
+        if r.sampler in names:  # (what the backend needs of this section)
+            errs.extend(get_backend(r.sampler).rollout_errors(r))
         return errs
 
 

@@ -30,6 +30,7 @@ from pmd_jax.config.schema import freeze_section, item_type_errors, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill.registry import get_loss
 from pmd_jax.models.config import ConfigError
+from pmd_jax.sampling.backends import backend_names, get_backend
 
 # Keys that moved (issue 16): the old spelling is an error naming the kept key.
 MOVED_KEYS: dict[str, str] = {
@@ -177,14 +178,16 @@ def config_errors(cfg: ml_collections.ConfigDict) -> list[str]:
             "needs the truncated importance weights distill.loss.rollout_is_threshold "
             "(e.g. 2.0), not None",
         )
-    if c.rollout.sampler == "vllm":
+    why = (get_backend(c.rollout.sampler).single_process_reason
+           if c.rollout.sampler in backend_names() else "")
+    if why:
         procs = env_process_count()
+        multi = [n for n in backend_names() if not get_backend(n).single_process_reason]
         need(procs == 1,
-             f"rollout.sampler='vllm' runs in a single JAX process only, but the environment "
-             f"asks for {_describe_processes(procs)}: every process would send its own "
-             "rollout requests and weight reloads to the server and publish a local weight "
-             "store the server's host cannot read. Use rollout.sampler='jax' with several "
-             "processes, or run one process (unset PMD_COORDINATOR / PMD_DISTRIBUTED)")
+             f"rollout.sampler={c.rollout.sampler!r} runs in a single JAX process only, but "
+             f"the environment asks for {_describe_processes(procs)}: {why}. Use "
+             f"rollout.sampler={multi[0]!r} with several processes, or run one process "
+             "(unset PMD_COORDINATOR / PMD_DISTRIBUTED)")
     return errs
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pmd_jax.loop.phases import TrainingError
 from pmd_jax.modes import get_mode
 from pmd_jax.run import multihost
+from pmd_jax.sampling import backends
 from pmd_jax.sampling.base import Messages, TextGenerator
 
 if TYPE_CHECKING:
@@ -235,8 +236,6 @@ def build_sampler(cfg: RunConfig, model: ModelBundle):
             f"rollout.max_prompt_tokens + max generation = {need} exceeds the context "
             f"{max_len} (rollout.max_context / the model's max_position_embeddings)"
         )
-    from pmd_jax.sampling import backends
-
     return backends.build(r.sampler, cfg, model, max_len)
 
 
@@ -277,7 +276,7 @@ def build_samplers(cfg: RunConfig, model: ModelBundle) -> Samplers:
                 "rollout thread and the train step would issue collectives in an order that "
                 "can differ between processes (deadlock); set rollout.overlap=False"
             )
-        if cfg.rollout.sampler == "jax":
+        if backends.get_backend(cfg.rollout.sampler).twin_for_overlap:
             reflect = build_sampler(cfg, model)
     leader = multihost.LeaderSampler(reflect)
     return Samplers(rollout, reflect, leader,

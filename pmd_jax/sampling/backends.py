@@ -1,18 +1,49 @@
-"""The sampler backends by name: ``rollout.sampler`` picks one; config validation and
-``build.build_sampler`` both read this table (the one place a backend is registered).
+"""The sampler backends by name: ``rollout.sampler`` picks one; config validation, the start-up
+checks, ``build.build_sampler`` and ``build.build_samplers`` read its :class:`BackendSpec` (the
+one place a backend is registered: adding a server backend is one file with its sampler and
+one :func:`register_backend` call here, no string branch elsewhere).
 
-Each entry builds the sampler from the run config, the loaded model (``build.ModelBundle``)
-and the context length the run needs. Imports are lazy: the config reads the names without
-importing jax or an HTTP client.
+Each spec builds the sampler from the run config, the loaded model (``build.ModelBundle``) and
+the context length the run needs, and says what the rest of the run must know about it: the
+rollout knobs it needs, whether it can start here (a server that answers), whether it runs
+in one JAX process only, and whether ``rollout.overlap`` gives the main thread its own
+instance (an in-process sampler) or shares this one (a client of a server that batches
+concurrent requests). Imports are lazy: the config reads the names without importing jax or
+an HTTP client.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pmd_jax.config.sections import RunConfig
+    from pmd_jax.config.sections import RolloutConfig, RunConfig
+
+
+def _no_errors(rollout: Any) -> list[str]:
+    return []
+
+
+def _no_refusal(cfg: Any) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    # (run config, model bundle, context length) -> the sampler
+    build: Callable[[RunConfig, Any, int], Any]
+    # what this backend needs of the rollout section (each a one-line error)
+    rollout_errors: Callable[[RolloutConfig], list[str]] = _no_errors
+    # what stops it from starting on this machine, found before the model loads
+    start_refusal: Callable[[RunConfig], str | None] = _no_refusal
+    # why it cannot run with several JAX processes ("": it can)
+    single_process_reason: str = ""
+    # rollout.overlap: a second instance for the main thread (an in-process sampler: they
+    # share compiled programs and, after the first publish, the weights), else this one
+    twin_for_overlap: bool = False
 
 
 def _jax(cfg: RunConfig, model: Any, max_len: int) -> Any:
@@ -35,11 +66,48 @@ def _vllm(cfg: RunConfig, model: Any, max_len: int) -> Any:
                        vocab_size=model.cfg.vocab_size, max_model_len=max_len)
 
 
-BACKENDS: dict[str, Callable[[RunConfig, Any, int], Any]] = {"jax": _jax, "vllm": _vllm}
+def _vllm_rollout_errors(r: RolloutConfig) -> list[str]:
+    errs = []
+    if not str(r.vllm_url).startswith("http"):
+        errs.append("rollout.vllm_url must be an http(s) URL")
+    if not r.weight_store:
+        errs.append("rollout.sampler=vllm needs rollout.weight_store")
+    return errs
+
+
+def _vllm_start_refusal(cfg: RunConfig) -> str | None:
+    from pmd_jax.sampling.vllm_client import unreachable_message
+
+    return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
+
+
+_SPECS: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> BackendSpec:
+    if spec.name in _SPECS:
+        raise ValueError(f"sampler backend {spec.name!r} is registered twice")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+register_backend(BackendSpec("jax", _jax, twin_for_overlap=True))
+register_backend(BackendSpec(
+    "vllm", _vllm, rollout_errors=_vllm_rollout_errors, start_refusal=_vllm_start_refusal,
+    single_process_reason=(
+        "every process would send its own rollout requests and weight reloads to the "
+        "server and publish a local weight store the server's host cannot read")))
+
+def get_backend(name: str) -> BackendSpec:
+    if name not in _SPECS:
+        raise ValueError(f"rollout.sampler={name!r}: no such sampler backend; known: "
+                         f"{', '.join(_SPECS)}")
+    return _SPECS[name]
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_SPECS)
 
 
 def build(name: str, cfg: RunConfig, model: Any, max_len: int) -> Any:
-    if name not in BACKENDS:
-        raise ValueError(f"rollout.sampler={name!r}: no such sampler backend; known: "
-                         f"{', '.join(BACKENDS)}")
-    return BACKENDS[name](cfg, model, max_len)
+    return get_backend(name).build(cfg, model, max_len)
