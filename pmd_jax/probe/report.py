@@ -61,14 +61,16 @@ def markdown(setup: dict[str, Any], result: dict[str, Any], rows: list[dict[str,
                  "by one arm only.")
     lines.append("")
     lines.append("| group | A | B | role | problems | rate A | rate B | A - B [95% CI] | MDD"
-                 " | better / worse | p (sign) | A-only / B-only | reading |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 " | better / worse | p (sign) | p (randomization) | A-only / B-only | "
+                 "reading |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in rows:
         lines.append(
             f"| {c['group']} | {c['a']} | {c['b']} | {c['role']} | {c['problems']} | "
             f"{_f(c['rate_a'], False)} | {_f(c['rate_b'], False)} | {_f(c['mean'])} "
             f"[{_f(c['ci_low'])}, {_f(c['ci_high'])}] | {_f(c['mdd'], False)} | "
-            f"{c['better']} / {c['worse']} | {c['p_sign']:.3g} | {c['a_only']} / "
+            f"{c['better']} / {c['worse']} | {c['p_sign']:.3g} | "
+            f"{c.get('p_randomization', float('nan')):.3g} | {c['a_only']} / "
             f"{c['b_only']} | {c['verdict']} |")
     lines.append("")
     lines.append("## Arms")

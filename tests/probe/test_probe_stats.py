@@ -68,3 +68,30 @@ def test_verdicts():
     assert verdict(dict(base, mean=-0.1, ci_low=-0.2, ci_high=-0.01)) == "detected (hurts)"
     assert minimum_detectable_difference(np.array([0.1])) != minimum_detectable_difference(
         np.array([0.1]))  # nan below two problems
+
+
+def test_randomization_p_against_scipy_and_the_verdict_needs_it():
+    """The sign-flip test against scipy's exact paired permutation test; with 7 problems a
+    percentile bootstrap interval can exclude 0 while the exact test does not (the Qwen MBPP
+    probe's primary contrast): the reading is then "cannot tell", not "detected"."""
+    from pmd_jax.probe.stats import randomization_p
+
+    qwen = np.array([0.0625, 0.0, 0.625, 0.125, 0.1875, -0.0625, 0.25])
+    rng = np.random.default_rng(1)
+    for d in (qwen, rng.normal(0.1, 0.3, 11), np.array([0.5, 0.5, 0.5]), np.zeros(4)):
+        ref = sps.permutation_test((d,), np.mean, permutation_type="samples",
+                                   alternative="two-sided", n_resamples=np.inf).pvalue
+        assert math.isclose(randomization_p(d), min(1.0, ref), rel_tol=1e-9), (d, ref)
+    assert math.isclose(randomization_p(qwen), 12 / 128)
+    big = rng.normal(0.05, 0.3, 30)  # drawn, not enumerated, above 16 problems
+    ref = sps.permutation_test((big,), np.mean, permutation_type="samples",
+                               n_resamples=200_000, random_state=3).pvalue
+    assert abs(randomization_p(big) - ref) < 0.01
+    c = {"problems": 7, "mean": 0.17, "ci_low": 0.036, "ci_high": 0.339, "a_only": 28,
+         "b_only": 9, "p_randomization": 12 / 128}
+    assert verdict(c).startswith("cannot tell: the bootstrap interval excludes 0")
+    assert verdict({**c, "p_randomization": 0.01}) == "detected (helps)"
+    assert verdict({**c, "p_randomization": 0.01}, positive_control=True) == \
+        "detected: the probe can see"
+    assert verdict({**c, "mean": -0.2, "ci_low": -0.3, "ci_high": -0.1,
+                    "p_randomization": 0.2}).startswith("cannot tell")
