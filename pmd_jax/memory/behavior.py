@@ -50,6 +50,7 @@ from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors, parse_summary
 from pmd_jax.memory.sanitize import (
+    echoes_prompt,
     leaks_gold,
     resanitize,
     sanitize_text,
@@ -161,6 +162,7 @@ class BehaviorBank:
             cc = per_call[call]
             replies = generate_first(generator, convs, call_params(call, cfg.sampling, step,
                                                                    mcfg, schema), cc)
+            asked = self._instructions(call)
             for c, reply in zip(clusters, replies):
                 items = parse_behaviors(reply, cc, max_items=cfg.max_behaviors, schema=schema,
                                         **bounds)
@@ -168,7 +170,7 @@ class BehaviorBank:
                     cc["too_few_behaviors"] += 1
                 for name, instr in items:
                     self._apply(step, c, "new", name, instr, members[c], "extraction",
-                                cluster_leaks[c], cc)
+                                cluster_leaks[c], cc, asked)
         else:
             call, schema = "evolution", evolution_schema(cfg)
             convs = []
@@ -178,11 +180,12 @@ class BehaviorBank:
             cc = per_call[call]
             replies = generate_first(generator, convs, call_params(call, cfg.sampling, step,
                                                                    mcfg, schema), cc)
+            asked = self._instructions(call)
             for c, reply in zip(clusters, replies):
                 for a in parse_actions(reply, cc, max_items=cfg.max_actions, schema=schema,
                                        **bounds):
                     self._apply(step, c, a.action, a.name, a.instruction, members[c],
-                                "evolution", cluster_leaks[c], cc)
+                                "evolution", cluster_leaks[c], cc, asked)
         for name, cc in per_call.items():
             counts.update(cc)  # the round's totals, per-item counts included
             for k in COUNT_KEYS:
@@ -270,10 +273,26 @@ class BehaviorBank:
         return [{"role": "system", "content": prompts.EVOLUTION_SYSTEM},
                 {"role": "user", "content": user}]
 
-    def _apply(self, step, c, action, name, instr, members, source, leaks, counts) -> None:
+    def _instructions(self, call: str) -> str:
+        """The call's own instructions as the model read them, without the cluster's
+        summaries, evidence or existing behaviors (what a prompt echo copies)."""
+        if call == "extraction":
+            conv = self._extraction_conv("", "")
+        else:
+            user = prompts.EVOLUTION_USER.format(
+                summaries="", evidence="", existing="",
+                count=prompts.count_range(0, self.cfg.max_actions), **self._bounds_text())
+            conv = [{"content": prompts.EVOLUTION_SYSTEM}, {"content": user}]
+        return "\n".join(m["content"] for m in conv)
+
+    def _apply(self, step, c, action, name, instr, members, source, leaks, counts,
+               asked: str = "") -> None:
         key = normalize_name(name)
         if action != "remove" and leaks_gold(f"{name} {instr}", leaks):
             counts["gold_leak"] += 1
+            return
+        if action != "remove" and asked and echoes_prompt(instr, asked):
+            counts["prompt_echo"] += 1  # the request handed back, not a behavior
             return
         prov = Provenance(source, int(step), tuple(members))
         docid = self.by_name.get(key)

@@ -213,6 +213,24 @@ def leaks_gold(text: str, leak_strings: Sequence[str]) -> bool:
     return False
 
 
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", unicodedata.normalize("NFKC", text).lower())
+
+
+ECHO_MIN_WORDS = 5  # shorter texts (a name, "test the code") are not called echoes
+
+
+def echoes_prompt(text: str, prompt: str, min_words: int = ECHO_MIN_WORDS) -> bool:
+    """True if ``text`` is a copy of the call's own instructions: its words (lower-cased,
+    punctuation dropped), at least ``min_words`` of them, occur as one run in ``prompt``'s.
+    A small model asked to extract behaviors often hands the request back ("Keep them
+    high-level and transferable to new problems of this kind.")."""
+    w = _words(text)
+    if len(w) < min_words:
+        return False
+    return f" {' '.join(w)} " in f" {' '.join(_words(prompt))} "
+
+
 def resanitize(text: str, control_tokens: Sequence[str]) -> str:
     """A stored item sanitised again, uncut, against this memory's control tokens.
 

@@ -493,3 +493,46 @@ def test_trainer_hands_the_tokenizer_list_to_the_memory(family_tok):
     # ... and its stop tokens, so the memory's replies end where rollouts do.
     assert family_tok.stop_ids and list(mem.config.stop_token_ids) == list(family_tok.stop_ids)
     assert set(_control_ids(family_tok).values()) <= set(mem.extra_tokens)
+
+
+class EchoGenerator:
+    """A small model's habit: asked for behaviors, it hands the request's own instruction
+    lines back as behaviors (Qwen2.5-Coder-0.5B did on MBPP: 6 of its 40), beside one real
+    behavior. Insight calls get one strategy."""
+
+    def generate_texts(self, conversations, params):
+        out = []
+        for conv in conversations:
+            user = conv[-1]["content"]
+            if '"strategies"' in user:
+                obj: dict[str, Any] = {"strategies": ["Check the units first."], "lessons": []}
+            else:
+                asked = [ln.split(". ", 1)[1] for ln in user.splitlines()
+                         if ln[:2] in ("1.", "2.", "3.", "4.", "5.") and ". " in ln]
+                items = [{"name": f"echo_{i}", "instruction": a} for i, a in enumerate(asked)]
+                items.append({"name": "behavior_units", "instruction": "Convert every "
+                              "quantity to SI units before comparing the options."})
+                if '"actions"' in user:
+                    obj = {"actions": [{"action": "new", **x} for x in items]}
+                else:
+                    obj = {"behaviors": items}
+            out.append([json.dumps(obj)])
+        return out
+
+
+def test_a_behavior_that_hands_the_request_back_is_dropped_and_counted():
+    mem = ProceduralMemory(_memory_config([], 8))
+    recs = [RolloutRecord(f"q{p}", f"Science question {p}: which quantity is conserved?", 0, j,
+                          "answer", float(j == 0), "", []) for p in range(4) for j in range(2)]
+    first = mem.update(0, recs, EchoGenerator())  # extraction
+    second = mem.update(1, recs, EchoGenerator())  # evolution
+    names = sorted(b.name for b in mem.behaviors.behaviors.values())
+    assert names == ["behavior_units"], names
+    assert first.counts["behavior/prompt_echo"] == 5, first.counts  # the 5 instruction lines
+    assert second.counts["behavior/prompt_echo"] >= 4, second.counts
+    from pmd_jax.memory.sanitize import echoes_prompt
+
+    assert echoes_prompt("Keep them high-level and transferable.", "3. Keep them HIGH-level, "
+                         "and transferable to new problems")
+    assert not echoes_prompt("Keep them high-level", "Keep them high-level and transferable")
+    assert not echoes_prompt("Check units before you compare values", "Check the units first")
