@@ -101,9 +101,12 @@ def verdict(c: Mapping, positive_control: bool = False) -> str:
         return "detected (helps)" if not positive_control else "detected: the probe can see"
     if c["ci_high"] < 0 and exact:
         return "detected (hurts)"
+    if positive_control:
+        if c["ci_low"] > 0:  # the bootstrap alone: too few problems
+            return (f"NOT detected by the exact test (p = {c['p_randomization']:.3g}, "
+                    f"{c['problems']} problems): the probe cannot see effects of this size here")
+        return "NOT detected: the probe cannot see effects of this size here"
     if c["ci_low"] > 0 or c["ci_high"] < 0:  # the bootstrap alone: too few problems
         return (f"cannot tell: the bootstrap interval excludes 0 but the exact test does not "
                 f"(p = {c['p_randomization']:.3g}, {c['problems']} problems)")
-    if positive_control:
-        return "NOT detected: the probe cannot see effects of this size here"
     return f"not detected (a gain above {c['ci_high']:+.2f} is ruled out; cannot tell less)"

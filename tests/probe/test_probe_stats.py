@@ -93,5 +93,6 @@ def test_randomization_p_against_scipy_and_the_verdict_needs_it():
     assert verdict({**c, "p_randomization": 0.01}) == "detected (helps)"
     assert verdict({**c, "p_randomization": 0.01}, positive_control=True) == \
         "detected: the probe can see"
+    assert verdict(c, positive_control=True).startswith("NOT detected by the exact test")
     assert verdict({**c, "mean": -0.2, "ci_low": -0.3, "ci_high": -0.1,
                     "p_randomization": 0.2}).startswith("cannot tell")
