@@ -96,7 +96,7 @@ class ModelConfigSection(Section):
     def errors(self) -> list[str]:
         m = self
         from pmd_jax.models.assets import EMBEDDED_MODELS
-        from pmd_jax.models.chat import CHAT_FORMATS
+        from pmd_jax.models.chat import chat_format_names
         from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
 
         errs: list[str] = []
@@ -109,8 +109,9 @@ class ModelConfigSection(Section):
         _need(errs, m.source in EMBEDDED_MODELS or os.path.isdir(m.source),
               f"model.source={m.source!r} is neither an embedded model "
               f"{sorted(EMBEDDED_MODELS)} nor an existing HF checkpoint folder")
-        _need(errs, m.chat_template == "auto" or m.chat_template in CHAT_FORMATS,
-              f"model.chat_template={m.chat_template!r} is not 'auto' or one of {CHAT_FORMATS}")
+        formats = chat_format_names()
+        _need(errs, m.chat_template == "auto" or m.chat_template in formats,
+              f"model.chat_template={m.chat_template!r} is not 'auto' or one of {formats}")
         return errs
 
 

@@ -9,11 +9,11 @@ Tool *definitions* and tool calls are not rendered (this project does not use th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Message = Mapping[str, Any]
-CHAT_FORMATS: tuple[str, ...] = ("chatml", "qwen2.5", "qwen3", "olmo3")
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -24,17 +24,8 @@ OLMO3_DEFAULT_SYSTEM = (
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
-# Strings that only ever appear as chat-template structure; model-written text that is reused as
-# data (memory) has them stripped.
-CONTROL_STRINGS: dict[str, tuple[str, ...]] = {
-    "chatml": (IM_START, IM_END, ENDOFTEXT),
-    "qwen2.5": (IM_START, IM_END, ENDOFTEXT, "<tool_call>", "</tool_call>", "<tool_response>",
-                "</tool_response>"),
-    "qwen3": (IM_START, IM_END, ENDOFTEXT, THINK_OPEN, THINK_CLOSE, "<tool_call>",
-              "</tool_call>", "<tool_response>", "</tool_response>"),
-    "olmo3": (IM_START, IM_END, ENDOFTEXT, "<functions>", "</functions>", "<function_calls>",
-              "</function_calls>"),
-}
+# Strings that only ever appear as chat-template structure (each format's: ChatFormat.
+# control_strings); model-written text that is reused as data (memory) has them stripped.
 
 
 class ChatError(ValueError):
@@ -186,25 +177,85 @@ def render_olmo3(messages: Sequence[Message], add_generation_prompt: bool = True
     return "".join(parts)
 
 
+# ----------------------------------------------------------------------------- the registry
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """One chat format: how it renders, the strings that are only its structure, and how a HF
+    ``chat_template`` is recognized as it (the tokenizer's guess when the config says "auto").
+    Adding a format is its renderer and one :func:`register_chat_format` call."""
+
+    name: str
+    # (messages, add_generation_prompt, enable_thinking) -> the prompt text
+    render: Callable[[Sequence[Message], bool, bool | None], str]
+    control_strings: tuple[str, ...]
+    # whether a HF chat_template is this format's; the guess asks the formats by ascending
+    # guess_rank (the more specific first; a fallback that accepts any template last)
+    recognizes: Callable[[str], bool] = lambda template: False
+    guess_rank: int = 50
+
+
+_FORMATS: dict[str, ChatFormat] = {}
+
+
+def register_chat_format(fmt: ChatFormat) -> ChatFormat:
+    if fmt.name in _FORMATS:
+        raise ValueError(f"chat format {fmt.name!r} is registered twice")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_chat_format(name: str) -> ChatFormat:
+    if name not in _FORMATS:
+        raise ChatError(f"unknown chat format {name!r}; known {tuple(_FORMATS)}")
+    return _FORMATS[name]
+
+
+def chat_format_names() -> tuple[str, ...]:
+    return tuple(_FORMATS)
+
+
+def guess_chat_format(chat_template: str | None) -> str:
+    """The registered format (by ascending ``guess_rank``) whose ``recognizes`` first
+    accepts ``chat_template``."""
+    t = chat_template or ""
+    for fmt in sorted(_FORMATS.values(), key=lambda f: f.guess_rank):
+        if fmt.recognizes(t):
+            return fmt.name
+    raise ChatError("no chat format recognizes this chat template (register a fallback)")
+
+
+_TOOLS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+register_chat_format(ChatFormat(  # SmolLM2's; the guess's fallback
+    "chatml", lambda m, g, _t: render_chatml(m, g), (IM_START, IM_END, ENDOFTEXT),
+    lambda t: True, guess_rank=100))
+register_chat_format(ChatFormat(
+    "qwen2.5", lambda m, g, _t: render_qwen25(m, g), (IM_START, IM_END, ENDOFTEXT, *_TOOLS),
+    lambda t: "You are Qwen, created by Alibaba Cloud" in t, guess_rank=2))
+register_chat_format(ChatFormat(
+    "qwen3", render_qwen3, (IM_START, IM_END, ENDOFTEXT, THINK_OPEN, THINK_CLOSE, *_TOOLS),
+    lambda t: "enable_thinking" in t or "reasoning_content" in t, guess_rank=0))
+register_chat_format(ChatFormat(
+    "olmo3", lambda m, g, _t: render_olmo3(m, g),
+    (IM_START, IM_END, ENDOFTEXT, "<functions>", "</functions>", "<function_calls>",
+     "</function_calls>"),
+    lambda t: "function-calling" in t or "environment" in t, guess_rank=1))
+
+CHAT_FORMATS: tuple[str, ...] = chat_format_names()
+CONTROL_STRINGS: dict[str, tuple[str, ...]] = {n: f.control_strings for n, f in _FORMATS.items()}
+
+
 def render(
     chat_format: str,
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = False,
 ) -> str:
-    if chat_format == "chatml":
-        return render_chatml(messages, add_generation_prompt)
-    if chat_format == "qwen2.5":
-        return render_qwen25(messages, add_generation_prompt)
-    if chat_format == "qwen3":
-        return render_qwen3(messages, add_generation_prompt, enable_thinking)
-    if chat_format == "olmo3":
-        return render_olmo3(messages, add_generation_prompt)
-    raise ChatError(f"unknown chat format {chat_format!r}; known {CHAT_FORMATS}")
+    return get_chat_format(chat_format).render(messages, add_generation_prompt, enable_thinking)
 
 
 def strip_control(text: str, chat_format: str = "chatml", extra: Sequence[str] = ()) -> str:
     """Remove chat-template control strings (model-written text reused as data)."""
-    for s in tuple(CONTROL_STRINGS.get(chat_format, ())) + tuple(extra):
+    fmt = _FORMATS.get(chat_format)
+    for s in (fmt.control_strings if fmt is not None else ()) + tuple(extra):
         text = text.replace(s, "")
     return text

@@ -27,14 +27,8 @@ class TokenizerError(ValueError):
 
 
 def guess_chat_format(chat_template: str | None) -> str:
-    t = chat_template or ""
-    if "enable_thinking" in t or "reasoning_content" in t:
-        return "qwen3"
-    if "function-calling" in t or "environment" in t:
-        return "olmo3"
-    if "You are Qwen, created by Alibaba Cloud" in t:
-        return "qwen2.5"
-    return "chatml"
+    """The chat format a HF ``chat_template`` is (models/chat.py's registry decides)."""
+    return chat_lib.guess_chat_format(chat_template)
 
 
 class Tokenizer:
@@ -43,9 +37,9 @@ class Tokenizer:
     def __init__(self, hf: Any, chat_format: str | None = None):
         self.hf = hf
         self.chat_format = chat_format or guess_chat_format(getattr(hf, "chat_template", None))
-        if self.chat_format not in chat_lib.CHAT_FORMATS:
+        if self.chat_format not in chat_lib.chat_format_names():
             raise TokenizerError(
-                f"unknown chat format {self.chat_format!r}; known {chat_lib.CHAT_FORMATS}"
+                f"unknown chat format {self.chat_format!r}; known {chat_lib.chat_format_names()}"
             )
 
     # ------------------------------------------------------------------ construction
@@ -132,7 +126,7 @@ class Tokenizer:
             s = tok.content
             if s.strip() and (tok.special or _is_markup(s)):
                 out.add(s)
-        out.update(s for s in chat_lib.CONTROL_STRINGS[self.chat_format]
+        out.update(s for s in chat_lib.get_chat_format(self.chat_format).control_strings
                    if self.token_id(s) is not None)
         return sorted(out)
 

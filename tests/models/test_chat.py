@@ -146,3 +146,27 @@ def test_tokenizer_save_roundtrip(qwen3, tmp_path):
     assert back.apply_jinja_template([U1]) == qwen3.apply_jinja_template([U1])
     assert back.eos_id == qwen3.eos_id and back.pad_id == qwen3.pad_id
     assert np.array_equal(back.encode_chat([U1]), qwen3.encode_chat([U1]))
+
+
+def test_a_registered_chat_format_is_all_a_new_family_needs(monkeypatch):
+    """One ChatFormat and one registration: the config accepts it, the guess finds it by its
+    rank, rendering and control-string stripping use it (no list elsewhere to edit)."""
+    from pmd_jax.config import base_config, config_errors
+    from pmd_jax.models import chat
+
+    fmt = chat.ChatFormat(
+        "plain", lambda msgs, gen, _think: "".join(f"[{m['role']}] {m['content']}\n"
+                                                  for m in msgs) + ("[assistant] " if gen else ""),
+        ("[assistant]",), lambda t: "PLAIN-TEMPLATE" in t, guess_rank=-1)
+    monkeypatch.setitem(chat._FORMATS, "plain", fmt)
+    assert "plain" in chat.chat_format_names()
+    cfg = base_config()
+    cfg.model.chat_template = "plain"
+    assert not [e for e in config_errors(cfg) if "chat_template" in e]
+    cfg.model.chat_template = "nope"
+    assert any("model.chat_template='nope'" in e and "'plain'" in e for e in config_errors(cfg))
+    assert chat.guess_chat_format("PLAIN-TEMPLATE enable_thinking") == "plain"  # rank -1 first
+    assert chat.render("plain", [{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
+    assert chat.strip_control("[assistant] ok", "plain") == " ok"
+    with pytest.raises(chat.ChatError, match="unknown chat format 'nope'"):
+        chat.render("nope", [{"role": "user", "content": "hi"}])
