@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pmd_jax.registry import Registry
+
 Message = Mapping[str, Any]
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -194,31 +196,27 @@ class ChatFormat:
     guess_rank: int = 50
 
 
-_FORMATS: dict[str, ChatFormat] = {}
+FORMATS: Registry[ChatFormat] = Registry(
+    "chat format", lambda name, known: ChatError(f"unknown chat format {name!r}; known {known}"))
 
 
 def register_chat_format(fmt: ChatFormat) -> ChatFormat:
-    if fmt.name in _FORMATS:
-        raise ValueError(f"chat format {fmt.name!r} is registered twice")
-    _FORMATS[fmt.name] = fmt
-    return fmt
+    return FORMATS.register(fmt.name, fmt)
 
 
 def get_chat_format(name: str) -> ChatFormat:
-    if name not in _FORMATS:
-        raise ChatError(f"unknown chat format {name!r}; known {tuple(_FORMATS)}")
-    return _FORMATS[name]
+    return FORMATS.get(name)
 
 
 def chat_format_names() -> tuple[str, ...]:
-    return tuple(_FORMATS)
+    return FORMATS.names()
 
 
 def guess_chat_format(chat_template: str | None) -> str:
     """The registered format (by ascending ``guess_rank``) whose ``recognizes`` first
     accepts ``chat_template``."""
     t = chat_template or ""
-    for fmt in sorted(_FORMATS.values(), key=lambda f: f.guess_rank):
+    for fmt in sorted(FORMATS.values(), key=lambda f: f.guess_rank):
         if fmt.recognizes(t):
             return fmt.name
     raise ChatError("no chat format recognizes this chat template (register a fallback)")
@@ -241,7 +239,8 @@ register_chat_format(ChatFormat(
     lambda t: "function-calling" in t or "environment" in t, guess_rank=1))
 
 CHAT_FORMATS: tuple[str, ...] = chat_format_names()
-CONTROL_STRINGS: dict[str, tuple[str, ...]] = {n: f.control_strings for n, f in _FORMATS.items()}
+CONTROL_STRINGS: dict[str, tuple[str, ...]] = {f.name: f.control_strings
+                                               for f in FORMATS.values()}
 
 
 def render(
@@ -255,7 +254,7 @@ def render(
 
 def strip_control(text: str, chat_format: str = "chatml", extra: Sequence[str] = ()) -> str:
     """Remove chat-template control strings (model-written text reused as data)."""
-    fmt = _FORMATS.get(chat_format)
-    for s in (fmt.control_strings if fmt is not None else ()) + tuple(extra):
+    own = get_chat_format(chat_format).control_strings if chat_format in FORMATS else ()
+    for s in own + tuple(extra):
         text = text.replace(s, "")
     return text

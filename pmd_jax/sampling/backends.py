@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.registry import Registry
+
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RolloutConfig, RunConfig
 
@@ -81,14 +83,13 @@ def _vllm_start_refusal(cfg: RunConfig) -> str | None:
     return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
 
 
-_SPECS: dict[str, BackendSpec] = {}
+SPECS: Registry[BackendSpec] = Registry(
+    "sampler backend", lambda name, known: ValueError(
+        f"rollout.sampler={name!r}: no such sampler backend; known: {', '.join(known)}"))
 
 
 def register_backend(spec: BackendSpec) -> BackendSpec:
-    if spec.name in _SPECS:
-        raise ValueError(f"sampler backend {spec.name!r} is registered twice")
-    _SPECS[spec.name] = spec
-    return spec
+    return SPECS.register(spec.name, spec)
 
 
 register_backend(BackendSpec("jax", _jax, twin_for_overlap=True))
@@ -99,14 +100,11 @@ register_backend(BackendSpec(
         "server and publish a local weight store the server's host cannot read")))
 
 def get_backend(name: str) -> BackendSpec:
-    if name not in _SPECS:
-        raise ValueError(f"rollout.sampler={name!r}: no such sampler backend; known: "
-                         f"{', '.join(_SPECS)}")
-    return _SPECS[name]
+    return SPECS.get(name)
 
 
 def backend_names() -> tuple[str, ...]:
-    return tuple(_SPECS)
+    return SPECS.names()
 
 
 def build(name: str, cfg: RunConfig, model: Any, max_len: int) -> Any:

@@ -158,7 +158,7 @@ def test_a_registered_chat_format_is_all_a_new_family_needs(monkeypatch):
         "plain", lambda msgs, gen, _think: "".join(f"[{m['role']}] {m['content']}\n"
                                                   for m in msgs) + ("[assistant] " if gen else ""),
         ("[assistant]",), lambda t: "PLAIN-TEMPLATE" in t, guess_rank=-1)
-    monkeypatch.setitem(chat._FORMATS, "plain", fmt)
+    monkeypatch.setitem(chat.FORMATS._items, "plain", fmt)
     assert "plain" in chat.chat_format_names()
     cfg = base_config()
     cfg.model.chat_template = "plain"

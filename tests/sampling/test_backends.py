@@ -38,7 +38,7 @@ def test_a_registered_backend_is_all_the_run_needs(monkeypatch):
         rollout_errors=lambda r: [] if r.vllm_model else ["rollout.sampler=fake needs X"],
         start_refusal=lambda cfg: "no fake server here",
         single_process_reason="fake reasons", twin_for_overlap=True)
-    monkeypatch.setitem(backends._SPECS, "fake", spec)
+    monkeypatch.setitem(backends.SPECS._items, "fake", spec)
     cfg = base_config()
     cfg.rollout.sampler = "fake"
     assert "rollout.sampler=fake needs X" in config_errors(cfg)
@@ -59,7 +59,7 @@ def test_a_registered_backend_is_all_the_run_needs(monkeypatch):
     cfg.rollout.overlap = True  # overlap: the main thread's own instance (twin_for_overlap)
     s = build.build_samplers(freeze(cfg), model)
     assert s.reflect is not s.rollout and made == [16384] * 3
-    monkeypatch.setitem(backends._SPECS, "fake", backends.BackendSpec(
+    monkeypatch.setitem(backends.SPECS._items, "fake", backends.BackendSpec(
         "fake", lambda cfg, model, max_len: made.append(max_len) or object()))
     s = build.build_samplers(freeze(cfg), model)  # a server client: shared
     assert s.reflect is s.rollout and made == [16384] * 4
