@@ -7,9 +7,9 @@ Every place that has the policy attempt problems goes this way, and no other cod
 - matched sampling's extra samples (``loop/teaching.py``): ``extra_demos``; ``seed``, step
 - the check's replays (``loop/teaching.check_memory``): ``verify``; ``seed``,
   ``memory.verify.seed``, step
-- MEL's replays (``mel/lessons.py``): ``mel.replay``; ``seed``, step
+- MEL's replays (``modes/mel/lessons.py``): ``mel.replay``; ``seed``, step
 - MEL's reflections: ``mel.reflection``; ``seed``, ``mel.reflection.seed``, step
-- fast_slow's validation (``fast_slow/pool.py``): ``fast_slow.val``; ``seed``, step
+- fast_slow's validation (``modes/fast_slow/pool.py``): ``fast_slow.val``; ``seed``, step
 - fast_slow's rewrites: ``fast_slow.rewrite``; ``seed``, ``fast_slow.rewrite.seed``, step
 - the memory's calls (``memory/calls.py``): ``memory.<call>``; the call's ``sampling.seed``,
   step

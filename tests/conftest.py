@@ -68,7 +68,7 @@ _LONGEST_FIRST = (
     "tests/loop/test_trainer.py",
     "tests/sampling/test_vllm_e2e.py",
     "tests/run/test_checkpoint.py",
-    "tests/fast_slow/test_fast_slow.py",
+    "tests/modes/fast_slow/test_fast_slow.py",
     "tests/distill/test_microbatch.py",
     "tests/distributed/test_multiprocess.py",
     "tests/loop/test_trainer_overlap.py",

@@ -18,9 +18,9 @@ import ml_collections
 from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import MATMUL_DTYPES, DistillConfig
-from pmd_jax.fast_slow.config import FastSlowConfig
-from pmd_jax.mel.config import MelConfig
 from pmd_jax.memory.config import MemoryConfig
+from pmd_jax.modes.fast_slow.config import FastSlowConfig
+from pmd_jax.modes.mel.config import MelConfig
 from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.sampling.backends import backend_names, get_backend
 
@@ -512,9 +512,9 @@ class RunConfig(Section):
     eval: EvalConfig = section(EvalConfig, "Evaluation.")
     distill: DistillConfig = section(DistillConfig, "The distillation step.")
     memory: MemoryConfig = section(MemoryConfig, "The procedural memory.")
-    mel: MelConfig = section(MelConfig, "mode=mel: Meta-Experience Learning (pmd_jax/mel).")
+    mel: MelConfig = section(MelConfig, "mode=mel: Meta-Experience Learning (pmd_jax/modes/mel).")
     fast_slow: FastSlowConfig = section(FastSlowConfig, "mode=fast_slow: Fast-Slow Training "
-                                        "(pmd_jax/fast_slow).")
+                                        "(pmd_jax/modes/fast_slow).")
     lora: LoraSection = section(LoraSection, "LoRA adapters instead of full fine-tuning.")
 
 

@@ -258,7 +258,7 @@ def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any
     make_lesson_rows`) given their prompts, over ``lesson_mask``; 0 when the mask is empty.
 
     The same forward, response gather and chunked log-probs as the student side of
-    :func:`make_loss_fn` (mode=mel, :mod:`pmd_jax.mel`); the step differentiates it in the
+    :func:`make_loss_fn` (mode=mel, :mod:`pmd_jax.modes.mel`); the step differentiates it in the
     same jitted step as the GRPO loss.
     """
     compute_dtype = jnp.dtype(opts.param_dtype)

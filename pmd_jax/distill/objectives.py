@@ -171,7 +171,7 @@ register_loss(LossSpec(
 register_loss(LossSpec(
     name="mel", fn=grpo, needs_teacher=False, needs_rewards=True, needs_old_logprobs=False,
     batch_keys=("rewards", *LESSON_KEYS), lesson_nll=True,
-    doc="Meta-Experience Learning (mode=mel, pmd_jax/mel): the GRPO loss plus mel.nll_weight "
+    doc="Meta-Experience Learning (mode=mel, pmd_jax/modes/mel): the GRPO loss plus mel.nll_weight "
         "x the token-mean NLL of the kept lessons given their problem's prompt",
     # The lesson terms are computed once per step on the whole lesson batch, outside the
     # microbatch scan (pmd_jax.distill.step), so no microbatch ever combines them: "sum" of

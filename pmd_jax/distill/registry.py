@@ -26,7 +26,7 @@ config validation ask the registry; nothing else branches on loss names.
   for knobs that do not act on this loss the way their names suggest (``hybrid``: alpha and
   top-K define its kl metric, not its gradient).
 * ``lesson_nll``: the batch also carries lesson rows (:data:`LESSON_KEYS`, ``mode=mel``,
-  :mod:`pmd_jax.mel`); the step adds ``nll_weight`` x their token-mean NLL to the loss, from
+  :mod:`pmd_jax.modes.mel`); the step adds ``nll_weight`` x their token-mean NLL to the loss, from
   a second forward in the same jitted step (:func:`pmd_jax.distill.loss_fn.make_lesson_nll_fn`).
 
 The built-in losses (``sdpo``, ``grpo``, ``hybrid``) are registered in

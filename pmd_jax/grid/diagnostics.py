@@ -20,7 +20,7 @@ from pmd_jax.grid.cells import CellResult
 
 # Train-record metrics that count tokens a mode generated besides its rollouts (summed over
 # steps): the memory's reflection calls (pmd_jax.memory.calls), MEL's reflections and replays
-# (pmd_jax.mel), Fast-Slow's (pmd_jax.fast_slow), the check before use's paired replays
+# (pmd_jax.modes.mel), Fast-Slow's (pmd_jax.modes.fast_slow), the check before use's paired replays
 # (pmd_verified: pmd_jax.loop.teaching.check_memory) and matched sampling's extra samples
 # (sdpo_matched_sampling: pmd_jax.loop.teaching.extra_demonstrations). Evaluation is left out:
 # every mode spends the same on it.

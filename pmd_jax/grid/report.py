@@ -36,7 +36,7 @@ KL_PLOT_FILE = "accuracy_vs_kl.png"
 
 
 # Eval-record metrics of modes deployed with text in the prompt: fast_slow's best context
-# (pmd_jax.fast_slow), memory_only's memory (pmd_frozen_policy).
+# (pmd_jax.modes.fast_slow), memory_only's memory (pmd_frozen_policy).
 IN_PROMPT_METRICS = ("accuracy_deployed", "accuracy_with_memory")
 
 

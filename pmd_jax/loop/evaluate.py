@@ -51,7 +51,7 @@ def make_generate_fn(
             convs = [teacher_messages(c, ctx.render(model.count_tokens))
                      for c, ctx in zip(convs, ctxs, strict=True)]
         if context is not None:  # fast_slow's deployed form: the pool's best context
-            from pmd_jax.fast_slow.contexts import with_context
+            from pmd_jax.modes.fast_slow.contexts import with_context
 
             convs = [with_context(c, context) for c in convs]
         sp = episode.sampling_params(e, n=n, stop_token_ids=model.stop_token_ids,

@@ -327,7 +327,8 @@ def train_rows(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, *,
     students = [sb.student_prompts[r.prompt_index] for r in sb.rollouts]
     sampler_logp = [r.logprobs for r in sb.rollouts]
     stats: dict[str, float] = {}
-    # no teacher (mel's lesson rows: pmd_jax/mel; fast_slow's student prompts carry the context)
+    # no teacher (mel's lesson rows: pmd_jax/modes/mel; fast_slow's student prompts carry the
+    # context)
     if student_only or not get_mode(cfg.mode).has_teacher:
         teachers = students
         sd = np.ones(len(responses), np.float32)

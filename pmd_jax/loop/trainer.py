@@ -5,7 +5,7 @@
 2. verify        reward each rollout (``tasks/``)
 3. memory update reflect on the verified rollouts (``teaching.update_memory``, ``memory/``),
                  then the mode's own host work (mel: lessons from right/wrong pairs,
-                 ``mel/``; fast_slow: its context pool, ``fast_slow/``)
+                 ``modes/mel/``; fast_slow: its context pool, ``modes/fast_slow/``)
 4. train batch   each rollout's teacher context and prompt (``teaching.train_rows``), then
                  the step's arrays, the mode's extra rows and the rows the update keeps
                  (``distill/assemble.py``: one call)

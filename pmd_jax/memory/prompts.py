@@ -130,7 +130,7 @@ def count_range(lo: int, hi: int) -> str:
 # "inverted_lessons" shows the lessons (mistakes) under the strategies header and vice versa.
 
 
-# ------------------------------------------ mode=mel: contrastive reflection (pmd_jax/mel) --
+# ------------------------------------------ mode=mel: contrastive reflection (pmd_jax/modes/mel) --
 # Ours, after MEL's structured instruction (arXiv 2602.10224, "Meta-Experience Construction"):
 # locate the bifurcation point in the wrong attempt, diagnose it (critique), abstract a
 # reusable lesson.

@@ -101,7 +101,7 @@ def call_schema(call: str, memory_cfg: Any) -> Schema:
 
 
 def mel_reflection_schema(mel_cfg: Any) -> Schema:
-    """``mode=mel``'s contrastive reflection (pmd_jax/mel): ``{"split_point", "critique",
+    """``mode=mel``'s contrastive reflection (pmd_jax/modes/mel): ``{"split_point", "critique",
     "lesson"}``, bounded by ``mel.split_point_max_chars`` / ``critique_max_chars`` /
     ``lesson_min_chars``..``lesson_max_chars`` (not one of :data:`CALLS`: the memory never
     makes it)."""

@@ -11,7 +11,7 @@ problems it trains on, state for the checkpoint, a context for evaluation. The t
 package branches on a mode's name.
 
 The built-in modes register in :mod:`pmd_jax.modes.builtin` (GRPO, SDPO, PMD and its
-variants and controls), :mod:`pmd_jax.mel.mode` (MEL) and :mod:`pmd_jax.fast_slow.mode`
+variants and controls), :mod:`pmd_jax.modes.mel.mode` (MEL) and :mod:`pmd_jax.modes.fast_slow.mode`
 (Fast-Slow); they are imported on the first lookup. Adding a mode is one module with one
 :func:`register_mode` call, and its name in :data:`_MODULES`.
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # What the teacher's context holds (ModeSpec.teacher).
 TEACHERS = ("none", "feedback", "memory")
 
-_MODULES = ("pmd_jax.modes.builtin", "pmd_jax.mel.mode", "pmd_jax.fast_slow.mode")
+_MODULES = ("pmd_jax.modes.builtin", "pmd_jax.modes.mel.mode", "pmd_jax.modes.fast_slow.mode")
 
 
 class ModeRuntime:

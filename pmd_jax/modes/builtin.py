@@ -1,6 +1,6 @@
 """The built-in modes: GRPO, SDPO, PMD and its variants and controls (METHOD.md).
 
-MEL registers in :mod:`pmd_jax.mel.mode`, Fast-Slow in :mod:`pmd_jax.fast_slow.mode`.
+MEL registers in :mod:`pmd_jax.modes.mel.mode`, Fast-Slow in :mod:`pmd_jax.modes.fast_slow.mode`.
 """
 
 from __future__ import annotations

@@ -159,6 +159,10 @@ MOVED_MODULES = {
     **{f"pmd_jax.{m}": f"pmd_jax.run.{m}" for m in (
         "checkpoint", "metrics", "paths", "footprint", "sharding", "distributed", "multihost")},
     "pmd_jax.config_cli": "pmd_jax.config.cli",
+    # the neighbours' modes moved into modes/ (issue 49, part 3)
+    **{f"pmd_jax.{p}.{m}": f"pmd_jax.modes.{p}.{m}" for p, ms in (
+        ("mel", ("config", "lessons", "mode")),
+        ("fast_slow", ("config", "contexts", "mode", "pareto", "pool"))) for m in ms},
 }
 
 

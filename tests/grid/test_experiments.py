@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pmd_jax import experiments as ex
-from pmd_jax.experiments import Cell, GridError
+from pmd_jax.grid import command as ex
+from pmd_jax.grid.command import Cell, GridError
 from pmd_jax.grid.report import PLOT_FILE, REFERENCE_MODES
 from tests.tiny_runs import child_env
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pmd_jax import experiments as ex
-from pmd_jax.experiments import Cell
+from pmd_jax.grid import command as ex
 from pmd_jax.grid import per_step as ps
+from pmd_jax.grid.command import Cell
 
 STEPS = 4
 EVAL_STEPS = (0, 2, 4)

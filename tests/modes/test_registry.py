@@ -51,8 +51,8 @@ def test_a_named_loss_is_kept_or_refused_never_replaced(mode):
             assert why in errs, errs
 
 
-@pytest.mark.parametrize("first", ["pmd_jax.fast_slow.mode", "pmd_jax.modes.builtin",
-                                   "pmd_jax.mel.mode"])
+@pytest.mark.parametrize("first", ["pmd_jax.modes.fast_slow.mode", "pmd_jax.modes.builtin",
+                                   "pmd_jax.modes.mel.mode"])
 def test_the_order_does_not_depend_on_which_module_is_imported_first(first):
     code = (f"import {first}\nfrom pmd_jax.modes import mode_names\n"
             "print(','.join(mode_names()))")
@@ -134,7 +134,8 @@ def _is_config(node: ast.AST) -> bool:
 def test_no_branch_on_a_mode_name_outside_the_registry():
     """``cfg.mode == ...``, ``cfg.mode in (...)`` and the like appear only in pmd_jax/modes,
     the modes' own modules and config/modes.py (which reads the registry)."""
-    allowed = {"pmd_jax/config/modes.py", "pmd_jax/mel/mode.py", "pmd_jax/fast_slow/mode.py"}
+    allowed = {"pmd_jax/config/modes.py", "pmd_jax/modes/mel/mode.py",
+               "pmd_jax/modes/fast_slow/mode.py"}
     found = []
     for path in sorted((ROOT / "pmd_jax").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()

@@ -1,6 +1,6 @@
 """MEL's host-side work of a step: pairs, structured reflections, replays, lesson rows.
 
-See :mod:`pmd_jax.mel` for the method and where it follows the paper. Nothing here raises on
+See :mod:`pmd_jax.modes.mel` for the method and where it follows the paper. Nothing here raises on
 model output: a malformed reflection is counted and skipped. The metrics of a step
 (:data:`STAT_KEYS`, all logged every step, 0 when nothing happened) satisfy
 ``mel_reflections == mel_malformed + mel_lessons_kept + mel_lessons_dropped``.
@@ -24,7 +24,7 @@ from pmd_jax.sampling.base import Messages, SamplingParams
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
-    from pmd_jax.mel.config import MelConfig
+    from pmd_jax.modes.mel.config import MelConfig
 
 STAT_KEYS = (
     "mel_problems_mixed",  # problems with at least one right and one wrong rollout

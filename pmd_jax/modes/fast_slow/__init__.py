@@ -51,6 +51,6 @@ Where ours differs from FST (as far as the review says; each a config value wher
   context shows fewer attempts, then is skipped and counted (``fast_slow_rewrite_too_long``).
 """
 
-from pmd_jax.fast_slow.pareto import dominates, pareto_front
+from pmd_jax.modes.fast_slow.pareto import dominates, pareto_front
 
 __all__ = ["dominates", "pareto_front"]

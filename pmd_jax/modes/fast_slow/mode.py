@@ -1,5 +1,5 @@
 """``mode=fast_slow`` in the mode registry (:mod:`pmd_jax.modes`): GRPO on rollout prompts that
-carry a context of the pool (:class:`pmd_jax.fast_slow.pool.ContextPool`), the memory updated
+carry a context of the pool (:class:`pmd_jax.modes.fast_slow.pool.ContextPool`), the memory updated
 as in pmd, the pool updated after the memory (the mode's host work), checkpointed with the
 run and deployed in evaluation."""
 
@@ -48,7 +48,7 @@ class FastSlowRuntime(ModeRuntime):
 
 def _runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
              eval_problems: Sequence[Any]) -> FastSlowRuntime:
-    from pmd_jax.fast_slow import pool
+    from pmd_jax.modes.fast_slow import pool
 
     return FastSlowRuntime(pool.build_pool(cfg, model, task, train_problems, eval_problems))
 

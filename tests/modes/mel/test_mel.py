@@ -1,4 +1,4 @@
-"""mode=mel (Meta-Experience Learning, pmd_jax/mel): the lesson NLL against HF torch, the
+"""mode=mel (Meta-Experience Learning, pmd_jax/modes/mel): the lesson NLL against HF torch, the
 replay filter and the reflection parsing on a scripted sampler, the loss identities, the
 config, and a 2-step run of the real entry point."""
 
@@ -17,16 +17,16 @@ from pmd_jax.config.sections import RolloutConfig, RunConfig, TeacherPromptConfi
 from pmd_jax.distill import align
 from pmd_jax.distill import batch as dbatch
 from pmd_jax.distill import step as st
-from pmd_jax.mel import lessons as mel
-from pmd_jax.mel.config import MelConfig
 from pmd_jax.models import decoder
+from pmd_jax.modes.mel import lessons as mel
+from pmd_jax.modes.mel.config import MelConfig
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams
 from pmd_jax.sampling.seeds import derive_seed
 from tests.distill.distill_common import TINY, small_distill_config
 from tests.fakes import FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GROUP = 2
 
 

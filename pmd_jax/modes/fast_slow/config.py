@@ -1,4 +1,4 @@
-"""The ``fast_slow`` section of the run config (``mode=fast_slow``, :mod:`pmd_jax.fast_slow`):
+"""The ``fast_slow`` section of the run config (``mode=fast_slow``, :mod:`pmd_jax.modes.fast_slow`):
 every knob once, with its help. FST's setting is named in the help where the review gives it
 (``../shared/docs/seed-fast-slow-review.txt``); where it does not, the value is ours."""
 

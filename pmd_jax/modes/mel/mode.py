@@ -1,5 +1,5 @@
 """``mode=mel`` in the mode registry (:mod:`pmd_jax.modes`): GRPO plus the kept lessons' NLL
-(:mod:`pmd_jax.mel.lessons`); after the verification of a step its reflections on right/wrong
+(:mod:`pmd_jax.modes.mel.lessons`); after the verification of a step its reflections on right/wrong
 pairs and the replay filter run as the mode's host work, and the kept lessons join the train
 batch as lesson rows."""
 
@@ -25,13 +25,13 @@ class MelRuntime(ModeRuntime):
         self._step: Any = None  # lessons.StepLessons of the step being built
 
     def host_work(self, step: int, sb: Any, memory: Any, textgen: Any) -> dict[str, float]:
-        from pmd_jax.mel import lessons
+        from pmd_jax.modes.mel import lessons
 
         self._step = lessons.run_step(self.cfg, self.model, self.task, textgen.sampler, sb)
         return dict(self._step.stats)
 
     def extra_rows(self, sb: Any, row_multiple: int) -> dict[str, Any]:
-        from pmd_jax.mel import lessons
+        from pmd_jax.modes.mel import lessons
 
         done, self._step = self._step, None
         if done is None:

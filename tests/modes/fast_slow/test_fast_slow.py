@@ -1,4 +1,4 @@
-"""mode=fast_slow (pmd_jax/fast_slow, issue 18 item 1): the context in the rollout, update and
+"""mode=fast_slow (pmd_jax/modes/fast_slow, issue 18 item 1): the context in the rollout, update and
 deployed-evaluation prompts (and not in grpo's), the Pareto front, the seeded draw, the pool's
 state round trip, the config, and one short run of the real entry point."""
 
@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 
 from pmd_jax.config.sections import RolloutConfig, RunConfig
-from pmd_jax.fast_slow import pareto_front
-from pmd_jax.fast_slow import pool as fsp
-from pmd_jax.fast_slow.config import FastSlowConfig
-from pmd_jax.fast_slow.contexts import render_memory, with_context
-from pmd_jax.fast_slow.mode import FastSlowRuntime
 from pmd_jax.loop.rollout import ProblemStream, StepBatch
 from pmd_jax.modes import ModeRuntime
+from pmd_jax.modes.fast_slow import pareto_front
+from pmd_jax.modes.fast_slow import pool as fsp
+from pmd_jax.modes.fast_slow.config import FastSlowConfig
+from pmd_jax.modes.fast_slow.contexts import render_memory, with_context
+from pmd_jax.modes.fast_slow.mode import FastSlowRuntime
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams, TextGenerator
 from tests.fakes import CharTokenizer, FakeModel, FakeSampler
 from tests.tiny_runs import embedded_default, mode_knob_errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ----------------------------------------------------------------------------- fakes

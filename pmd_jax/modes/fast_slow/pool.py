@@ -12,13 +12,13 @@ import numpy as np
 
 from pmd_jax import episode
 from pmd_jax.episode import response_prefix, user_text
-from pmd_jax.fast_slow.contexts import fit_lines as _fit
-from pmd_jax.fast_slow.contexts import (
+from pmd_jax.modes.fast_slow.contexts import fit_lines as _fit
+from pmd_jax.modes.fast_slow.contexts import (
     render_memory,
     rewrite_conversation,
     with_context,
 )
-from pmd_jax.fast_slow.pareto import pareto_front
+from pmd_jax.modes.fast_slow.pareto import pareto_front
 from pmd_jax.sampling.base import Messages, TextGenerator
 from pmd_jax.sampling.seeds import derive_seed
 

@@ -1,4 +1,4 @@
-"""The ``mel`` section of the run config (``mode=mel``, :mod:`pmd_jax.mel`): every knob once,
+"""The ``mel`` section of the run config (``mode=mel``, :mod:`pmd_jax.modes.mel`): every knob once,
 with its help. The paper's setting is named in the help wherever ours differs from it."""
 
 from __future__ import annotations

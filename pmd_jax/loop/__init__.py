@@ -1,0 +1,1 @@
+"""The loop's phases (trainer.py reads them in order)."""

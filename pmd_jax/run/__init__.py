@@ -1,0 +1,1 @@
+"""The run's services: checkpoints, metrics, paths, sharding, processes, host memory."""
