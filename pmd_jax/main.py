@@ -30,7 +30,6 @@ from pmd_jax.config.cli import setup_logging as _setup_logging
 
 if TYPE_CHECKING:
     from pmd_jax.config.cli import CommandLine
-    from pmd_jax.config.sections import RunConfig
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file in configs/ (ml_collections).", lock_config=True
@@ -52,14 +51,6 @@ def _refuse(msg: str) -> int:
     """A valid config this machine cannot run (no sampler server, no disk): one line, exit 2."""
     print(f"cannot start: {msg}", file=sys.stderr, flush=True)
     return CONFIG_ERROR_EXIT
-
-
-def _start_refusal(cfg: RunConfig) -> str | None:
-    """What stops a valid config from starting here, found before the model loads (its
-    sampler backend's check: e.g. the vLLM server it samples from does not answer)."""
-    from pmd_jax.sampling.backends import get_backend
-
-    return get_backend(cfg.rollout.sampler).start_refusal(cfg)
 
 
 def main(argv: list[str]) -> int:
@@ -116,7 +107,9 @@ def main(argv: list[str]) -> int:
     if errs:
         return _report(errs)
     run_cfg = freeze(cfg)
-    refusal = _start_refusal(run_cfg)
+    from pmd_jax.sampling.backends import start_refusal
+
+    refusal = start_refusal(run_cfg)  # (e.g. no vLLM server answering)
     if refusal:
         return _refuse(refusal)
     # Before the big allocations: freed blocks of this size leave the heap (footprint).

@@ -107,5 +107,11 @@ def backend_names() -> tuple[str, ...]:
     return SPECS.names()
 
 
+def start_refusal(cfg: RunConfig) -> str | None:
+    """What stops a valid config from starting here, found before the model loads (the run's
+    backend's check: e.g. the vLLM server it samples from does not answer); None: nothing."""
+    return get_backend(cfg.rollout.sampler).start_refusal(cfg)
+
+
 def build(name: str, cfg: RunConfig, model: Any, max_len: int) -> Any:
     return get_backend(name).build(cfg, model, max_len)

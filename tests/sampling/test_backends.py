@@ -29,7 +29,6 @@ def test_unknown_backend_is_refused_by_config_and_builder():
 def test_a_registered_backend_is_all_the_run_needs(monkeypatch):
     """One spec: its build, its rollout-section errors, its start-up refusal, its
     single-process rule and its overlap twin reach the config checks, main and build."""
-    from pmd_jax import main
     from pmd_jax.loop import build
 
     made = []
@@ -51,7 +50,7 @@ def test_a_registered_backend_is_all_the_run_needs(monkeypatch):
     assert "rollout.sampler='jax' with several processes" in errs[0]
     monkeypatch.delenv("PMD_COORDINATOR")
     monkeypatch.delenv("PMD_NUM_PROCESSES")
-    assert main._start_refusal(freeze(cfg)) == "no fake server here"
+    assert backends.start_refusal(freeze(cfg)) == "no fake server here"  # (main asks this)
     model = types.SimpleNamespace(cfg=types.SimpleNamespace(max_position_embeddings=16384),
                                   encode_chat=None, decode=None)
     s = build.build_samplers(freeze(cfg), model)  # no overlap: one sampler
