@@ -284,6 +284,11 @@ def hf_model(qwen_gguf):
         str(qwen_gguf.parent), gguf_file=qwen_gguf.name, dtype=torch.float32).eval()
 
 
+# ~100 s (transformers' GGUF load, a 0.5B forward and greedy decode on each side): slow, for
+# the suite's 20 minutes. The default run keeps Qwen2's math against transformers on a random
+# config (logits and greedy tokens, above), the asset's metadata, tokenizer and chat template
+# against transformers' GGUF reader (below), and its hash-checked assembly.
+@pytest.mark.slow
 def test_weights_config_logits_and_greedy_equal_transformers_gguf_loader(ours, hf_model,
                                                                          hf_tok):
     """One module-scoped load each side (~1 minute on 2 cores): our dequantized tensors equal
