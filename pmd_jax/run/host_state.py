@@ -13,7 +13,9 @@ are tagged objects with one key that starts with ``$``:
 - ``{"$array": i}``: the i-th array of ``arrays.npz`` (any numeric or bool dtype; object
   arrays are refused); ``{"$scalar": i}``: a numpy scalar, stored as a 0-d array (dtype and
   bits kept);
-- ``{"$bytes": "<base64>"}``; ``{"$tuple": [...]}``; ``{"$float": "nan" | "inf" | "-inf"}``;
+- ``{"$bytes": i}``: bytes, stored as the i-th array (uint8; a memory's ScaNN files are
+  megabytes, which base64 in the JSON would grow by a third); ``{"$tuple": [...]}``;
+  ``{"$float": "nan" | "inf" | "-inf"}``;
 - ``{"$dict": [[key, value], ...]}``: a dict whose keys are not all strings, or that has a
   key starting with ``$`` (keys are encoded like values: ints stay ints).
 
@@ -27,7 +29,6 @@ command (:class:`LegacyCheckpointError`).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import json
@@ -117,7 +118,8 @@ def encode(tree: Any) -> HostState:
             arrays.append(a.copy(order="C"))  # (0-d stays 0-d)
             return {"$array" if isinstance(v, np.ndarray) else "$scalar": len(arrays) - 1}
         if isinstance(v, bytes | bytearray | memoryview):
-            return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
+            arrays.append(np.frombuffer(bytes(v), np.uint8).copy())
+            return {"$bytes": len(arrays) - 1}
         if isinstance(v, tuple):
             return {"$tuple": [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
         if isinstance(v, list):
@@ -150,7 +152,7 @@ def decode(state: HostState) -> Any:
             if tag == "$scalar":
                 return arrays[int(x)][()]
             if tag == "$bytes":
-                return base64.b64decode(x)
+                return arrays[int(x)].tobytes()
             if tag == "$tuple":
                 return tuple(dec(y) for y in x)
             if tag == "$float":
