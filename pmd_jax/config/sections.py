@@ -51,6 +51,13 @@ class DryRunConfig(Section):
     roofline: bool = knob(True, "False: skip the extra loop-free compiles for the step time.")
 
 
+def _chat_help() -> str:
+    from pmd_jax.models.chat import chat_format_names
+
+    return ("auto (the embedded model's, else guessed from the checkpoint's template) | "
+            + " | ".join(chat_format_names()) + " (models/chat.py registers them).")
+
+
 def _mode_help() -> str:
     """The ``mode`` knob's help: every registered mode (pmd_jax/modes) with its aliases and
     what it is, written from the registry."""
@@ -80,8 +87,7 @@ class ModelConfigSection(Section):
                             "real weights of model.source.")
     dtype: str = knob("float32", "Compute dtype.")
     param_dtype: str = knob("float32", "Parameter dtype.")
-    chat_template: str = knob("auto", "auto (the embedded model's, else guessed from the "
-                              "checkpoint's template) | chatml | qwen2.5 | qwen3 | olmo3.")
+    chat_template: str = knob("auto", lambda: _chat_help())
     system_prompt: str = knob("", "Extra system prompt ('' = the task's own).")
     attention_impl: str = knob(
         "auto", "'auto' | 'dense' | 'chunked' | 'cudnn' | 'cudnn_xla' | 'splash'. chunked "
@@ -174,7 +180,9 @@ class TaskConfig(Section):
 class RolloutConfig(Section):
     """The rollout sampler and its sampling."""
 
-    sampler: str = knob("jax", "'jax' (in-process) or 'vllm' (a server).")
+    sampler: str = knob("jax", lambda: "A sampler backend (sampling/backends.py): "
+                        + " | ".join(backend_names()) + ". 'jax' samples in process, 'vllm' "
+                        "asks a server.")
     vllm_url: str = knob("http://127.0.0.1:8000", "The vLLM server.")
     vllm_model: str = knob("", "Served model name; '' = the one model the server serves.")
     weight_store: str = knob("", "Tensorstore URL for publishing weights to vLLM.")
