@@ -109,15 +109,20 @@ def distill_step_report(cfg: RunConfig, model_cfg: Any, mesh: Any, rules: Any, b
                         student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
     from pmd_jax.distill.step import TrainStep
 
+    # LoRA (lora.enabled): the state holds the adapters and their moments, the frozen base is
+    # one more argument of the step, in lora.base_dtype, as the run's step takes it
+    lora = cfg.lora.config() if cfg.lora.enabled else None
     ts = TrainStep(model_cfg, cfg.distill, mesh=mesh, rules=rules,
-                   lesson_nll_weight=float(cfg.mel.nll_weight))
+                   lesson_nll_weight=float(cfg.mel.nll_weight), lora=lora,
+                   base_dtype=cfg.lora.base_dtype if lora is not None else "")
     state = ts.abstract_state()
+    base = ts.abstract_base() if lora is not None else None
     unit = ts.microbatch_unit()  # GRPO-style losses: whole groups of rollout.n rows
     batch = -(-batch // unit) * unit
     ab = abstract_batch(ts, batch, student_len, teacher_len, response_len,
                         lesson_shape(cfg, ts.batch_divisor()))
     t0 = time.perf_counter()
-    compiled = ts.lower(state, ab).compile()
+    compiled = ts.lower(state, ab, base).compile()
     ma = compiled.memory_analysis()
     # Any array with two sequence-length axes ([.., T, S] scores or masks) in the optimised
     # program: with chunked attention there is none.
@@ -130,11 +135,13 @@ def distill_step_report(cfg: RunConfig, model_cfg: Any, mesh: Any, rules: Any, b
         "topk": cfg.distill.loss.topk, "chunk_size": cfg.distill.loss.chunk_size,
         "attention_impl": model_cfg.attention_impl,
         "attention_chunk": model_cfg.attention_chunk,
+        "lora": str(lora) if lora is not None else None,
         "compile_seconds": round(time.perf_counter() - t0, 1),
         "seq_x_seq_shapes": seq_sq,
     }
     if ma is not None:
         out.update(memory_gib(ma))
+        out["argument_bytes"] = int(getattr(ma, "argument_size_in_bytes", 0) or 0)
         full_logits = batch * response_len * model_cfg.vocab_size * 4 / mesh.size
         out["one_fp32_logits_tensor_per_device_gib"] = round(full_logits / GiB, 3)
     return out

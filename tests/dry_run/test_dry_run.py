@@ -118,13 +118,15 @@ def test_chunked_next_token_loss_equals_full_logits_loss():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def _small_step_report(impl: str, student: int, teacher: int, response: int):
+def _small_step_report(impl: str, student: int, teacher: int, response: int,
+                       lora: bool = False):
     from pmd_jax.config import apply_mode, base_config, freeze
     from pmd_jax.dry_run.distill_step import distill_step_report
     from pmd_jax.models.config import ModelConfig
 
     c = base_config()
     c.distill.loss.chunk_size = 256
+    c.lora.enabled, c.lora.r = lora, 2  # (r 2: the tiny model's hidden size is 64)
     cfg = freeze(apply_mode(c))  # (the mode's loss, as every run gets it)
     mc = ModelConfig(family="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128,
                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
@@ -156,6 +158,18 @@ def test_mel_step_compiles_on_the_abstract_batch_with_lesson_rows():
     assert set(LESSON_KEYS) <= set(ab) and ab["lesson_tokens"].shape == (8, 48)
     assert ab["lesson_mask"].shape == (8, 16) and "teacher_tokens" not in ab
     ts.lower(ts.abstract_state(), ab)
+
+
+@needs8
+def test_a_lora_dry_run_compiles_the_adapter_step_with_its_base():
+    """lora.enabled: the dry run compiles the step the run takes (adapters in the state, the
+    frozen base an argument) and reports it; its arguments are the base plus the adapters'
+    state, less than the full state's params + moments + teacher (at a rank small beside the
+    hidden size, as r=16 is beside real models')."""
+    full = _small_step_report("chunked", 64, 64, 32)
+    lo = _small_step_report("chunked", 64, 64, 32, lora=True)
+    assert full["lora"] is None and lo["lora"].startswith("LoraConfig(")
+    assert 0 < lo["argument_bytes"] < full["argument_bytes"], (lo, full)
 
 
 @needs8
