@@ -19,6 +19,29 @@ from pmd_jax.models.config import ModelConfig
 from pmd_jax.sampling.base import Rollout, Rollouts, SamplingParams
 
 
+def assert_same_tree(a: Any, b: Any, path: str = "") -> None:
+    """Deep equality of host state (dicts in key order, lists, tuples, numpy arrays and
+    scalars bit for bit, NaN equal to NaN), naming the path of the first difference."""
+    import math
+
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray | np.generic):
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), path
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), path
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, (path, a, b)
+
+
 class FakeSampler:
     def __init__(self, sharing: str = "in_process") -> None:
         self.sharing = sharing

@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.fakes import assert_same_tree
 from tests.host import smollm2_gguf
 from tests.tiny_runs import TINY, cache_flags, child_env
 from tests.tiny_runs import env as _env
@@ -313,24 +314,6 @@ def _train_records(run_dir: Path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- checks
-def _assert_same(a, b, path: str = "") -> None:
-    """Deep equality of unpickled state (dicts, lists, numpy arrays exactly)."""
-    assert type(a) is type(b), (path, type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype, path
-        np.testing.assert_array_equal(b, a, err_msg=path)
-    else:
-        assert a == b, (path, a, b)
-
-
 def _assert_state_equal(single: Path, multi: Path, trained: bool = True) -> None:
     a, b = _state(single, STEPS), _state(multi, STEPS)
     assert sorted(a) == sorted(b)
@@ -406,7 +389,7 @@ def test_memory_identical_and_written_once(runs):
 
     mem = slot(multi)
     assert isinstance(mem, dict) and "process" not in mem  # not process 1's placeholder
-    _assert_same(slot(single), mem)
+    assert_same_tree(slot(single), mem)
     if runs["mode"] == "pmd":  # both steps' records: the resume kept them
         assert len(mem["experience"]["items"]) == STEPS * 4
 

@@ -5,7 +5,6 @@ format is refused with the command that converts it, and that command's output r
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import types
@@ -20,6 +19,7 @@ from pmd_jax.run import host_state
 from pmd_jax.run.checkpoint import RunCheckpointer, write_commit_marker
 from pmd_jax.run.convert import convert_run
 from pmd_jax.sampling.base import Rollout, Rollouts
+from tests.fakes import assert_same_tree
 
 
 def _tree():
@@ -37,29 +37,10 @@ def _tree():
     }
 
 
-def _same(a, b, path=""):
-    assert type(a) is type(b), (path, type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            _same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray | np.generic):
-        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), path
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), path
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), path
-    else:
-        assert a == b, path
-
-
 def test_every_kind_of_value_round_trips_bit_for_bit_through_the_files():
     st = host_state.encode(_tree())
     back = host_state.HostState.from_bytes(st.doc_bytes(), st.arrays_bytes())
-    _same(_tree(), host_state.decode(back))
+    assert_same_tree(_tree(), host_state.decode(back))
     assert b"$array" in st.doc_bytes() and len(st.arrays) == 9  # 7 arrays, 2 bytes values
 
 
@@ -127,7 +108,7 @@ def test_the_run_checkpointer_stores_memory_mode_state_and_prefetch_without_pick
         if f.is_file() and f.suffix != ".npz":
             assert not f.read_bytes().startswith(b"\x80"), f
     _, back = RunCheckpointer(tmp_path, keep=2).restore_latest(_bundle())
-    _same(_tree(), back["memory"])
+    assert_same_tree(_tree(), back["memory"])
     assert back["mode_state"] == {"version": 1, "draws": {4: {0: 1}}}
     sb = StepBatch.from_tree(back["prefetch"], probs)
     want = _batch(probs[1:])
@@ -198,7 +179,7 @@ def test_the_converter_rewrites_an_old_checkpoint_once_and_it_resumes(tmp_path, 
     assert convert_run(tmp_path) == 0
     assert "step 4: already in the current format" in capsys.readouterr().out
     _, back = RunCheckpointer(tmp_path, keep=2).restore_latest(_bundle())
-    _same(_tree(), back["memory"])
+    assert_same_tree(_tree(), back["memory"])
     assert back["mode_state"] == {"draws": {4: {0: 2}}}
     sb = StepBatch.from_tree(back["prefetch"], probs)
     assert [p.id for p in sb.problems] == ["p0", "p1"] and sb.messages == []
