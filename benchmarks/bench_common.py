@@ -141,10 +141,12 @@ def child_env(side: str, device: str, xla_flags: str = "") -> dict[str, str]:
 
 
 def run_child(script: str, side: str, argv: Sequence[str], env: dict[str, str],
-              timeout: float | None = None) -> dict[str, Any] | None:
-    """Run ``python script --child side argv...``; its stderr goes to ours as it comes, its
-    ``RESULT`` line is parsed. None (and a printed reason) if it failed or was killed."""
-    cmd = [sys.executable, script, "--child", side, *argv]
+              timeout: float | None = None, python: str | None = None
+              ) -> dict[str, Any] | None:
+    """Run ``python script --child side argv...`` (``python``: this interpreter unless given,
+    e.g. a peer's venv); its stderr goes to ours as it comes, its ``RESULT`` line is parsed.
+    None (and a printed reason) if it failed or was killed."""
+    cmd = [python or sys.executable, script, "--child", side, *argv]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
