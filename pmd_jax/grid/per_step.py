@@ -69,7 +69,12 @@ def step_rows(results: Sequence[CellResult], modes: Sequence[str],
     percentile-bootstrap CI, and (after step 0) the paired change from step 0 with its CI,
     bootstrap p-value and sign test. ``attr``: ``step_scores`` (the task) or
     ``step_retention`` (the retention set)."""
-    from pmd_jax.tasks.evaluation import bootstrap_ci, paired_bootstrap, sign_test
+    from pmd_jax.tasks.evaluation import (
+        bootstrap_ci,
+        minimum_detectable_difference,
+        paired_bootstrap,
+        sign_test,
+    )
 
     rows = []
     for mode in modes:
@@ -92,7 +97,7 @@ def step_rows(results: Sequence[CellResult], modes: Sequence[str],
                 row["change"] = {"diff": float(d.mean()), "ci_low": clo, "ci_high": chi,
                                  "p_bootstrap": p, "n_pairs": len(common), "better": up,
                                  "worse": down, "ties": len(common) - up - down,
-                                 "p_sign": p_sign}
+                                 "p_sign": p_sign, "mdd": minimum_detectable_difference(d)}
             rows.append(row)
     return rows
 
@@ -116,18 +121,20 @@ def step_markdown(rows: Sequence[dict], what: str) -> list[str]:
         "", f"{what} at every evaluated step (memory-free): mean over (problem, seed) pairs "
         "with its 95% percentile-bootstrap CI (10,000 draws); change from step 0: the same "
         "pairs at this step minus at step 0, mean with its 95% paired-bootstrap CI and "
-        "p-value, the pairs that got better / worse / tied, and the exact two-sided sign test "
-        "(ties dropped).", "",
+        "p-value, the pairs that got better / worse / tied, the exact two-sided sign test "
+        "(ties dropped), and the change's minimum detectable difference (MDD: alpha 0.05, "
+        "power 0.8, from the pairs' spread).", "",
         "| mode | step | seeds | pairs | accuracy | 95% CI | change from step 0 | 95% CI | "
-        "p (bootstrap) | better / worse / ties | p (sign test) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "p (bootstrap) | better / worse / ties | p (sign test) | MDD |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.get("change")
         ch = (f"{_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, "
               f"{_f(c['ci_high'], '+.3f')}] | {_f(c['p_bootstrap'], '.4f')} | {c['better']} / "
-              f"{c['worse']} / {c['ties']} | {_f(c['p_sign'], '.4g')}" if c
-              else "- | - | - | - | -")
+              f"{c['worse']} / {c['ties']} | {_f(c['p_sign'], '.4g')} | "
+              f"{_f(c.get('mdd', float('nan')))}" if c
+              else "- | - | - | - | - | -")
         lines.append(
             f"| {r['mode']} | {r['step']} | {len(r['seeds'])} | {r['n_pairs']} | "
             f"{_f(r['accuracy'])} | [{_f(r['ci_low'])}, {_f(r['ci_high'])}] | {ch} |")

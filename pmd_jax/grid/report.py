@@ -123,7 +123,7 @@ def summarize_mode(mode: str, results: Sequence[CellResult]) -> dict:
 def compare_modes(ref: str, ref_res: Sequence[CellResult], mode: str,
                   res: Sequence[CellResult]) -> dict:
     """``mode - ref`` over their matched (problem, seed) pairs."""
-    from pmd_jax.tasks.evaluation import paired_bootstrap, sign_test
+    from pmd_jax.tasks.evaluation import minimum_detectable_difference, paired_bootstrap, sign_test
 
     a, b = _units(ref_res), _units(res)
     common = sorted(set(a) & set(b))
@@ -141,7 +141,7 @@ def compare_modes(ref: str, ref_res: Sequence[CellResult], mode: str,
         "accuracy_reference": float(np.mean([a[k] for k in common])),
         "diff": float(d.mean()), "ci_low": lo, "ci_high": hi, "p_bootstrap": p_boot,
         "mode_better": pos, "reference_better": neg, "ties": len(common) - pos - neg,
-        "p_sign": p_sign,
+        "p_sign": p_sign, "mdd": minimum_detectable_difference(d),
     }
 
 
@@ -189,11 +189,14 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
         lines += [
             "", "Paired differences (mode - reference) over matched (problem, seed) pairs: mean, "
             "95% paired bootstrap CI and p-value (10,000 draws), exact two-sided sign test "
-            "(ties dropped). References, in this order, those in the grid: "
+            "(ties dropped); MDD: the minimum detectable difference, the true mean difference "
+            "that a two-sided test at alpha 0.05 finds with power 0.8 given the pairs' spread, "
+            "(z_0.975 + z_0.8) sd / sqrt(pairs): a CI that holds 0 rules out only differences "
+            "above about the MDD. References, in this order, those in the grid: "
             f"{', '.join(REFERENCE_MODES)}; each pair of modes once.", "",
             "| mode - reference | pairs | problems | seeds | mode | reference | diff | 95% CI | "
-            "p (bootstrap) | mode better / reference better / ties | p (sign test) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "p (bootstrap) | mode better / reference better / ties | p (sign test) | MDD |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in comp["comparisons"]:
             lines.append(
@@ -202,7 +205,7 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
                 f"| {_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, "
                 f"{_f(c['ci_high'], '+.3f')}] | {_f(c['p_bootstrap'], '.4f')} | "
                 f"{c['mode_better']} / {c['reference_better']} / {c['ties']} | "
-                f"{_f(c['p_sign'], '.4g')} |")
+                f"{_f(c['p_sign'], '.4g')} | {_f(c.get('mdd', float('nan')))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,21 +30,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pmd_jax.tasks.evaluation import paired_bootstrap, sign_test
-
-Z_ALPHA = 1.959963984540054  # two-sided alpha 0.05
-Z_POWER = 0.8416212335729143  # power 0.8
-
-
-def minimum_detectable_difference(diffs: np.ndarray, alpha_z: float = Z_ALPHA,
-                                  power_z: float = Z_POWER) -> float:
-    """The smallest true mean difference detected with the given power (normal approx.)
-    from the per-unit differences' sample standard deviation; nan below 2 units."""
-    d = np.asarray(diffs, np.float64)
-    if d.size < 2:
-        return float("nan")
-    return float((alpha_z + power_z) * d.std(ddof=1) / math.sqrt(d.size))
-
+from pmd_jax.tasks.evaluation import (  # noqa: F401  (the probe's statistics, one place)
+    Z_ALPHA,
+    Z_POWER,
+    minimum_detectable_difference,
+    paired_bootstrap,
+    sign_test,
+)
 
 EXACT_MAX_N = 16  # sign-flip: every assignment up to here, else RANDOMIZATION_DRAWS drawn
 RANDOMIZATION_DRAWS = 100_000

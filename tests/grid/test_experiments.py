@@ -80,7 +80,7 @@ def grid(tmp_path):
 
 
 def test_table_matches_direct_computation(grid):
-    from scipy.stats import binomtest
+    from scipy.stats import binomtest, norm
 
     out, scores = grid
     modes, seeds = list(P), [0, 1]
@@ -117,11 +117,15 @@ def test_table_matches_direct_computation(grid):
         pos, neg = int((d > 0).sum()), int((d < 0).sum())
         assert (c["mode_better"], c["reference_better"], c["ties"]) == (pos, neg, 80 - pos - neg)
         assert c["p_sign"] == pytest.approx(binomtest(pos, pos + neg, 0.5).pvalue, rel=1e-9)
+        # MDD at alpha 0.05 two-sided, power 0.8 (scipy's normal quantiles)
+        z = norm.ppf(0.975) + norm.ppf(0.8)
+        assert c["mdd"] == pytest.approx(z * d.std(ddof=1) / np.sqrt(d.size), rel=1e-9)
     assert pairs[("pmd", "grpo")]["p_sign"] < 0.01  # 0.65 vs 0.3: a real difference
     # the files: markdown shows the same numbers, JSON round-trips them, the plot is a PNG
     md = (out / "comparison.md").read_text()
     pg = pairs[("pmd", "grpo")]
     assert "| pmd - grpo | 80 | 40 | 2 |" in md and f"{pg['diff']:+.3f}" in md
+    assert f"{pg['p_sign']:.4g} | {pg['mdd']:.3f} |" in md and "| MDD |" in md
     s = by_mode["sdpo"]
     assert f"{s['per_seed']['1']['accuracy']:.3f} (n=40)" in md
     assert f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]" in md

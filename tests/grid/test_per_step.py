@@ -72,7 +72,7 @@ def _grid(tmp_path: Path, task: str):
 
 
 def test_accuracy_per_step_and_change_from_step0(tmp_path):
-    from scipy.stats import binomtest
+    from scipy.stats import binomtest, norm
 
     out, comp, evals, _, _ = _grid(tmp_path, "sciq")
     rows = {(r["mode"], r["step"]): r for r in comp["per_step"]}
@@ -97,12 +97,15 @@ def test_accuracy_per_step_and_change_from_step0(tmp_path):
         up, down = int((d > 0).sum()), int((d < 0).sum())
         assert (c["better"], c["worse"], c["ties"]) == (up, down, 100 - up - down)
         assert c["p_sign"] == pytest.approx(binomtest(up, up + down, 0.5).pvalue, rel=1e-9)
+        z = norm.ppf(0.975) + norm.ppf(0.8)
+        assert c["mdd"] == pytest.approx(z * d.std(ddof=1) / np.sqrt(d.size), rel=1e-9)
+        assert f"{c['p_sign']:.4g} | {c['mdd']:.3f} |" in md
         assert (f"| {mode} | {step} | 2 | 100 | {r['accuracy']:.3f} | "
                 f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {c['diff']:+.3f} |") in md
     # pmd's accuracy rises by ~0.4 over 4 steps: the change is real, not sdpo's
     assert rows[("pmd", 4)]["change"]["p_sign"] < 1e-6
     assert rows[("pmd", 4)]["change"]["ci_low"] > 0.2
-    assert "| sdpo | 0 | 2 | 100 |" in md and "| - | - | - | - | - |" in md
+    assert "| sdpo | 0 | 2 | 100 |" in md and "| - | - | - | - | - | - |" in md
 
 
 def test_retention_per_step_and_its_seeds(tmp_path):
