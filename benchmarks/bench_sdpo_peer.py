@@ -51,12 +51,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
+import sdpo_rl_peer as sp  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = sp.ROOT
 DEFAULT_VENV = Path.home() / ".cache" / "pmd_jax" / "venv-sdpo-rl"
 PHASES = ("generate", "grade + teacher prompts", "update", "step")
-SETUP_HINT = ("run launch/setup_peer_venv.sh (a venv with trl 1.16.0 and sdpo-rl 0.0.3 that "
-              "sees this environment), or pass --peer_python")
+SETUP_HINT = sp.SETUP_HINT
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -92,17 +92,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def run_config(args):
     """The frozen run config both sides take their settings from."""
-    from pmd_jax.config import apply_mode, freeze
-    from pmd_jax.config.cli import load_config_file
-
-    c = load_config_file(str(ROOT / args.config))
-    for key, value in overrides(args).items():
-        node = c
-        *path, leaf = key.split(".")
-        for part in path:
-            node = node[part]
-        node[leaf] = value
-    return freeze(apply_mode(c))
+    return sp.load_run_config(args.config, overrides(args))
 
 
 def overrides(args) -> dict:
@@ -147,125 +137,19 @@ def child_ours(args) -> dict:
 
 
 # ------------------------------------------------------------------------------ peer
-def peer_setup(args):
-    """(problems, prompt texts, prefixes, task, hf folder, cfg): what the peer trains on."""
-    from pmd_jax import episode
-    from pmd_jax.loop.build import build_task, select_problems
-    from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.models.gguf_io import embedded_hf_dir
-    from pmd_jax.models.tokenizer import Tokenizer
-
-    cfg = run_config(args)
-    task = build_task(cfg)
-    problems, _ = select_problems(cfg, task)
-    embedded = EMBEDDED_MODELS[cfg.model.source]
-    hf_dir = embedded_hf_dir(cfg.model.source)
-    tok = Tokenizer.from_pretrained(hf_dir, chat_format=embedded.chat_format)
-    ids, texts, prefixes = [], [], []
-    for p in problems:
-        pre = episode.response_prefix(task, p)
-        msgs = task.prompt(p)
-        toks = tok.encode_chat(msgs, add_generation_prompt=True) + (tok.encode(pre) if pre
-                                                                     else [])
-        ids.append(toks)
-        texts.append(tok.decode(toks, skip_special=False))
-        prefixes.append(pre)
-    return cfg, task, problems, ids, texts, prefixes, hf_dir
-
-
-class _Grader:
-    """The peer's reward function: our task's verifier on prefix + completion; the verifier's
-    feedback kept in ``last_feedback`` (sdpo-rl reads it when feedback is on)."""
-
-    def __init__(self, task, problems, prefixes):
-        self.task, self.problems, self.prefixes = task, problems, prefixes
-        self.last_feedback: list[str] = []
-        self.__name__ = "pmd_jax_verifier"
-
-    def __call__(self, prompts, completions, problem_index, **_):
-        rewards, feedback = [], []
-        for c, i in zip(completions, problem_index, strict=True):
-            r = self.task.verify(self.problems[i], self.prefixes[i] + c)
-            rewards.append(float(r.reward))
-            feedback.append(r.feedback)
-        self.last_feedback = feedback
-        return rewards
-
-
 def child_peer(args) -> dict:
-    try:
-        import torch
-        from datasets import Dataset
-        from sdpo_rl import SDPOConfig, SDPOTrainer
-        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-        from trl import GRPOConfig
-    except ImportError as e:
-        raise RuntimeError(f"the peer's environment lacks {e.name}: {SETUP_HINT}") from e
-    cfg, task, problems, ids, texts, prefixes, hf_dir = peer_setup(args)
-    hf_tok = AutoTokenizer.from_pretrained(hf_dir)
-    differ = sum(hf_tok(t, add_special_tokens=False)["input_ids"] != i
-                 for t, i in zip(texts, ids, strict=True))
-    if differ:
-        raise RuntimeError(f"{differ} of {len(texts)} prompts tokenize differently in HF: the "
-                           "sides would not see the same prompt tokens")
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    r, o, tp = cfg.rollout, cfg.distill.optim, cfg.teacher_prompt
-    out = tempfile.mkdtemp(prefix="bench_sdpo_peer_")
-    gargs = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=args.problems * args.n,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=args.n, max_completion_length=args.max_tokens,
-        temperature=float(r.temperature), top_p=float(r.top_p), top_k=int(r.top_k) or None,
-        learning_rate=args.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=int(o.warmup_steps), weight_decay=float(o.weight_decay),
-        max_grad_norm=float(o.grad_clip) if o.grad_clip is not None else 0.0,
-        adam_beta1=float(o.b1), adam_beta2=float(o.b2), adam_epsilon=float(o.eps),
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=args.device == "cpu", bf16=False, seed=args.seed, beta=0.0,
-        dataloader_num_workers=0, shuffle_dataset=False)
-    loss = cfg.distill.loss
-    scfg = SDPOConfig(
-        alpha=float(loss.alpha), distillation_topk=int(loss.topk),
-        distillation_add_tail=bool(loss.add_tail), is_clip=loss.is_clip,
-        teacher_mode="ema", teacher_update_rate=float(cfg.distill.teacher.rate),
-        success_reward_threshold=float(tp.success_threshold),
-        dont_reprompt_on_self_success=bool(tp.dont_reprompt_on_self_success),
-        include_environment_feedback=bool(tp.include_feedback),
-        environment_feedback_only_without_solution=bool(tp.feedback_only_without_solution),
-        max_reprompt_length=int(tp.max_tokens))
-    data = Dataset.from_list([{"prompt": t, "problem_index": i} for i, t in enumerate(texts)])
-    trainer = SDPOTrainer(model=model, args=gargs, sdpo_config=scfg, processing_class=hf_tok,
-                          reward_funcs=[_Grader(task, problems, prefixes)], train_dataset=data)
-    times: dict[str, list[float]] = {"generate": [], "score": [], "step": []}
+    import torch
+    import trl
 
-    def timed(name, fn):
-        def wrapped(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                times[name].append(time.perf_counter() - t0)
-        return wrapped
-
-    trainer._generate = timed("generate", trainer._generate)
-    trainer._generate_and_score_completions = timed(
-        "score", trainer._generate_and_score_completions)
-
-    class StepClock(TrainerCallback):
-        t0 = 0.0
-
-        def on_step_begin(self, *a, **k):
-            StepClock.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):  # added last: after the EMA update's callback
-            times["step"].append(time.perf_counter() - StepClock.t0)
-
-    trainer.add_callback(StepClock())
+    data = sp.peer_data(run_config(args))
+    trainer = sp.build_trainer(data, seed=args.seed, max_steps=args.steps,
+                               out_dir=tempfile.mkdtemp(prefix="bench_sdpo_peer_"),
+                               device=args.device)
+    times = sp.clock(trainer)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
-    rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
+    rewards = sp.step_rewards(trainer)
     steps = []
     for k in range(len(times["step"])):
         g, s, st = times["generate"][k], times["score"][k], times["step"][k]
@@ -273,8 +157,6 @@ def child_peer(args) -> dict:
                       "step": st, "reward": rewards[k] if k < len(rewards) else None})
     if len(steps) != args.steps:
         raise RuntimeError(f"peer: {len(steps)} steps timed, expected {args.steps}")
-    import trl
-
     return {"steps": steps, "peak_rss_gib": bc.rss_gib(), "wall_s": wall,
             "versions": {"trl": trl.__version__, "torch": torch.__version__},
             "threads": torch.get_num_threads(), "device": args.device}

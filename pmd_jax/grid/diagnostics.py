@@ -290,9 +290,14 @@ def answers_markdown(rows: Sequence[dict]) -> list[str]:
 
 # ----------------------------------------------------------------------------- memory
 def _is_memory_mode(mode: str) -> bool:
+    """Whether ``mode`` keeps a memory; a cell of another trainer (a peer's, e.g.
+    ``sdpo_rl`` from benchmarks/peer_sdpo_rl_cells.py) is not one of our modes: no memory."""
     from pmd_jax.modes import get_mode
 
-    return get_mode(mode).uses_memory
+    try:
+        return get_mode(mode).uses_memory
+    except ValueError:
+        return False
 
 
 def memory_rows(results: Sequence[CellResult], modes: Sequence[str]) -> dict[str, list[dict]]:
