@@ -76,9 +76,10 @@ def _assert_same(got, want):
     assert_same_steps(got, want, TOL)
 
 
-# grpo is a slow test: hybrid runs the same PPO-clip path (with the teacher's advantage added)
+# grpo and hybrid are slow tests here: hybrid (GRPO's PPO-clip path with the teacher's
+# advantage added) runs in the default suite on the mesh, below
 @pytest.mark.parametrize("mode", ["sdpo", pytest.param("grpo", marks=pytest.mark.slow),
-                                  "hybrid"])
+                                  pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_accumulated_equals_full_batch_unsharded(mode):
     ref = st.TrainStep(TINY, _cfg(mode))
     acc = st.TrainStep(TINY, _cfg(mode), microbatch_rows=4)

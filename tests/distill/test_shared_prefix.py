@@ -79,9 +79,10 @@ def _assert_same(got, want):
     assert_same_steps(got[:2], want[:2], TOL)
 
 
-# grpo is a slow test: hybrid runs the same PPO-clip path (with the teacher's advantage added)
+# grpo and hybrid are slow tests here: the default suite runs sdpo here and hybrid on the mesh
+# (test_shared_rows_give_the_per_rollout_step_on_mesh)
 @pytest.mark.parametrize("mode", ["sdpo", pytest.param("grpo", marks=pytest.mark.slow),
-                                  "hybrid"])
+                                  pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_shared_rows_give_the_per_rollout_step(mode):
     ref = st.TrainStep(TINY, _cfg(mode))
     packed = st.TrainStep(TINY, _cfg(mode), shared_prefix="always")

@@ -146,6 +146,9 @@ def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
     assert not Path(path).exists()
 
 
+# ~45 s; the checkpointer's side in the default suite: tests/run/test_checkpoint.py
+# test_resume_lets_go_of_the_state_before_restoring_and_rebuilds_it_when_none_is_usable
+@pytest.mark.slow
 def test_no_usable_checkpoint_starts_from_the_initial_weights_again(
         clean_run: Path, tmp_path: Path):
     """A resume lets go of the train state before it reads the checkpoint (the restored and
@@ -169,6 +172,9 @@ def test_no_usable_checkpoint_starts_from_the_initial_weights_again(
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
 
 
+# ~40 s; the checkpointer's side in the default suite: tests/run/test_checkpoint.py
+# test_run_checkpointer_names_the_failed_write_without_blocking_on_one_in_flight
+@pytest.mark.slow
 def test_failed_checkpoint_write_names_the_step_and_keeps_the_previous(
         clean_run: Path, tmp_path: Path):
     from pmd_jax.run.checkpoint import verify_step_dir

@@ -360,8 +360,9 @@ def _check_against_hf(tok, hf, cfg, params, n_prompts, max_new, temperature_chec
             np.testing.assert_allclose(r.logprobs, lp[pos, r.tokens], atol=HF_LOGPROB_ATOL)
 
 
-def test_smollm2_greedy_equals_hf_generate_8x64(smollm2):
-    _check_against_hf(*smollm2, n_prompts=8, max_new=64)
+def test_smollm2_greedy_equals_hf_generate_8x32(smollm2):
+    # 32 new tokens (64 until 2026-11-29, for CI time); the slow test below runs 16 x 128
+    _check_against_hf(*smollm2, n_prompts=8, max_new=32)
 
 
 @pytest.mark.slow

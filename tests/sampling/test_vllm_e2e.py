@@ -424,6 +424,9 @@ def check_reflection(doc: object) -> None:
         assert all(isinstance(x, str) and 1 <= len(x) <= 60 for x in items), (key, items)
 
 
+# ~20 s; the JAX sampler's constrained decoding runs in the default suite
+# (tests/sampling/test_structured_jax.py)
+@pytest.mark.slow
 def test_structured_output_json_schema(server, hf_model, base_weights, hf_dir, tmp_path):
     """json_schema through vLLM's structured outputs: every output parses and validates, every
     token is one the grammar allows, the logprobs are those of the masked, renormalised
