@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sdpo_rl_peer as sp  # noqa: E402
 
 MODE = "sdpo_rl"
+# sdpo-rl with the task's response prefix given back to its teacher (--teacher_prefix)
+MODE_PREFIX = "sdpo_rl_prefix"
 DEFAULT_VENV = Path.home() / ".cache" / "pmd_jax" / "venv-sdpo-rl"
 
 
@@ -55,6 +57,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="a config override as the "
                    "grid takes it (--override=--config.train.steps=2), repeatable: the same "
                    "as the grid cells' it is compared with")
+    p.add_argument("--teacher_prefix", action="store_true", help="cells sdpo_rl_prefix: the "
+                   "peer's teacher context gets the task's response prefix, which sdpo-rl "
+                   "drops (sdpo_rl_peer.teacher_prefix_template)")
     p.add_argument("--report_modes", default="sdpo,sdpo_rl")
     p.add_argument("--child_train", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -69,6 +74,16 @@ def eval_steps(cfg) -> list[int]:
     if every > 0:
         steps.update(range(every, n, every))
     return sorted(steps)
+
+
+def mode_of(args) -> str:
+    return MODE_PREFIX if args.teacher_prefix else MODE
+
+
+def work_dir(args, seed: int) -> Path:
+    """A seed's scratch folder (the peer's run, its saved weights, our evaluations of them)."""
+    return Path(args.scratch) / (f"{MODE_PREFIX}_seed{seed}" if args.teacher_prefix
+                                 else f"seed{seed}")
 
 
 def run_config(args, seed: int = 0):
@@ -86,12 +101,12 @@ def child_train(args) -> None:
     from transformers import TrainerCallback
 
     seed = int(args.child_train)
-    work = Path(args.scratch) / f"seed{seed}"
+    work = work_dir(args, seed)
     cfg = run_config(args, seed)
     data = sp.peer_data(cfg)
     save_at = [s for s in eval_steps(cfg) if s > 0]
     trainer = sp.build_trainer(data, seed=seed, max_steps=int(cfg.train.steps),
-                               out_dir=work / "trl")
+                               out_dir=work / "trl", teacher_prefix=args.teacher_prefix)
     times = sp.clock(trainer)
 
     class SaveAt(TrainerCallback):
@@ -134,12 +149,13 @@ def evaluate(args, source: str, seed: int, run_dir: Path) -> dict:
 def make_cell(args, cfg, seed: int, base: Path) -> None:
     from pmd_jax.grid.cells import cell_state
 
-    out = Path(args.out) / f"{MODE}_seed{seed}"
+    mode = mode_of(args)
+    out = Path(args.out) / f"{mode}_seed{seed}"
     steps = int(cfg.train.steps)
     if (out / "cell.json").is_file() and cell_state(out, steps)[0]:
         print(f"{out.name}: finished", flush=True)
         return
-    work = Path(args.scratch) / f"seed{seed}"
+    work = work_dir(args, seed)
     t0 = time.time()
     if not (work / "train.jsonl").is_file():
         if not os.path.exists(args.peer_python):
@@ -148,6 +164,7 @@ def make_cell(args, cfg, seed: int, base: Path) -> None:
         subprocess.run([args.peer_python, os.path.abspath(__file__),
                         f"--child_train={seed}", f"--config={args.config}",
                         f"--scratch={args.scratch}",
+                        *(["--teacher_prefix"] if args.teacher_prefix else []),
                         *(f"--override={o}" for o in args.override)], check=True, cwd=sp.ROOT)
     evals = {}
     for s in eval_steps(cfg):
@@ -169,10 +186,12 @@ def make_cell(args, cfg, seed: int, base: Path) -> None:
     (tmp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     shutil.copy(evals[steps][1] / "config.json", tmp / "config.json")
     (tmp / "cell.json").write_text(json.dumps({
-        "config": args.config, "overrides": list(args.override), "train_steps": steps, "mode": MODE,
+        "config": args.config, "overrides": list(args.override), "train_steps": steps, "mode": mode,
         "seed": seed, "command": ["benchmarks/peer_sdpo_rl_cells.py", f"--seeds={seed}",
                                   f"--config={args.config}"],
-        "peer": "sdpo-rl 0.0.3 (trl 1.16.0) SDPOTrainer, benchmarks/sdpo_rl_peer.py",
+        "peer": "sdpo-rl 0.0.3 (trl 1.16.0) SDPOTrainer, benchmarks/sdpo_rl_peer.py"
+                + (", its teacher given the task's response prefix" if args.teacher_prefix
+                   else ""),
         "run_dir": str(work), "wall_seconds": time.time() - t0}, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)

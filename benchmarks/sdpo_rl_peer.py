@@ -116,9 +116,32 @@ class Grader:
         return rewards
 
 
+def teacher_prefix_template(data: PeerData) -> dict[str, Any]:
+    """``apply_chat_template_kwargs`` that give sdpo-rl's teacher the task's response prefix.
+
+    sdpo-rl builds the teacher's context from the decoded student prompt, as a new user turn
+    under the chat template with a fresh generation prompt, then the completion: a response
+    prefix the task put at the start of the assistant turn (SciQ's ``<answer>`` in the
+    embedded default) is not in it, so the teacher scores the completion as if the turn had
+    begun without it. Its config passes ``apply_chat_template_kwargs`` to the tokenizer; a
+    chat template that ends the generation prompt with the prefix puts it back. Only for a
+    task whose problems share one prefix."""
+    from transformers import AutoTokenizer
+
+    prefixes = set(data.prefixes)
+    if len(prefixes) != 1 or not next(iter(prefixes)):
+        raise ValueError(f"the task's response prefixes are {sorted(prefixes)}: one shared, "
+                         "non-empty prefix is needed")
+    tpl = AutoTokenizer.from_pretrained(data.hf_dir).chat_template
+    pre = next(iter(prefixes)).replace("'", "\\'")
+    return {"chat_template": tpl + "{% if add_generation_prompt %}{{ '" + pre + "' }}{% endif %}"}
+
+
 def build_trainer(data: PeerData, *, seed: int, max_steps: int, out_dir: str | Path,
-                  device: str = "cpu"):
-    """sdpo-rl's ``SDPOTrainer`` on ``data`` with the run config's settings."""
+                  device: str = "cpu", teacher_prefix: bool = False):
+    """sdpo-rl's ``SDPOTrainer`` on ``data`` with the run config's settings; with
+    ``teacher_prefix`` its teacher's context also gets the task's response prefix
+    (:func:`teacher_prefix_template`)."""
     try:
         import torch
         from datasets import Dataset
@@ -151,7 +174,8 @@ def build_trainer(data: PeerData, *, seed: int, max_steps: int, out_dir: str | P
         dont_reprompt_on_self_success=bool(tp.dont_reprompt_on_self_success),
         include_environment_feedback=bool(tp.include_feedback),
         environment_feedback_only_without_solution=bool(tp.feedback_only_without_solution),
-        max_reprompt_length=int(tp.max_tokens))
+        max_reprompt_length=int(tp.max_tokens),
+        apply_chat_template_kwargs=teacher_prefix_template(data) if teacher_prefix else {})
     rows = [{"prompt": t, "problem_index": i} for i, t in enumerate(data.texts)]
     return SDPOTrainer(model=model, args=gargs, sdpo_config=scfg,
                        processing_class=AutoTokenizer.from_pretrained(data.hf_dir),
