@@ -61,6 +61,7 @@ def parse(argv=None) -> argparse.Namespace:
                    "peer's teacher context gets the task's response prefix, which sdpo-rl "
                    "drops (sdpo_rl_peer.teacher_prefix_template)")
     p.add_argument("--report_modes", default="sdpo,sdpo_rl")
+    p.add_argument("--report_seeds", default="", help="the report's seeds (default: --seeds)")
     p.add_argument("--child_train", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -213,8 +214,9 @@ def main() -> None:
     for seed in seeds:
         make_cell(args, cfg, seed, base)
     modes = args.report_modes.split(",")
-    cells = [Cell(m, s) for m in modes for s in seeds]
-    write_report(Path(args.out), cells, modes, seeds)
+    rseeds = [int(s) for s in args.report_seeds.split(",")] if args.report_seeds else seeds
+    cells = [Cell(m, s) for m in modes for s in rseeds]
+    write_report(Path(args.out), cells, modes, rseeds)
     print(f"report: {Path(args.out) / 'comparison.md'}", flush=True)
 
 
