@@ -10,10 +10,11 @@ folder under the same budget:
    ``rollout.problems_per_step`` x ``rollout.n`` rollouts), in the peer's venv, saving the
    weights (HF folders) at every step our cells evaluate (``train.eval_every`` and the last);
 2. evaluate: each saved folder with our evaluation (``python -m pmd_jax.main
-   --config.model.source=<folder> --config.train.steps=0``: the held-out problems, samples,
-   temperature and seeds of ``eval``, whose draws depend on neither the run's seed nor its
-   step, so the peer is scored exactly as our cells are); step 0 is the initial model, the
-   same for every seed, evaluated once;
+   --config.model.source=<folder> --config.train.steps=0 --config.seed=<K>``: the held-out
+   problems, samples, temperature and seeds of ``eval``; its draws do not depend on the step,
+   and the run seed sets the task's option order, so each seed's evaluations run under that
+   seed and the peer is scored exactly as our cell of that seed); step 0 is the initial
+   model, evaluated once per seed;
 3. the cell: the peer's per-step training reward as train records, our evaluations as eval
    records at their steps.
 
@@ -147,6 +148,22 @@ def evaluate(args, source: str, seed: int, run_dir: Path) -> dict:
     return next(r for r in read_metrics(metrics) if r.get("kind") == "eval")
 
 
+def _same_start(our_cell: Path, base_run: Path) -> tuple[int, int] | None:
+    """(equal, all) step-0 evaluation records of our cell and the initial model's evaluation
+    here (the name field aside); None without our cell. They must be equal: the same weights,
+    prompts and draws."""
+    ours = our_cell / "eval" / "step_000000" / "results.jsonl"
+    if not ours.is_file():
+        return None
+
+    def recs(p: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(x).items() if k != "name"}
+                for x in p.read_text().splitlines()]
+
+    a, b = recs(ours), recs(base_run / "eval" / "step_000000" / "results.jsonl")
+    return sum(x == y for x, y in zip(a, b, strict=False)), max(len(a), len(b))
+
+
 def make_cell(args, cfg, seed: int, base: Path) -> None:
     from pmd_jax.grid.cells import cell_state
 
@@ -174,6 +191,10 @@ def make_cell(args, cfg, seed: int, base: Path) -> None:
         else:
             d = work / f"eval_step_{s}"
             evals[s] = (evaluate(args, str((work / f"step_{s}").resolve()), seed, d), d)
+    same = _same_start(Path(args.out) / f"sdpo_seed{seed}", evals[0][1])
+    if same is not None:
+        print(f"{out.name}: step-0 evaluation equal to our sdpo_seed{seed}'s on {same[0]} of "
+              f"{same[1]} records", flush=True)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -193,7 +214,8 @@ def make_cell(args, cfg, seed: int, base: Path) -> None:
         "peer": "sdpo-rl 0.0.3 (trl 1.16.0) SDPOTrainer, benchmarks/sdpo_rl_peer.py"
                 + (", its teacher given the task's response prefix" if args.teacher_prefix
                    else ""),
-        "run_dir": str(work), "wall_seconds": time.time() - t0}, indent=2) + "\n")
+        "run_dir": str(work), "wall_seconds": time.time() - t0,
+        "step0_records_equal_to_our_cell": same}, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -210,9 +232,8 @@ def main() -> None:
 
     seeds = [int(s) for s in args.seeds.split(",")]
     cfg = run_config(args)
-    base = Path(args.scratch) / "eval_initial"
-    for seed in seeds:
-        make_cell(args, cfg, seed, base)
+    for seed in seeds:  # the initial model's evaluation: one per seed, shared by the modes
+        make_cell(args, cfg, seed, Path(args.scratch) / f"eval_initial_seed{seed}")
     modes = args.report_modes.split(",")
     rseeds = [int(s) for s in args.report_seeds.split(",")] if args.report_seeds else seeds
     cells = [Cell(m, s) for m in modes for s in rseeds]
