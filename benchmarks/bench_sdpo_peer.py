@@ -54,7 +54,6 @@ import bench_common as bc  # noqa: E402
 import sdpo_rl_peer as sp  # noqa: E402
 
 ROOT = sp.ROOT
-DEFAULT_VENV = Path.home() / ".cache" / "pmd_jax" / "venv-sdpo-rl"
 PHASES = ("generate", "grade + teacher prompts", "update", "step")
 SETUP_HINT = sp.SETUP_HINT
 
@@ -73,9 +72,7 @@ def parse(argv=None) -> argparse.Namespace:
                    "apart)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--peer_python", default=os.environ.get(
-        "PMD_PEER_PYTHON", str(Path(os.environ.get("PMD_PEER_VENV", DEFAULT_VENV)) / "bin"
-                               / "python")))
+    p.add_argument("--peer_python", default=sp.default_peer_python())
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_peer", action="store_true")

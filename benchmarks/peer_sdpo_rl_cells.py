@@ -43,7 +43,6 @@ import sdpo_rl_peer as sp  # noqa: E402
 MODE = "sdpo_rl"
 # sdpo-rl with the task's response prefix given back to its teacher (--teacher_prefix)
 MODE_PREFIX = "sdpo_rl_prefix"
-DEFAULT_VENV = Path.home() / ".cache" / "pmd_jax" / "venv-sdpo-rl"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -52,9 +51,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="docs/results/grid_sciq_sdpo_rl")
     p.add_argument("--scratch", default="runs/peer_sdpo_rl")
-    p.add_argument("--peer_python", default=os.environ.get(
-        "PMD_PEER_PYTHON", str(Path(os.environ.get("PMD_PEER_VENV", DEFAULT_VENV)) / "bin"
-                               / "python")))
+    p.add_argument("--peer_python", default=sp.default_peer_python())
     p.add_argument("--override", action="append", default=[], help="a config override as the "
                    "grid takes it (--override=--config.train.steps=2), repeatable: the same "
                    "as the grid cells' it is compared with")

@@ -35,6 +35,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # pmd_jax from this checkout, installed or not
     sys.path.insert(1, str(ROOT))
+def default_peer_python() -> str:
+    """``$PMD_PEER_PYTHON``, else the interpreter of ``launch/setup_peer_venv.sh``'s venv
+    (``$PMD_PEER_VENV``, default ``~/.cache/pmd_jax/venv-sdpo-rl``)."""
+    import os
+
+    venv = os.environ.get("PMD_PEER_VENV", str(Path.home() / ".cache" / "pmd_jax"
+                                               / "venv-sdpo-rl"))
+    return os.environ.get("PMD_PEER_PYTHON", str(Path(venv) / "bin" / "python"))
+
+
 SETUP_HINT = ("run launch/setup_peer_venv.sh (a venv with trl 1.16.0 and sdpo-rl 0.0.3 that "
               "sees this environment), or pass --peer_python")
 
@@ -43,14 +53,11 @@ def load_run_config(config: str, overrides: dict[str, Any]):
     """The frozen run config of ``config`` (a path under the repo) with dotted overrides."""
     from pmd_jax.config import apply_mode, freeze
     from pmd_jax.config.cli import load_config_file
+    from pmd_jax.config.modes import set_dotted
 
     c = load_config_file(str(ROOT / config))
     for key, value in overrides.items():
-        node = c
-        *path, leaf = key.split(".")
-        for part in path:
-            node = node[part]
-        node[leaf] = value
+        set_dotted(c, key, value)
     return freeze(apply_mode(c))
 
 

@@ -67,7 +67,7 @@ def apply_mode(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             # Set what the mode implies where the user left the default; a conflicting
             # explicit value is reported by mode_errors.
             if _get_dotted(c.memory, key) == _get_dotted(defaults, key):
-                _set_dotted(c.memory, key, value)
+                set_dotted(c.memory, key, value)
     return c
 
 
@@ -77,7 +77,8 @@ def _get_dotted(c: Any, key: str) -> Any:
     return c
 
 
-def _set_dotted(c: Any, key: str, value: Any) -> None:
+def set_dotted(c: Any, key: str, value: Any) -> None:
+    """``c[a][b]...[z] = value`` for ``key = "a.b...z"`` (a ConfigDict or a nested dict)."""
     *head, last = key.split(".")
     for part in head:
         c = c[part]

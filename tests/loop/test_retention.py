@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pmd_jax.config import apply_mode, base_config, config_errors, freeze
+from pmd_jax.config.modes import set_dotted
 from pmd_jax.loop import retention as ret
 from pmd_jax.run.metrics import eval_kl_points
 from pmd_jax.tasks import get_task
@@ -36,11 +37,7 @@ def sciq():
 def _cfg(**over):
     c = base_config()
     for k, v in over.items():
-        node = c
-        *path, last = k.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = v
+        set_dotted(c, k, v)
     return freeze(apply_mode(c))
 
 
