@@ -6,6 +6,10 @@
   ``python -m pmd_jax.dry_run`` runs it from the command line.
 * ``target``: ``--config.dry_run.target=NAME``: does the step fit that hardware, and a
   roofline step time; ``hardware``: the targets' figures and the fit / roofline maths.
+* ``gpu_compile``: a GPU target's train step compiled by XLA:GPU without a GPU (the CUDA
+  plugin, compile-only devices from a target description), else lowered to CUDA StableHLO;
+  ``gpu_facts``: what the program shows (vocabulary sorts, cuDNN attention and ``dbias``,
+  GEMM dtypes, per-layer saved tensors), read from its text.
 
 Nothing is imported here: ``forward_backward`` sets the fake device count before JAX starts.
 """

@@ -13,6 +13,13 @@ axis resolved against that count), two programs are compiled on abstract arrays,
    cache of ``max_prompt_tokens + max_tokens`` (or ``rollout.max_context``) tokens, params in
    the compute dtype (memory from the stacked-layer program, costs from the per-layer one).
 
+For the GPU targets (8xH100, 8xH200) also the train step's GPU program
+(:mod:`pmd_jax.dry_run.gpu_compile`): compiled by XLA:GPU without a GPU when the CUDA plugin
+is installed (its ``memory_analysis()`` then decides the train step's verdict), else lowered
+to CUDA StableHLO; either way the facts read from it (:mod:`pmd_jax.dry_run.gpu_facts`):
+vocabulary sorts, cuDNN attention with or without ``dbias``, GEMM dtypes, per-layer saved
+tensors. The output says which of the two ran.
+
 For each: per-device bytes from ``compiled.memory_analysis()`` (arguments, outputs, aliased,
 temporaries; total = arguments + outputs - aliased + temporaries) against the chip's HBM:
 FITS / DOES NOT FIT and the headroom (:func:`pmd_jax.dry_run.hardware.verdict`). And a roofline step
@@ -53,6 +60,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pmd_jax.dry_run import hardware as tg
+from pmd_jax.dry_run.distill_step import lesson_shape
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -109,28 +117,41 @@ def _batch(ts: Any, rows: int, s: int, t: int, r: int,
     return b
 
 
-def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
-                      count_cost: bool = True) -> dict[str, Any]:
+def _lengths(cfg: RunConfig) -> tuple[int, int, int, int]:
+    """(update rows, student, teacher and response lengths) of the config's step."""
+    resp = int(cfg.rollout.max_tokens)
+    return (int(cfg.rollout.problems_per_step) * int(cfg.rollout.n),
+            int(cfg.rollout.max_prompt_tokens) + resp,
+            int(cfg.teacher_prompt.max_tokens) + resp, resp)
+
+
+def train_step_program(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target
+                       ) -> tuple[Any, Any, dict[str, Any]]:
+    """The config's real TrainStep on ``mesh``, its abstract state and its abstract batch."""
     from pmd_jax.distill.batch import BatchError
     from pmd_jax.distill.step import TrainStep
 
-    rows = int(cfg.rollout.problems_per_step) * int(cfg.rollout.n)
-    resp = int(cfg.rollout.max_tokens)
-    s_len = int(cfg.rollout.max_prompt_tokens) + resp
-    t_len = int(cfg.teacher_prompt.max_tokens) + resp
-    mb = int(cfg.train.microbatch_rows)
-    ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules, microbatch_rows=mb,
+    rows, s_len, t_len, resp = _lengths(cfg)
+    ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules,
+                   microbatch_rows=int(cfg.train.microbatch_rows),
                    lesson_nll_weight=float(cfg.mel.nll_weight))
     if rows % ts.batch_divisor():
         raise BatchError(f"the update batch of {rows} rows does not split over the mesh's "
                          f"batch axes ({ts.batch_divisor()} devices) of target {t.name}")
-    n_micro = ts.num_microbatches(rows)
-    t0 = time.perf_counter()
-    from pmd_jax.dry_run.distill_step import lesson_shape
-
     lessons = lesson_shape(cfg, ts.batch_divisor())
-    compiled = ts.lower(ts.abstract_state(),
-                        _batch(ts, rows, s_len, t_len, resp, lessons)).compile()
+    return ts, ts.abstract_state(), _batch(ts, rows, s_len, t_len, resp, lessons)
+
+
+def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
+                      count_cost: bool = True) -> dict[str, Any]:
+    from pmd_jax.distill.step import TrainStep
+
+    rows, s_len, t_len, resp = _lengths(cfg)
+    ts, state, batch = train_step_program(cfg, mc, mesh, rules, t)
+    n_micro = ts.num_microbatches(rows)
+    lessons = lesson_shape(cfg, ts.batch_divisor())
+    t0 = time.perf_counter()
+    compiled = ts.lower(state, batch).compile()
     out: dict[str, Any] = {
         "rows": rows, "microbatch_rows": rows // n_micro, "microbatches": n_micro,
         "student_len": s_len, "teacher_len": t_len, "response_len": resp,
@@ -227,6 +248,25 @@ def decode_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Tar
     return out
 
 
+def gpu_report(cfg: RunConfig, mc: Any, shape: dict[str, int], rules: Any, t: tg.Target
+               ) -> dict[str, Any] | None:
+    """A GPU target's train step as XLA:GPU compiles it without a device, or its CUDA
+    StableHLO (:mod:`pmd_jax.dry_run.gpu_compile`); None for other targets or with
+    ``PMD_JAX_DRY_RUN_GPU=off``. A failure is reported, not raised (the XLA:CPU report
+    stands)."""
+    from pmd_jax.dry_run import gpu_compile
+
+    if t.name not in gpu_compile.GPU_MODELS or gpu_compile.gpu_mode() == "off":
+        return None
+    try:
+        return gpu_compile.gpu_step_report(
+            t.name, shape, lambda mesh: train_step_program(cfg, mc, mesh, rules, t),
+            mc.vocab_size, mc.num_layers)
+    except Exception as e:  # noqa: BLE001 - reported in the output, the CPU report stands
+        log.warning("GPU program for %s failed", t.name, exc_info=True)
+        return {"path": "failed", "target": t.name, "error": f"{type(e).__name__}: {e}"}
+
+
 def format_target_report(r: dict[str, Any]) -> str:
     t = tg.get_target(r["target"])
 
@@ -269,10 +309,19 @@ def format_target_report(r: dict[str, Any]) -> str:
         lines.append(
             f"  floor (params + KV cache read once) {1e3 * de['floor_s']:.2f} ms/token, <= "
             f"{de['floor_tokens_per_s']:.0f} tokens/s")
+    gpu = r.get("gpu")
+    if gpu is not None:
+        from pmd_jax.dry_run.gpu_compile import format_gpu_report
+
+        if gpu["path"] == "failed":
+            lines.append(f"GPU program for {t.name}: FAILED ({gpu['error'][:500]})")
+        else:
+            lines.extend(format_gpu_report(gpu))
     lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth): a lower bound on the time "
                  "for those counts; XLA:CPU compile on simulated devices: temporaries and bytes "
                  "accessed are estimates (see pmd_jax/dry_run/target.py)")
-    lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'} on {t.name}")
+    by = " (train step from the XLA:GPU compile)" if gpu is not None and "fits" in gpu else ""
+    lines.append(f"verdict: {'FITS' if r['fits'] else 'DOES NOT FIT'} on {t.name}{by}")
     return "\n".join(lines)
 
 
@@ -301,6 +350,11 @@ def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[
     report["train_step"] = train_step_report(cfg, mc, mesh, rules, t, count_cost)
     report["decode_step"] = decode_step_report(cfg, mc, mesh, rules, t, count_cost)
     report["fits"] = bool(report["train_step"]["fits"] and report["decode_step"]["fits"])
+    gpu = gpu_report(cfg, mc, shape, rules, t)
+    if gpu is not None:
+        report["gpu"] = gpu
+        if "fits" in gpu:  # XLA:GPU's own figure for the train step replaces XLA:CPU's
+            report["fits"] = bool(gpu["fits"] and report["decode_step"]["fits"])
     print(json.dumps(report, default=str))
     print(format_target_report(report), flush=True)
     return report

@@ -302,6 +302,9 @@ def test_dry_run_target_does_not_fit_exits_nonzero():
     assert p.returncode == 1, p.stderr[-3000:]
     assert "DOES NOT FIT" in p.stdout
     r = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("{")))
+    # a GPU target: the step's GPU program too (StableHLO without the CUDA plugin)
+    assert r["gpu"]["path"] in ("cuda_stablehlo", "xla_gpu_compile"), r["gpu"]
+    assert "GPU program:" in p.stdout and "(a) vocabulary sort: YES" in p.stdout
     tr, de = r["train_step"], r["decode_step"]
     assert r["fits"] is False and tr["verdict"] == "DOES NOT FIT" and tr["rows"] == 8192
     assert tr["total"] > 80 * 10**9 and tr["headroom"] < 0
