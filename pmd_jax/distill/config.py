@@ -119,6 +119,13 @@ class DistillPrecision(Section):
                        "loss always recomputes its per-chunk logits).")
     remat_policy: str = knob("full", "'full' saves only layer inputs; 'dots' / 'dots_no_batch' "
                              "also keep matmul outputs.")
+    right_padded: bool = knob(True, "The step's rows are right padded, as assemble and "
+                              "make_lesson_rows build them: cuDNN attention then takes each "
+                              "row's length instead of a padding mask (no [B, T, T] bias and no "
+                              "dbias; pmd_jax/models/attend.py). Not checked on the device: set "
+                              "False for batches with padding before real tokens "
+                              "(align.build_distill_batch(pad_side='left')). Other attention "
+                              "implementations read the mask either way.")
     layer_loop: str = knob("scan", "How the step runs the decoder layers (ours): 'scan' "
                            "(lax.scan over the stacked weights) or 'unrolled' (weights split per "
                            "layer inside the step, a Python loop over layers: more memory and a "

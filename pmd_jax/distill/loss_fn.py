@@ -55,6 +55,7 @@ class StepOptions:
     master_weights: bool
     remat: str
     unrolled_layers: bool
+    right_padded: bool  # the batch rows are right padded: cuDNN attention gets lengths
     matmul_dtype: str | None
     skip_nonfinite: bool
     optim: doptim.OptimConfig
@@ -85,6 +86,7 @@ class StepOptions:
             master_weights=bool(c.precision.master_weights),
             remat=c.precision.remat_policy if c.precision.remat else "none",
             unrolled_layers=c.precision.layer_loop == "unrolled",
+            right_padded=bool(c.precision.right_padded),
             matmul_dtype=c.precision.matmul_dtype or None,
             skip_nonfinite=bool(c.optim.skip_nonfinite),
             optim=dconfig.optim_config(c),
@@ -180,6 +182,7 @@ def make_loss_fn(
             return_hidden=True,
             remat=remat,
             shard_ctx=shard_ctx,
+            right_padded=opts.right_padded,
             **lora_kw,
         )
         return align.side_hidden(h, batch, side)
@@ -275,7 +278,7 @@ def make_lesson_nll_fn(model_cfg: ModelConfig, opts: StepOptions, shard_ctx: Any
             p, batch["lesson_tokens"].astype(jnp.int32),
             batch["lesson_positions"].astype(jnp.int32), model_cfg,
             attn_mask=batch["lesson_attn_mask"], return_hidden=True, remat=opts.remat,
-            shard_ctx=shard_ctx, **lora_kw,
+            shard_ctx=shard_ctx, right_padded=opts.right_padded, **lora_kw,
         )
         h = align.gather_response(h, batch["lesson_index"])
         logp = chunked.chunked_token_logprobs(

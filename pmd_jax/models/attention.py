@@ -18,6 +18,16 @@ probabilities from the saved log-sum-exp (FlashAttention-2's backward), so forwa
 backward both hold O(q_chunk x k_chunk) scores per head plus O(T) residuals (q, k, v, output,
 log-sum-exp), however long the sequence.
 
+Which tiles are visited: when the first query's slot (``q_offset``) and the window are static
+Python ints (every cache-free pass: the decoder gives one static window per call, switching
+over the model's distinct windows when the layer's window is traced), the list of visible
+(query chunk, key chunk) pairs is computed in Python and one ``lax.scan`` with a static trip
+count runs over it (forward and backward), the online-softmax state of every query chunk in its
+carry. With a traced offset (KV-cache passes) each query chunk's key range is computed on the
+device and a ``fori_loop`` runs over those traced bounds (a while loop whose predicate a GPU
+reads back on the host at every iteration; a static list cannot know where the queries start).
+Both visit the same tiles in the same order with the same arithmetic: same bits.
+
 Rows with no visible key (padding queries) give an average of the values they visited; they
 are never used (dense gives an average over all keys: both are finite garbage).
 """
@@ -29,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pmd_jax.models.attention_select import AUTO_CHUNKED_MIN_SCORES, legacy_rule
 from pmd_jax.models.config import ATTENTION_IMPLS, ConfigError
@@ -126,7 +137,32 @@ def chunked_attention(
         qseg = q_segment_ids.astype(jnp.int32)
         kseg = k_segment_ids.astype(jnp.int32)
     cq, ck = min(q_chunk, T), min(k_chunk, S)
-    return _flash(cq, ck, bool(shared_segment_zero), q, k, v, km, off, win, qseg, kseg)
+    pairs = None
+    if _is_static_int(q_offset) and (window is None or _is_static_int(window)):
+        pairs = tile_schedule(T, S, cq, ck, int(q_offset),
+                              2**30 if window is None else int(window))
+    return _flash(cq, ck, bool(shared_segment_zero), pairs, q, k, v, km, off, win, qseg, kseg)
+
+
+def _is_static_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def tile_schedule(T: int, S: int, cq: int, ck: int, q_offset: int, window: int
+                  ) -> tuple[tuple[int, int], ...]:
+    """The (query chunk, key chunk) pairs a query chunk can see (causality and the window),
+    in the order the traced-bounds loops visit them: the same key range as ``_k_range`` (first
+    chunk holding a key within the window of the chunk's first query, through the chunk of its
+    last query's slot), from static ints."""
+    nq, nk = math.ceil(T / cq), math.ceil(S / ck)
+    out = []
+    for i in range(nq):
+        first = q_offset + i * cq
+        last = q_offset + min(i * cq + cq - 1, T - 1)
+        lo = min(max((first - window + 1) // ck, 0), nk)
+        hi = min(max(last // ck + 1, 0), nk)
+        out += [(i, j) for j in range(lo, hi)]
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- internals
@@ -185,56 +221,108 @@ def _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared):
     return s, kc, vc
 
 
-def _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
+def _fwd_tile(j, state, qc, qs, slots, kp, vp, kmp, ksp, win, ck, scale, shared, v_dtype):
+    """One key chunk j of the online softmax of one query chunk: (m, den, acc) updated."""
+    m, den, acc = state
+    s, _, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    den = den * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_dtype), vc,
+                    preferred_element_type=jnp.float32)
+    return m_new, den, acc * corr[..., None] + pv
+
+
+def _take(x, i):
+    return None if x is None else jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _put(x, val, i):
+    return jax.lax.dynamic_update_index_in_dim(x, val, i, 0)
+
+
+def _forward(cq, ck, shared, pairs, q, k, v, km, off, win, qseg, kseg):
     B, T, H, hd = q.shape
     KV = k.shape[1]
     G = H // KV
     scale = hd ** -0.5
     qc_all, kp, vp, kmp, qsc, ksp, nq, nk = _layout(cq, ck, q, k, v, km, qseg, kseg)
+    tile = functools.partial(_fwd_tile, kp=kp, vp=vp, kmp=kmp, ksp=ksp, win=win, ck=ck,
+                             scale=scale, shared=shared, v_dtype=v.dtype)
+    m0 = jnp.full((B, KV, G, cq), _MIN, jnp.float32)
+    l0 = jnp.zeros((B, KV, G, cq), jnp.float32)
+    a0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
 
-    def q_step(_, xs):
-        i, qc, qs = xs
-        slots = _q_slots(i, cq, T, off)
-        lo, hi = _k_range(slots, win, ck, nk)
-
-        def k_step(j, carry):
-            m, den, acc = carry
-            s, _, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[..., None])
-            den = den * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vc,
-                            preferred_element_type=jnp.float32)
-            return m_new, den, acc * corr[..., None] + pv
-
-        m0 = jnp.full((B, KV, G, cq), _MIN, jnp.float32)
-        l0 = jnp.zeros((B, KV, G, cq), jnp.float32)
-        a0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
-        m, den, acc = jax.lax.fori_loop(lo, hi, k_step, (m0, l0, a0))
+    def finish(m, den, acc):
         den = jnp.where(den > 0, den, 1.0)
-        o = (acc / den[..., None]).astype(q.dtype)
-        lse = m + jnp.log(den)
-        return None, (o, lse)
+        return (acc / den[..., None]).astype(q.dtype), m + jnp.log(den)
 
-    idx = jnp.arange(nq, dtype=jnp.int32)
-    _, (o, lse) = jax.lax.scan(q_step, None, (idx, qc_all, qsc))
+    if pairs is not None:  # static tile list: one scan, every query chunk's state carried
+        def pair_step(carry, ij):
+            i, j = ij
+            slots = _q_slots(i, cq, T, off)
+            state = tuple(_take(c, i) for c in carry[:3])
+            new = tile(j, state, _take(qc_all, i), _take(qsc, i), slots)
+            # the chunk's output, rewritten after each of its tiles (the last write stays): as
+            # in the traced-bounds loop, o and lse leave the loop as arrays, so XLA cannot
+            # fuse the division into their consumers (which rounded differently)
+            new = (*new, *finish(*new))
+            return tuple(_put(c, n, i) for c, n in zip(carry, new)), None
+
+        state0 = (m0, l0, a0, *finish(m0, l0, a0))
+        carry0 = tuple(jnp.broadcast_to(x, (nq, *x.shape)) for x in state0)
+        if pairs:
+            ij = jnp.asarray(np.asarray(pairs, np.int32).T)
+            carry0, _ = jax.lax.scan(pair_step, carry0, (ij[0], ij[1]))
+        o, lse = carry0[3], carry0[4]
+    else:  # traced bounds (KV-cache passes)
+        def q_step(_, xs):
+            i, qc, qs = xs
+            slots = _q_slots(i, cq, T, off)
+            lo, hi = _k_range(slots, win, ck, nk)
+            state = jax.lax.fori_loop(
+                lo, hi, lambda j, st: tile(j, st, qc, qs, slots), (m0, l0, a0))
+            return None, finish(*state)
+
+        idx = jnp.arange(nq, dtype=jnp.int32)
+        _, (o, lse) = jax.lax.scan(q_step, None, (idx, qc_all, qsc))
     # o [nq, B, KV, G, cq, hd] -> [B, T, H, hd]
     out = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * cq, H, hd)[:, :T]
     return out, (o, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
-    return _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(cq, ck, shared, pairs, q, k, v, km, off, win, qseg, kseg):
+    return _forward(cq, ck, shared, pairs, q, k, v, km, off, win, qseg, kseg)[0]
 
 
-def _flash_fwd(cq, ck, shared, q, k, v, km, off, win, qseg, kseg):
-    out, (o, lse) = _forward(cq, ck, shared, q, k, v, km, off, win, qseg, kseg)
+def _flash_fwd(cq, ck, shared, pairs, q, k, v, km, off, win, qseg, kseg):
+    out, (o, lse) = _forward(cq, ck, shared, pairs, q, k, v, km, off, win, qseg, kseg)
     return out, (q, k, v, km, off, win, qseg, kseg, o, lse)
 
 
-def _flash_bwd(cq, ck, shared, res, dout):
+def _bwd_tile(j, carry, qc, qs, slots, doc, lse_c, d_c, kp, vp, kmp, ksp, win, ck, scale,
+              shared):
+    """Key chunk j's share of the gradients of one query chunk: dq (of that chunk) and the
+    dk, dv accumulators (of all keys) updated."""
+    dq, dk_acc, dv_acc = carry
+    s, kc, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
+    p = jnp.exp(s - lse_c[..., None])  # [B, KV, G, cq, ck]
+    dv = jnp.einsum("bkgqs,bkgqd->bksd", p, doc)
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", doc, vc.astype(jnp.float32))
+    ds = p * (dp - d_c[..., None]) * scale
+    dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kc.astype(jnp.float32))
+    dk = jnp.einsum("bkgqs,bqkgd->bksd", ds, qc.astype(jnp.float32))
+    start = (0, 0, j * ck, 0)
+    dk_acc = jax.lax.dynamic_update_slice(
+        dk_acc, jax.lax.dynamic_slice(dk_acc, start, dk.shape) + dk, start)
+    dv_acc = jax.lax.dynamic_update_slice(
+        dv_acc, jax.lax.dynamic_slice(dv_acc, start, dv.shape) + dv, start)
+    return dq, dk_acc, dv_acc
+
+
+def _flash_bwd(cq, ck, shared, pairs, res, dout):
     q, k, v, km, off, win, qseg, kseg, o, lse = res
     B, T, H, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
@@ -246,37 +334,39 @@ def _flash_bwd(cq, ck, shared, res, dout):
     do = do.reshape(B, nq, cq, KV, G, hd).transpose(1, 0, 3, 4, 2, 5)
     dsum = jnp.sum(do * o.astype(jnp.float32), axis=-1)  # [nq, B, KV, G, cq]
     Sp = nk * ck
-
-    def q_step(carry, xs):
-        dk_acc, dv_acc = carry
-        i, qc, qs, doc, lse_c, d_c = xs
-        slots = _q_slots(i, cq, T, off)
-        lo, hi = _k_range(slots, win, ck, nk)
-        qf = qc.astype(jnp.float32)
-
-        def k_step(j, c):
-            dq, dk_acc, dv_acc = c
-            s, kc, vc = _tile(j, ck, qc, kp, vp, kmp, slots, win, qs, ksp, scale, shared)
-            p = jnp.exp(s - lse_c[..., None])  # [B, KV, G, cq, ck]
-            dv = jnp.einsum("bkgqs,bkgqd->bksd", p, doc)
-            dp = jnp.einsum("bkgqd,bksd->bkgqs", doc, vc.astype(jnp.float32))
-            ds = p * (dp - d_c[..., None]) * scale
-            dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kc.astype(jnp.float32))
-            dk = jnp.einsum("bkgqs,bqkgd->bksd", ds, qf)
-            start = (0, 0, j * ck, 0)
-            dk_acc = jax.lax.dynamic_update_slice(
-                dk_acc, jax.lax.dynamic_slice(dk_acc, start, dk.shape) + dk, start)
-            dv_acc = jax.lax.dynamic_update_slice(
-                dv_acc, jax.lax.dynamic_slice(dv_acc, start, dv.shape) + dv, start)
-            return dq, dk_acc, dv_acc
-
-        dq0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
-        dq, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, k_step, (dq0, dk_acc, dv_acc))
-        return (dk_acc, dv_acc), dq
-
+    tile = functools.partial(_bwd_tile, kp=kp, vp=vp, kmp=kmp, ksp=ksp, win=win, ck=ck,
+                             scale=scale, shared=shared)
     zeros = jnp.zeros((B, KV, Sp, hd), jnp.float32)
-    idx = jnp.arange(nq, dtype=jnp.int32)
-    (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), (idx, qc_all, qsc, do, lse, dsum))
+    dq0 = jnp.zeros((B, KV, G, cq, hd), jnp.float32)
+
+    if pairs is not None:  # static tile list: one scan, every query chunk's dq carried
+        def pair_step(carry, ij):
+            dq_all, dk_acc, dv_acc = carry
+            i, j = ij
+            slots = _q_slots(i, cq, T, off)
+            dq, dk_acc, dv_acc = tile(j, (_take(dq_all, i), dk_acc, dv_acc), _take(qc_all, i),
+                                      _take(qsc, i), slots, _take(do, i), _take(lse, i),
+                                      _take(dsum, i))
+            return (_put(dq_all, dq, i), dk_acc, dv_acc), None
+
+        carry0 = (jnp.broadcast_to(dq0, (nq, *dq0.shape)), zeros, zeros)
+        if pairs:
+            ij = jnp.asarray(np.asarray(pairs, np.int32).T)
+            carry0, _ = jax.lax.scan(pair_step, carry0, (ij[0], ij[1]))
+        dq, dk, dv = carry0
+    else:  # traced bounds (KV-cache passes)
+        def q_step(carry, xs):
+            dk_acc, dv_acc = carry
+            i, qc, qs, doc, lse_c, d_c = xs
+            slots = _q_slots(i, cq, T, off)
+            lo, hi = _k_range(slots, win, ck, nk)
+            dq, dk_acc, dv_acc = jax.lax.fori_loop(
+                lo, hi, lambda j, c: tile(j, c, qc, qs, slots, doc, lse_c, d_c),
+                (dq0, dk_acc, dv_acc))
+            return (dk_acc, dv_acc), dq
+
+        idx = jnp.arange(nq, dtype=jnp.int32)
+        (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), (idx, qc_all, qsc, do, lse, dsum))
     dq = dq.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * cq, H, hd)[:, :T]
     return (dq.astype(q.dtype), dk[:, :, :S].astype(k.dtype), dv[:, :, :S].astype(v.dtype),
             None, None, None, None, None)

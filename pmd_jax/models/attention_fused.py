@@ -3,7 +3,9 @@
 :mod:`pmd_jax.models.attention_select`.
 
 Both take q [B, T, H, hd] and heads-major k/v [B, KV, S, hd] of a pass without a KV cache
-(T == S, query t at slot t), ``key_mask`` [B, S] (True: a real token), optional packing
+(T == S, query t at slot t), ``key_mask`` [B, S] (True: a real token) or, for right-padded
+rows, ``seq_lengths`` [B] (:func:`dpa_attention` only: row b's real tokens are slots
+[0, seq_lengths[b]); no mask array at all), optional packing
 ``segment_ids`` [B, T] and a static sliding ``window`` (key j visible from query i iff
 ``i - window < j <= i``; None: unlimited), and return [B, T, H, hd] equal to
 :func:`pmd_jax.models.attention.dense_attention` with the decoder's mask on every query that
@@ -48,27 +50,50 @@ def visibility_mask(key_mask: jnp.ndarray | None, segment_ids: jnp.ndarray | Non
     return vis[:, None]
 
 
+def right_padded_lengths(key_mask: jnp.ndarray) -> jnp.ndarray:
+    """[B] int32: the number of real tokens of each right-padded row (``key_mask`` [B, S]
+    True on slots [0, n)), at least 1: a row without any real token then attends to its slot
+    0 (finite values nobody reads) rather than to nothing. Only right padding is expressed
+    exactly: for a row with padding before a real token the lengths are wrong."""
+    n = jnp.sum(key_mask.astype(jnp.int32), axis=-1)
+    return jnp.maximum(n, 1).astype(jnp.int32)
+
+
 def dpa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, *,
                   key_mask: jnp.ndarray | None = None, window: int | None = None,
                   segment_ids: jnp.ndarray | None = None, shared_prefix: bool = False,
                   implementation: Literal["cudnn", "xla"] = "cudnn",
-                  mask: jnp.ndarray | None = None
+                  mask: jnp.ndarray | None = None, seq_lengths: jnp.ndarray | None = None
                   ) -> jnp.ndarray:
     """``jax.nn.dot_product_attention`` (``implementation`` "cudnn" or "xla") with the
     decoder's masks: ``is_causal``, ``local_window_size=(window - 1, 0)``, and key padding /
-    segments as a boolean mask (cuDNN receives it as an additive bias). ``key_mask=None``: all
-    keys real (no mask at all when there are no segments either). ``mask``: the
-    :func:`visibility_mask` computed once by the caller (the decoder: once per forward, not
-    per layer); ``key_mask``, ``segment_ids`` and ``shared_prefix`` are then not read."""
+    segments as a boolean mask (cuDNN receives it as an additive bias and returns its
+    gradient too). ``key_mask=None``: all keys real (no mask at all when there are no segments
+    either). ``mask``: the :func:`visibility_mask` computed once by the caller (the decoder:
+    once per forward, not per layer); ``key_mask``, ``segment_ids`` and ``shared_prefix`` are
+    then not read.
+
+    ``seq_lengths`` [B] int32 (:func:`right_padded_lengths`): right-padded rows, row b's real
+    tokens at slots [0, seq_lengths[b]), passed as ``query_seq_lengths`` and
+    ``key_value_seq_lengths`` (cuDNN: the ``PADDING_CAUSAL`` mask type, no mask operand, no
+    bias, no ``dbias``). Then no mask is built; ``key_mask`` must be None and segments are
+    refused (lengths cannot express them). Outputs of padding queries (slots >= length) are
+    zeros (the xla implementation) or whatever cuDNN leaves there: never read."""
     B, T, H, hd = q.shape
     if k.shape[2] != T:
         raise ValueError(f"dpa_attention runs cache-free passes (T == S), got q {q.shape}, "
                          f"k {k.shape}")
-    if mask is None:
+    if seq_lengths is not None:
+        if mask is not None or key_mask is not None or segment_ids is not None:
+            raise ValueError("dpa_attention: seq_lengths replace the padding mask; give no "
+                             "mask, key_mask or segment_ids with them")
+        seq_lengths = jnp.asarray(seq_lengths, jnp.int32)
+    elif mask is None:
         mask = visibility_mask(key_mask, segment_ids, shared_prefix)
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
     out = jax.nn.dot_product_attention(
-        q, kt, vt, mask=mask, is_causal=True,
+        q, kt, vt, mask=mask, is_causal=True, query_seq_lengths=seq_lengths,
+        key_value_seq_lengths=seq_lengths,
         local_window_size=None if window is None else (int(window) - 1, 0),
         implementation=implementation)
     return out.astype(q.dtype)

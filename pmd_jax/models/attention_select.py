@@ -6,12 +6,18 @@ Implementations (``ModelConfig.attention_impl``):
 * ``dense``, ``chunked``: :mod:`pmd_jax.models.attention` (pure JAX, every backend).
 * ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, cuDNN's fused
   flash attention (NVIDIA GPUs). Causal via ``is_causal``, GQA natively, the sliding window via
-  ``local_window_size``; key padding, packed segments and the shared-prefix layout (segment 0
-  seen by every segment of its row) via a boolean ``mask`` [B, 1, T, S], which JAX hands to
-  cuDNN as an additive bias (the kernel stays fused; the bias is one [B, T, S] array in the
-  compute dtype per forward, shared by all layers).
+  ``local_window_size``. Key padding of right-padded rows (each row's real tokens are slots
+  [0, n): ``forward(..., right_padded=True)``, as the train step's batches are) as sequence
+  lengths, ``query_seq_lengths`` / ``key_value_seq_lengths`` (cuDNN's ``PADDING_CAUSAL``
+  mask, computed inside the kernel: no mask array, no bias, no ``dbias``). Packed segments,
+  the shared-prefix layout (segment 0 seen by every segment of its row) and padding not known
+  to be right padding (left padding: lengths cannot say where a row starts) via a boolean
+  ``mask`` [B, 1, T, S], which JAX hands to cuDNN as an additive bias: one [B, T, S] array in
+  the compute dtype per forward, and cuDNN's backward then also writes its gradient
+  ``dbias`` (JAX's ``should_export_dbias`` is always True), a T x S output nobody reads.
 * ``cudnn_xla``: the very same call with ``implementation="xla"``: runs anywhere, so the CPU
-  tests check the cuDNN path's masks, window and layout against the dense reference.
+  tests check the cuDNN path's masks, lengths, window and layout against the dense
+  reference (the xla implementation builds its mask from the lengths itself).
 * ``splash``: the Pallas Splash attention kernel
   (``jax.experimental.pallas.ops.tpu.splash_attention``) on TPU: causal / sliding window as a
   static block-sparse mask, key padding and packed segments as its segment ids (padding tokens
@@ -27,9 +33,10 @@ Rules for ``auto`` (MaxText's ``autoselected`` where it has one):
 3. Fewer than 128 queries: rule 1 (MaxText: ``length < 128`` -> dot_product).
 4. GPU: ``cudnn``, unless the compute dtype is not bf16/fp16 (cuDNN flash attention takes half
    types only), the head dim is not a multiple of 8 or exceeds 128 (256 from Hopper, compute
-   capability 9.0), the call needs a mask (key padding, segments) and T or S is odd (cuDNN's
-   backward with a bias needs even lengths), or the device is not a CUDA device (ROCm). Then
-   rule 1.
+   capability 9.0), the call needs a mask (segments, the shared prefix, or key padding not
+   known to be right padding) and T or S is odd (cuDNN's backward with a bias needs even
+   lengths; sequence lengths alone carry no such limit), or the device is not a CUDA device
+   (ROCm). Then rule 1.
 5. TPU: ``splash``, unless the shared-prefix layout is asked for (Splash segment ids express
    "same segment" only, not "segment 0 is seen by all"): then rule 1.
 
@@ -69,10 +76,19 @@ class AttentionCall:
     segments: bool = False  # packed segment ids
     shared_prefix: bool = False  # segment 0 is seen by every segment of its row
     gpu_compute_capability: str | None = None  # "9.0" on H100/H200; None: not a CUDA device
+    right_padded: bool = False  # the key padding is a suffix of each row (lengths express it)
+
+    @property
+    def seq_lengths(self) -> bool:
+        """The key padding goes to the fused kernel as per-row lengths (no mask)."""
+        return (self.key_padding and self.right_padded and not self.segments
+                and not self.shared_prefix)
 
     @property
     def needs_mask(self) -> bool:
-        return self.key_padding or self.segments or self.shared_prefix
+        """The fused kernel needs a [B, 1, T, S] mask (cuDNN: a bias, and its dbias)."""
+        return (self.key_padding and not self.seq_lengths) or self.segments or \
+            self.shared_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +194,10 @@ def _auto(call: AttentionCall) -> Choice:
         what.append("shared-prefix segments")
     elif call.segments:
         what.append("packed segments")
-    via = " (mask as a [B, 1, T, S] bias)" if kernel == "cudnn" and call.needs_mask else ""
+    via = ""
+    if kernel == "cudnn" and call.needs_mask:
+        via = " (mask as a [B, 1, T, S] bias)"
+    elif kernel == "cudnn" and call.seq_lengths:
+        via = " (padding as sequence lengths: no mask, no bias)"
     return Choice(kernel, f"auto on {call.backend}: {kernel} fused attention, "
                           f"{', '.join(what)}{via}")

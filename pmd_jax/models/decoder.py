@@ -480,6 +480,7 @@ def forward(
     attention_impl: str | None = None,
     adapters: Params | None = None,
     lora: LoraConfig | None = None,
+    right_padded: bool = False,
 ) -> tuple[jnp.ndarray, dict[str, Any] | None]:
     """Run the decoder: embed, the layers (``decoder_layer``, scanned over stacked weights or
     looped over per-layer ones), final norm, LM head.
@@ -495,6 +496,11 @@ def forward(
     ``adapters`` (with their ``lora`` config): LoRA adapters, a layer-stacked tree
     (:mod:`pmd_jax.models.lora`) added to the projections they target; the base ``params``
     are used as they are (differentiate with respect to ``adapters`` to train only them).
+    ``right_padded``: the caller promises that ``attn_mask`` marks a prefix of every row
+    (right padding, as the train step's batches are); cuDNN attention then gets each row's
+    length instead of a [B, 1, T, S] mask (no bias, no ``dbias``; :mod:`pmd_jax.models.attend`).
+    Not checked on the device: a left-padded row under it is attended wrongly by the cuDNN
+    paths (dense, chunked and splash read the mask and ignore the flag).
     """
     _check_inputs(params, tokens, positions, cfg, attn_mask, segment_ids, cache, adapters, lora)
     if shared_prefix and (segment_ids is None or cfg.windows_shorter_than(tokens.shape[1])):
@@ -535,10 +541,12 @@ def forward(
     choice = attend.choose(
         cfg, cfg.attention_impl if attention_impl is None else attention_impl, T=T, S=S,
         has_cache=cache is not None, key_padding=attn_mask is not None or cache is not None,
-        segments=segment_ids is not None, shared_prefix=shared_prefix)
+        segments=segment_ids is not None, shared_prefix=shared_prefix,
+        right_padded=right_padded and cache is None)
     attend_fn = attend.attend_fn(cfg, choice.impl, T, S, key_mask, idx, segment_ids,
                                  shared_prefix, windows=windows,
-                                 key_padding=attn_mask is not None, shard_ctx=shard_ctx)
+                                 key_padding=attn_mask is not None, shard_ctx=shard_ctx,
+                                 right_padded=right_padded and cache is None)
 
     # ---- per-layer tables
     inv_freq, scaling, rope_idx = rope_lib.rope_tables(cfg)
