@@ -13,7 +13,11 @@ runs as:
    rows that continue its prompts, shifted so every prompt ends at the batch's last prompt
    slot (slot distances, hence causality and sliding windows, are kept);
 3. decode: a ``jax.lax.while_loop`` feeds one token per step through the cached forward and
-   samples the next one; it exits early once every row has hit a stop token.
+   samples the next one; it exits early once every row has hit a stop token, or once at
+   most half the batch's rows are still going: those rows then go on alone in a batch of
+   the next smaller row bucket (cache and loop state cut to them, ``decode.take_rows``), so
+   finished rows stop costing (down to ``min_decode_rows``, below which a step costs the
+   weights' read whatever the batch).
 
 So a prefill pays for each distinct prompt once, padded to its group's length rather than to
 the batch's longest prompt. Randomness is folded from ``(seed, prompt index, sample index,
@@ -60,7 +64,7 @@ from pmd_jax.models.config import ModelConfig
 from pmd_jax.run import footprint
 from pmd_jax.run.multihost import to_host
 from pmd_jax.run.sharding import ShardingRules, shard_tree
-from pmd_jax.sampling import decode
+from pmd_jax.sampling import constrained, decode
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling.base import (
     Rollout,
@@ -70,11 +74,12 @@ from pmd_jax.sampling.base import (
     WeightSharing,
 )
 from pmd_jax.sampling.batching import (
+    batch_cost,
     bucket_length,
     plan_batches,
     plan_prefill_groups,
-    prefill_length,
     row_bucket,
+    shared_prefix_length,
 )
 
 Params = Any
@@ -127,6 +132,11 @@ class JaxSampler:
         decode step was 3.6x faster this way (161 vs 586 ms at B=16), on a quiet one about
         the same (125-163 vs 135-151 ms); False keeps the stacked arrays and the layer scan
         (smaller compile).
+      min_decode_rows: an unconstrained decode batch is cut to its still-going rows (in the
+        next row bucket) whenever at most half its rows are still going, down to this many
+        rows: below it a decode step costs about one read of the weights whatever the batch
+        (Qwen2.5-Coder-0.5B fp32 on the 2-core box: 137 ms a step at 8 rows, 260 at 32, 683
+        at 96).
       tokenizer: the model's tokenizer (our ``models.tokenizer.Tokenizer``, a ``transformers``
         fast tokenizer, or an ``llguidance.LLTokenizer``), needed only for constrained requests
         (``SamplingParams.json_schema``); see :meth:`set_tokenizer`. Without one a
@@ -150,6 +160,7 @@ class JaxSampler:
         prefill_matmul_dtype: str | None = None,
         unstack_layers: bool = True,
         tokenizer: Any = None,
+        min_decode_rows: int = 8,
     ) -> None:
         self.cfg = cfg
         self.max_len = int(max_len if max_len is not None else cfg.max_position_embeddings)
@@ -161,6 +172,9 @@ class JaxSampler:
             raise SamplerError(f"max_batch must be >= 1, got {max_batch}")
         if max_cache_gib is not None and max_cache_gib < 0:
             raise SamplerError(f"max_cache_gib must be >= 0 (0 = no budget), got {max_cache_gib}")
+        if min_decode_rows < 1:
+            raise SamplerError(f"min_decode_rows must be >= 1, got {min_decode_rows}")
+        self.min_decode_rows = int(min_decode_rows)
         if max_prefill_tokens is not None and max_prefill_tokens < 0:
             raise SamplerError(f"max_prefill_tokens must be >= 0 (0 = no cap), got "
                                f"{max_prefill_tokens}")
@@ -392,7 +406,8 @@ class JaxSampler:
             max_tokens=np.int32(params.max_tokens),
             stop_ids=stop_pad,
         )
-        pending: list[tuple[list[int], Any]] = []  # (rows of a batch, its outputs)
+        items: list[Rollout | None] = [None] * len(rows)
+        new_tokens = batches = 0
         grammar_s = [0.0]
         stats = [0, 0]  # prefill groups, prefill positions
         seen = _SHAPES_RUN.setdefault((id(self._fns), engine is None), set())
@@ -401,27 +416,23 @@ class JaxSampler:
             lengths, self.max_batch,
             lambda b, plen: (b, *self._shapes(plen, params.max_tokens)),
             bucket_length(params.max_tokens), divisor=self._batch_div, compiled=seen,
-            batch_cost=_batch_cost([rows[r][0] for r in order], lengths, self.max_cache_slots))
+            batch_cost=batch_cost([rows[r][0] for r in order], lengths, self.max_cache_slots))
         for start, end in plan:
             chunk = order[start:end]
             seen.add((row_bucket(end - start, self._batch_div),
                       *self._shapes(lengths[end - 1], params.max_tokens)))
+            # one batch at a time, read back before the next is filled: its KV cache is
+            # freed before the next one's exists
             if engine is None:
-                if pending:  # one batch in flight: its KV cache is freed before the next's
-                    jax.block_until_ready(pending[-1][1])
-                pending.append((chunk, self._launch(chunk, rows, arrays, params, scalars,
-                                                    stats)))
+                result = self._launch(chunk, rows, arrays, params, scalars, stats)
             else:
-                pending.append((chunk, self._launch_constrained(
-                    chunk, rows, arrays, params, scalars, engine, grammar_s, stats)))
-            # The batch is dispatched (an unconstrained one runs on): what compiling its
-            # program freed goes back to the kernel instead of staying resident beside the
-            # KV caches (pmd_jax.run.footprint).
+                result = constrained.run_batch(self, chunk, rows, arrays, params, scalars,
+                                               engine, grammar_s, stats)
+            # what compiling the batch's programs freed goes back to the kernel instead of
+            # staying resident beside the next batch's KV cache (pmd_jax.run.footprint)
             footprint.release_free_memory()
-        items: list[Rollout | None] = [None] * len(rows)
-        new_tokens = 0
-        for chunk, result in pending:
-            toks, lps, lens, stopped = (to_host(x) for x in result)  # (multi-process)
+            batches += 1
+            toks, lps, lens, stopped = result  # host arrays
             for j, r in enumerate(chunk):
                 ln = int(lens[j])
                 new_tokens += ln
@@ -433,7 +444,7 @@ class JaxSampler:
             if progress is not None:
                 progress(len(chunk))
         self.last_metrics = SamplerMetrics(
-            rows=len(rows), batches=len(pending), new_tokens=new_tokens,
+            rows=len(rows), batches=batches, new_tokens=new_tokens,
             seconds=time.perf_counter() - t0, constrained=engine is not None,
             grammar_seconds=grammar_s[0], prefill_groups=stats[0], prefill_positions=stats[1])
         return Rollouts(items, self.weights_version)  # type: ignore[arg-type]
@@ -459,12 +470,22 @@ class JaxSampler:
             prompt_len[j] = len(arrays[rows[r][0]])
             users.setdefault(rows[r][0], []).append(j)
         distinct = sorted(users, key=lambda q: len(arrays[q]))
-        seen = _SHAPES_RUN.setdefault((id(self._fns), "prefill"), set())
-        groups = plan_prefill_groups([len(arrays[q]) for q in distinct], self.max_batch,
-                                     divisor=self._batch_div, limit=p_max,
-                                     max_tokens=self.max_prefill_tokens, compiled=seen)
-        p_len = max(g_len for *_, g_len in groups)
         fns = self._fns
+        shared = self._shared_prefix([arrays[q] for q in distinct], cache_len)
+        prefix = None
+        if shared:  # the prefix every prompt of the batch starts with, prefilled once
+            rows_p = row_bucket(1, self._batch_div)
+            prefix, _ = fns.prefill(
+                self.params, *self._put(np.tile(arrays[distinct[0]][:shared], (rows_p, 1)),
+                                        np.ones((rows_p, shared), bool)), cache_len=shared)
+            stats[0] += 1
+            stats[1] += rows_p * shared
+        seen = _SHAPES_RUN.setdefault((id(self._fns), "prefill", shared), set())
+        groups = plan_prefill_groups([len(arrays[q]) - shared for q in distinct],
+                                     self.max_batch, divisor=self._batch_div,
+                                     limit=p_max - shared, max_tokens=self.max_prefill_tokens,
+                                     compiled=seen)
+        p_len = shared + max(g_len for *_, g_len in groups)
         cache, logits = fns.empty(self.params, b=b, cache_len=cache_len)
         for start, end, g, g_len in groups:
             seen.add((g, g_len))
@@ -475,19 +496,35 @@ class JaxSampler:
             k = 0
             for i in range(g):  # padding rows repeat the group's first prompt, then dropped
                 q = distinct[start + i] if start + i < end else distinct[start]
-                tokens[i, g_len - len(arrays[q]):] = arrays[q]
-                mask[i, g_len - len(arrays[q]):] = True
+                suffix = arrays[q][shared:]
+                tokens[i, g_len - len(suffix):] = suffix
+                mask[i, g_len - len(suffix):] = True
                 for j in users[q] if start + i < end else ():
                     src[k], dst[k] = i, j
                     k += 1
-            g_cache, g_logits = fns.prefill(self.params, *self._put(tokens, mask),
-                                            cache_len=g_len)
+            if prefix is None:
+                g_cache, g_logits = fns.prefill(self.params, *self._put(tokens, mask),
+                                                cache_len=g_len)
+            else:
+                g_cache, g_logits = fns.prefill_after(self.params, prefix,
+                                                      *self._put(tokens, mask))
             cache, logits = fns.place(cache, logits, g_cache, g_logits, src, dst,
-                                      np.int32(p_len - g_len))
+                                      np.int32(p_len - shared - g_len))
             stats[0] += 1
             stats[1] += g * g_len
         valid = np.arange(b) < b_real
         return cache, logits, (prompt_len, pidx, sidx, valid), p_len, out_len
+
+    def _shared_prefix(self, prompts: Sequence[np.ndarray], cache_len: int) -> int:
+        """Tokens of the prefix that every one of a batch's distinct ``prompts`` (two or
+        more) starts with, to prefill once (``decode.prefill_after``), cut to a prefill length
+        bucket (so its programs are shared across requests) and leaving every prompt at
+        least one token of its own; 0 (no shared prefill) below ``MIN_SHARED_PREFIX`` tokens
+        or when a sliding window is shorter than the cache (the padding between prefix and
+        suffix would count in the window's slot distances)."""
+        if self.cfg.windows_shorter_than(cache_len):
+            return 0
+        return shared_prefix_length(prompts, MIN_SHARED_PREFIX)
 
     def _put(self, *xs: np.ndarray) -> tuple[Any, ...]:
         """Host arrays whose first axis is the batch, placed on the mesh (as-is without one)."""
@@ -499,109 +536,65 @@ class JaxSampler:
         return tuple(jax.device_put(x, shard2 if x.ndim == 2 else shard1) for x in xs)
 
     def _launch(self, chunk, rows, arrays, sp: SamplingParams, scalars, stats: list[int]):
+        """One batch through the unconstrained decode: (tokens, logprobs, lengths, stopped)
+        of its rows, host arrays.
+
+        Rows that finish stop costing: the decode loop exits once at most half the batch's
+        rows are still going (``_shrink_target``), and those rows go on alone in a batch of
+        the next row bucket (``decode.take_rows`` cuts the cache and the loop state); every
+        row's tokens are those the full batch gives (the same per-row computation and
+        sampling keys); batches of ``min_decode_rows`` rows or fewer are not cut."""
         cache, logits, host, p_len, out_len = self._fill_batch(chunk, rows, arrays, sp, stats)
-        prompt_len, pidx, sidx, valid = self._put(*host)
-        *out, _ = self._fns.decode(self.params, cache, logits, prompt_len, np.int32(p_len),
-                                   pidx, sidx, valid, **scalars, out_len=out_len)
-        return tuple(x[: len(chunk)] for x in out)
-
-    def _launch_constrained(self, chunk, rows, arrays, sp: SamplingParams, scalars,
-                            engine: tuple[Any, str], grammar_s: list[float], stats: list[int]):
-        """One batch through the host-driven constrained loop; same outputs as ``_launch``.
-
-        Per token: read the sampled tokens (a small device->host copy), dispatch the next
-        forward (async), feed the tokens to the matchers and compute the next bitmasks while
-        it runs, then dispatch the masked sampling step with them.
-        """
-        llg_tok, grammar_text = engine
-        p_max, full_len, _ = self._shapes(max(len(arrays[rows[r][0]]) for r in chunk),
-                                          sp.max_tokens)
-        cache, logits, (prompt_len, pidx, sidx, valid), p_len, out_len = self._fill_batch(
-            chunk, rows, arrays, sp, stats, reply_slots=CONSTRAINED_FIRST_REPLY)
-        b, b_real = len(valid), len(chunk)
-        end_ids = sp.stop_token_ids or tuple(int(i) for i in llg_tok.eos_tokens)
-        tg = time.perf_counter()
-        matcher = grammar_lib.BatchMatcher(llg_tok, grammar_text, b, valid, end_ids,
-                                           self._text_vocab, self._executor)
-        grammar_s[0] += time.perf_counter() - tg
+        sample_kw = {k: scalars[k] for k in ("seed", "temperature", "top_k", "top_p",
+                                             "needs_filter")}
+        d_plen, d_pidx, d_sidx, d_valid = self._put(*host)
         fns = self._fns
-        d_pidx, d_sidx = self._put(pidx, sidx)
-        sample_kw = dict(seed=scalars["seed"], temperature=scalars["temperature"],
-                         top_k=scalars["top_k"], top_p=scalars["top_p"],
-                         needs_filter=scalars["needs_filter"])
-
-        def sample(logits, step: int):
-            tg = time.perf_counter()
-            (bm,) = self._put(matcher.fill_next())
-            grammar_s[0] += time.perf_counter() - tg
-            return fns.sample(logits, bm, d_pidx, d_sidx, np.int32(step), **sample_kw)
-
-        tok, lp = sample(logits, 0)
-        max_tokens = sp.max_tokens
-        out_tok = np.full((b, out_len), self.pad_id, np.int32)
-        out_lp = np.zeros((b, out_len), np.float32)
-        lengths = np.zeros((b,), np.int32)
-        stopped = np.zeros((b,), bool)
-        for step in range(max_tokens):
-            t_host, lp_host = to_host(tok), to_host(lp)
-            live = ~matcher.done
-            out_tok[live, step] = t_host[live]
-            out_lp[live, step] = lp_host[live]
-            lengths[live] = step + 1
-            last = step + 1 >= max_tokens or bool(np.all(matcher.done | matcher.is_end(t_host)))
-            if not last:  # the next forward runs while the host works on the grammar
-                slots = cache["mask"].shape[1]
-                if p_len + step >= slots:  # rows go on past the cache: twice its reply part
-                    cache = decode.grow_cache(cache, min(full_len, 2 * slots - p_max))
-                (pos,) = self._put((prompt_len + step)[:, None])
-                cache, logits = fns.step(self.params, cache, tok, pos,
-                                         np.int32(p_len + step))
-            tg = time.perf_counter()
-            stopped |= matcher.consume(t_host)
-            grammar_s[0] += time.perf_counter() - tg
+        state = fns.start(logits, d_pidx, d_sidx, d_valid, **sample_kw,
+                          stop_ids=scalars["stop_ids"], out_len=out_len)
+        b_real = len(chunk)
+        out = (np.full((b_real, out_len), self.pad_id, np.int32),
+               np.zeros((b_real, out_len), np.float32), np.zeros((b_real,), np.int32),
+               np.zeros((b_real,), bool))
+        where = np.arange(len(host[3]))  # batch row -> row of the chunk (>= b_real: padding)
+        plen, pidx, sidx = host[:3]
+        while True:
+            target = self._shrink_target(len(where))
+            state, cache = fns.decode(self.params, cache, state, d_plen, np.int32(p_len),
+                                      d_pidx, d_sidx, **sample_kw,
+                                      max_tokens=scalars["max_tokens"],
+                                      stop_ids=scalars["stop_ids"], min_active=np.int32(target))
+            done = to_host(state.done)
+            going = np.flatnonzero(~done)
+            last = target == 0 or not going.size or int(to_host(state.step)) >= sp.max_tokens
+            finished = np.flatnonzero((done | last) & (where < b_real))
+            if finished.size:
+                vals = (to_host(state.out_tok), to_host(state.out_lp), to_host(state.lengths),
+                        to_host(state.stopped))
+                for o, v in zip(out, vals, strict=True):
+                    o[where[finished]] = v[finished]
             if last:
-                break
-            if (step + 1) % TRIM_EVERY == 0:  # the per-token host buffers' freed heap
-                footprint.release_free_memory()
-            tok, lp = sample(logits, step + 1)
-        sl = slice(0, b_real)
-        return out_tok[sl], out_lp[sl], lengths[sl], stopped[sl]
+                return out
+            nb = row_bucket(going.size, self._batch_div)
+            keep = np.concatenate([going, np.full((nb - going.size,), np.flatnonzero(done)[0])])
+            where = np.where(np.arange(nb) < going.size, where[keep], b_real)
+            state = decode.take_rows(state, keep)
+            cache = decode.take_rows(cache, keep)
+            plen, pidx, sidx = plen[keep], pidx[keep], sidx[keep]
+            d_plen, d_pidx, d_sidx = self._put(plen, pidx, sidx)
+
+    def _shrink_target(self, b: int) -> int:
+        """Still-going rows at which a decode batch of ``b`` rows stops to go on in a smaller
+        one: half its rows (rounded down to the mesh's batch divisor), or 0 (run to the end)
+        for a batch of ``min_decode_rows`` or fewer."""
+        if b <= self.min_decode_rows:
+            return 0
+        return (b // 2) // self._batch_div * self._batch_div
 
 
-# The constrained loop hands the C heap's free pages back every this many tokens: what the
-# batch's prefill groups (caches, temporaries, compiles) freed stays resident under the token
-# loop otherwise (pmd_jax.run.footprint). On a behavior-round-shaped call (8 prompts of 831-1,437
-# tokens, max_tokens 1536): RSS during the decode 3.17 -> 2.57 GiB, the peak (at the
-# prefill) unchanged. A trim walks the heap (tens of ms), about 1% of 32 decode steps.
-TRIM_EVERY = 32
-
-# Reply slots the constrained loop's cache starts with, doubled while rows go on
-# (decode.grow_cache): behavior rounds ask for 1,536 tokens; their replies took 79-513.
-CONSTRAINED_FIRST_REPLY = 512
+# A batch's prompts sharing at least this many leading tokens prefill them once (chat system
+# prompts, task instructions: 126 of HumanEval's 170-523 tokens for Qwen2.5-Coder).
+MIN_SHARED_PREFIX = 32
 
 # Shapes each compiled program family has run (the plans treat them as free), per
-# (programs, decode path) and (programs, "prefill").
-_SHAPES_RUN: dict[tuple[int, Any], set[tuple[int, ...]]] = {}
-
-# One cache slot of one row for one decode step, in prefill token-equivalents: the step's
-# attention reads it (SmolLM2-135M on the 2-core box: ~6 us a slot, a prefill token ~2 ms),
-# and the cache's size bounds the batch's memory, so a short prompt is not kept in a long
-# batch for long generations.
-CACHE_SLOT_STEP = 0.005
-
-
-def _batch_cost(prompts: Sequence[int], lengths: Sequence[int], max_slots: int | None = None):
-    """``plan_batches``' prefill term for rows sorted by length (``prompts[k]`` the prompt of
-    row k): each distinct prompt of the batch once at its prefill length, plus the cache;
-    infinite for a batch of several rows whose cache exceeds ``max_slots`` row-slots."""
-    pre = [0]
-    for k, (q, n) in enumerate(zip(prompts, lengths, strict=True)):
-        pre.append(pre[-1] + (prefill_length(n) if k == 0 or prompts[k - 1] != q else 0))
-
-    def cost(i: int, j: int, rows: int, key: tuple[int, ...]) -> float:
-        if max_slots is not None and j - i > 1 and rows * key[2] > max_slots:
-            return math.inf
-        head = 0 if i == 0 or prompts[i - 1] != prompts[i] else prefill_length(lengths[i])
-        return pre[j] - pre[i] + head + CACHE_SLOT_STEP * key[3] * rows * key[2]
-
-    return cost
+# (programs, decode path) and (programs, "prefill", shared prefix length).
+_SHAPES_RUN: dict[tuple[Any, ...], set[tuple[int, ...]]] = {}

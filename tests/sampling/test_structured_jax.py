@@ -163,9 +163,10 @@ def test_allow_everything_grammar_gives_the_unconstrained_tokens(sampler, tok, p
 
 def test_constrained_loop_trims_the_heap_and_changes_no_token(sampler, tok, prompts,
                                                               monkeypatch):
-    """The host loop hands free heap pages back every TRIM_EVERY tokens (jax_sampler); the
-    tokens and logprobs are those of the same request without the in-loop trims."""
-    from pmd_jax.sampling import jax_sampler
+    """The host loop hands free heap pages back every TRIM_EVERY tokens
+    (sampling.constrained); the tokens and logprobs are those of the same request without the
+    in-loop trims."""
+    from pmd_jax.sampling import constrained, jax_sampler
 
     calls = []
     real = jax_sampler.footprint.release_free_memory
@@ -173,11 +174,11 @@ def test_constrained_loop_trims_the_heap_and_changes_no_token(sampler, tok, prom
                         lambda: calls.append(1) or real())
     sp = _params(tok, n=2, temperature=1.0, max_tokens=70, seed=3)
     anyg = grammar_lib.Grammar.any_token(TOK_VOCAB)
-    monkeypatch.setattr(jax_sampler, "TRIM_EVERY", 10**9)
+    monkeypatch.setattr(constrained, "TRIM_EVERY", 10**9)
     plain = sampler.generate(prompts, sp, grammar=anyg)
     outside = len(calls)  # the trim after each batch's dispatch
     calls.clear()
-    monkeypatch.setattr(jax_sampler, "TRIM_EVERY", 32)
+    monkeypatch.setattr(constrained, "TRIM_EVERY", 32)
     trimmed = sampler.generate(prompts, sp, grammar=anyg)
     steps = max(len(r.tokens) for r in trimmed)
     assert steps > 64  # the random model does not stop early on this seed
@@ -195,7 +196,7 @@ def test_growing_constrained_cache_changes_no_token(sampler, tok, prompts, monke
     (decode.grow_cache) while rows go on; the tokens are those of the unconstrained decode,
     whose cache holds every reply slot from the start, and the logprobs agree to float32
     rounding (attention sums over more, masked, slots there: ~1 ulp, not bitwise)."""
-    from pmd_jax.sampling import decode, jax_sampler
+    from pmd_jax.sampling import constrained, decode
 
     grown = []
     real = decode.grow_cache
@@ -207,7 +208,7 @@ def test_growing_constrained_cache_changes_no_token(sampler, tok, prompts, monke
         return out
 
     monkeypatch.setattr(decode, "grow_cache", spy)
-    monkeypatch.setattr(jax_sampler, "CONSTRAINED_FIRST_REPLY", 8)
+    monkeypatch.setattr(constrained, "CONSTRAINED_FIRST_REPLY", 8)
     sp = _params(tok, n=2, temperature=temperature, max_tokens=70, seed=5)
     free = sampler.generate(prompts, sp)
     assert not grown
