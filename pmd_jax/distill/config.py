@@ -23,10 +23,12 @@ import ml_collections
 from pmd_jax.config.schema import Section, freeze_section, knob, section, to_config_dict
 from pmd_jax.distill.losses import DistillLossConfig
 from pmd_jax.distill.optim import OptimConfig
+from pmd_jax.models.decoder import REMAT_POLICIES as DECODER_REMAT_POLICIES
 
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("full", "dots", "dots_no_batch")
+# the decoder's remat policies (pmd_jax.models.decoder.remat_policy); "none" is remat=False
+REMAT_POLICIES = tuple(p for p in DECODER_REMAT_POLICIES if p != "none")
 LAYER_LOOPS = ("scan", "unrolled")
 MATMUL_DTYPES = ("", "bfloat16", "float16")
 
@@ -118,7 +120,14 @@ class DistillPrecision(Section):
     remat: bool = knob(True, "Rematerialise decoder layers in the backward pass (the chunked "
                        "loss always recomputes its per-chunk logits).")
     remat_policy: str = knob("full", "'full' saves only layer inputs; 'dots' / 'dots_no_batch' "
-                             "also keep matmul outputs.")
+                             "also keep matmul outputs ('minimal' = 'dots_no_batch', MaxText's "
+                             "name: the weight projections); by name (MaxText's policies, "
+                             "pmd_jax.models.decoder.remat_policy): 'save_qkv_proj', "
+                             "'save_out_proj', 'save_dot_except_mlp', "
+                             "'save_dot_with_context_except_mlp', 'save_dot_except_mlpwi'; "
+                             "offloaded to pinned host memory between the passes: "
+                             "'qkv_proj_offloaded', 'save_dot_except_mlp_offloaded', "
+                             "'minimal_offloaded'. Compiled memory of each: docs/benchmarks.md.")
     right_padded: bool = knob(True, "The step's rows are right padded, as assemble and "
                               "make_lesson_rows build them: cuDNN attention then takes each "
                               "row's length instead of a padding mask (no [B, T, T] bias and no "

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from pmd_jax.models import attend, matmul, weights
 from pmd_jax.models import attention as attn_lib
@@ -57,7 +58,26 @@ from pmd_jax.models.weights import INIT_STD, ParamError
 
 Params = dict[str, Any]
 _BIG_WINDOW = attend.BIG_WINDOW
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+# Names of the decoder layer's tensors (``checkpoint_name``, MaxText's names), for the remat
+# policies that save or offload named tensors.
+QKV_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj")
+REMAT_NAMES: tuple[str, ...] = (*QKV_NAMES, "context", "out_proj", "mlpwi_0", "mlpwi_1",
+                                "mlpwo")
+# policy -> the named tensors it saves (the rest of the layer is recomputed)
+SAVED_NAMES: dict[str, tuple[str, ...]] = {
+    "save_qkv_proj": QKV_NAMES,
+    "save_out_proj": ("out_proj",),
+    "save_dot_except_mlp": (*QKV_NAMES, "out_proj"),
+    "save_dot_with_context_except_mlp": (*QKV_NAMES, "context", "out_proj"),
+    "save_dot_except_mlpwi": (*QKV_NAMES, "out_proj", "mlpwo"),
+}
+# policy -> the named tensors it moves to host memory (pinned_host) between the passes
+OFFLOADED_NAMES: dict[str, tuple[str, ...]] = {
+    "qkv_proj_offloaded": QKV_NAMES,
+    "save_dot_except_mlp_offloaded": (*QKV_NAMES, "out_proj"),
+}
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch", "minimal",
+                                   *SAVED_NAMES, *OFFLOADED_NAMES, "minimal_offloaded")
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -249,20 +269,67 @@ def silu(x: jnp.ndarray) -> jnp.ndarray:
     return x / (1 + jnp.exp(-x))
 
 
-def _remat(fn: Callable, policy: str, prevent_cse: bool = False) -> Callable:
-    """``jax.checkpoint`` with a named policy. ``prevent_cse=False`` is only safe inside a
-    scan (which already keeps XLA from merging the recompute into the forward); an unrolled
-    layer loop needs True or the remat is optimised away."""
+def host_offload_refusal() -> str | None:
+    """Why this backend cannot offload saved activations to host memory (None: it can): its
+    first device must have a ``pinned_host`` memory space."""
+    dev = jax.devices()[0]
+    try:
+        kinds = [m.kind for m in dev.addressable_memories()]
+    except Exception as e:  # noqa: BLE001  (a backend without memory spaces)
+        return f"{dev.platform} devices expose no memory spaces ({type(e).__name__}: {e})"
+    if "pinned_host" not in kinds:
+        return f"{dev.platform} devices have no pinned_host memory (memory kinds: {kinds})"
+    return None
+
+
+def remat_policy(policy: str) -> Callable | None:
+    """The ``jax.checkpoint`` policy a remat name means (None: "none", no checkpoint):
+
+    * ``full``: nothing saved, the layer is recomputed from its input;
+    * ``dots``: every matmul output saved (attention scores included);
+    * ``dots_no_batch`` / ``minimal`` (MaxText's name): the outputs of matmuls without batch
+      dimensions, i.e. the weight projections (the attention's batched products recomputed);
+    * ``save_qkv_proj``, ``save_out_proj``, ``save_dot_except_mlp``,
+      ``save_dot_with_context_except_mlp``, ``save_dot_except_mlpwi``: only the named tensors
+      of :data:`SAVED_NAMES` (MaxText's policies of those names);
+    * ``qkv_proj_offloaded``, ``save_dot_except_mlp_offloaded``: the named tensors of
+      :data:`OFFLOADED_NAMES` saved in host memory (``pinned_host``) between the forward and
+      the backward, nothing kept on the device; ``minimal_offloaded``: ``minimal``'s tensors
+      offloaded. Refused (``ConfigError``) where the device has no pinned host memory.
+    """
+    cp = jax.checkpoint_policies
     if policy == "none":
+        return None
+    fixed = {"full": cp.nothing_saveable, "dots": cp.checkpoint_dots,
+             "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+             "minimal": cp.dots_with_no_batch_dims_saveable}
+    if policy in fixed:
+        return fixed[policy]
+    if policy in SAVED_NAMES:
+        return cp.save_only_these_names(*SAVED_NAMES[policy])
+    if policy in OFFLOADED_NAMES or policy == "minimal_offloaded":
+        why = host_offload_refusal()
+        if why:
+            raise ConfigError(f"remat policy {policy!r} offloads saved activations to host "
+                              f"memory, and {why}; use a policy that keeps them on the device "
+                              "(e.g. 'save_qkv_proj' or 'minimal')")
+        if policy == "minimal_offloaded":
+            return cp.offload_dot_with_no_batch_dims(offload_src="device",
+                                                     offload_dst="pinned_host")
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(
+                OFFLOADED_NAMES[policy]), offload_src="device", offload_dst="pinned_host")
+    raise ConfigError(f"remat policy {policy!r} is not one of {REMAT_POLICIES}")
+
+
+def _remat(fn: Callable, policy: str, prevent_cse: bool = False) -> Callable:
+    """``jax.checkpoint`` with a named policy (:func:`remat_policy`). ``prevent_cse=False`` is
+    only safe inside a scan (which already keeps XLA from merging the recompute into the
+    forward); an unrolled layer loop needs True or the remat is optimised away."""
+    pol = remat_policy(policy)
+    if pol is None:
         return fn
-    pols = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.checkpoint_dots,
-        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    }
-    if policy not in pols:
-        raise ConfigError(f"remat policy {policy!r} is not one of {REMAT_POLICIES}")
-    return jax.checkpoint(fn, policy=pols[policy], prevent_cse=prevent_cse)
+    return jax.checkpoint(fn, policy=pol, prevent_cse=prevent_cse)
 
 
 ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.run.sharding.ShardingRules)
@@ -323,6 +390,8 @@ def decoder_layer(
     v = proj("btd,dhk->bthk", h, p, "v")
     if cfg.attention_bias or cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    # (names for the remat policies: identities that a policy may save or offload)
+    q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), QKV_NAMES))
     if cfg.qk_norm == "per_head":
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     elif cfg.qk_norm == "full":
@@ -333,20 +402,21 @@ def decoder_layer(
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if kv_update is not None:
         k, v = kv_update(k, v)
-    a = attend(q, k, v)
+    a = checkpoint_name(attend(q, k, v), "context")
     a = proj("bthk,hkd->btd", a, p, "o")
     if cfg.attention_bias:
         a = a + p["o_bias"]
+    a = checkpoint_name(a, "out_proj")
     if cfg.norm_placement == "post":
         a = rms_norm(a, p["attn_norm"], eps)
     x = _constrain(x + a, ("batch", "seq", "embed"), shard_ctx)
 
     # MLP (SwiGLU)
     h = rms_norm(x, p["mlp_norm"], eps) if cfg.norm_placement == "pre" else x
-    g = proj("btd,df->btf", h, p, "gate")
-    u = proj("btd,df->btf", h, p, "up")
+    g = checkpoint_name(proj("btd,df->btf", h, p, "gate"), "mlpwi_0")
+    u = checkpoint_name(proj("btd,df->btf", h, p, "up"), "mlpwi_1")
     m = _constrain(silu(g) * u, ("batch", "seq", "mlp"), shard_ctx)
-    m = proj("btf,fd->btd", m, p, "down")
+    m = checkpoint_name(proj("btf,fd->btd", m, p, "down"), "mlpwo")
     if cfg.norm_placement == "post":
         m = rms_norm(m, p["mlp_norm"], eps)
     return _constrain(x + m, ("batch", "seq", "embed"), shard_ctx)
@@ -487,8 +557,10 @@ def forward(
 
     Returns ``(logits [B,T,V] float32, new_cache)``, or the hidden states after the final norm
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
-    ``remat`` wraps the layer body in ``jax.checkpoint`` ("none", "full", "dots",
-    "dots_no_batch"); ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
+    ``remat`` wraps the layer body in ``jax.checkpoint`` with the policy of that name (one of
+    ``REMAT_POLICIES``: "none", "full", "dots", "dots_no_batch", MaxText's "minimal",
+    "save_qkv_proj", "save_out_proj", ..., and host-offloading ones; :func:`remat_policy`);
+    ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
     ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` (one of
     ``ATTENTION_IMPLS``) overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]
     mask or score matrix (see :mod:`pmd_jax.models.attention`). ``shared_prefix``: segment 0
