@@ -13,7 +13,12 @@ Chunks run over sequence positions, not over the flattened batch, so a batch-sha
 ``[B, T, D]`` keeps its sharding (the scan axis is unsharded). Per-device live logits are
 about ``B_local * chunk * V * 4`` bytes per buffer: pick ``chunk`` from that budget (the
 default 256 gives 155 MB per buffer at ``B_local = 1``, ``V = 151936``). There is no vocab
-tiling: one ``[B_local, chunk, V]`` row block is small enough at these vocabularies.
+tiling: one ``[B_local, chunk, V]`` row block is small enough at these vocabularies. ``chunk``
+is an upper bound: the chunk used divides the sequence length where a divisor is near
+(:func:`chunk_for_length`), so no padded rows are projected.
+
+The projections run in the operands' compute dtype: bf16 hidden states and unembedding give
+bf16 GEMMs with fp32 accumulation forward and backward and fp32 logits (:func:`project`).
 
 Hidden states must already be aligned to the response positions (``[B, R, D]`` from
 :func:`pmd_jax.distill.align.gather_response`): row ``t`` of the student and of the teacher
@@ -42,10 +47,44 @@ Array = jax.Array
 DEFAULT_CHUNK = 256
 
 
+def chunk_for_length(length: int, chunk: int) -> int:
+    """The chunk of rows the chunked loss uses for ``length`` rows and at most ``chunk`` each.
+
+    ``length`` itself when it fits in one chunk. Else, with ``n = ceil(length / chunk)``
+    chunks needed: ``length / m`` for the smallest ``m`` in ``[n, 2n]`` that divides
+    ``length`` (no padded rows; chunks at least about half the size asked for), or, when no
+    such ``m`` exists (e.g. a prime length), ``ceil(length / n)`` (``n`` chunks, fewer than
+    ``n`` padded rows). Never more than ``chunk``. E.g. ``(512, 96) -> 64`` (8 chunks; 96 as
+    given pads 512 rows to 576), ``(1000, 256) -> 250``, ``(509, 96) -> 85`` (510 rows).
+    """
+    _check_chunk(chunk)
+    if length <= chunk:
+        return max(length, 1)
+    n = -(-length // chunk)
+    for m in range(n, 2 * n + 1):
+        if length % m == 0:
+            return length // m
+    return -(-length // n)
+
+
+def lowp_dtype(*arrays: Array) -> str | None:
+    """The low-precision compute dtype (bfloat16 / float16) of matmul operands, by promotion;
+    None when they compute in float32 (or wider)."""
+    name = jnp.result_type(*arrays).name
+    return name if name in matmul.LOWP_DTYPES else None
+
+
 def project(hidden: Array, unembed: Array, vocab_major: bool = False,
             matmul_dtype: str | None = None) -> Array:
     """``hidden @ unembed`` with fp32 accumulation and output: ``[..., D] x [D, V] -> [..., V]``;
     with ``matmul_dtype`` from operands rounded to it (:func:`pmd_jax.models.matmul.lowp_einsum`).
+
+    Operands that already compute in bfloat16 / float16 (a bf16 model, ``matmul_dtype`` None)
+    go through :func:`~pmd_jax.models.matmul.lowp_einsum` in that dtype too: the same forward
+    (low-precision operands, fp32 accumulation, fp32 logits for the loss), and a backward
+    whose dX and dW take the logits' cotangent rounded to that dtype with fp32 accumulation,
+    instead of an fp32 cotangent against low-precision operands (fp32, TF32 on GPU; MaxText's
+    ``logits_dot_in_fp32=False``). float32 operands are computed exactly as before.
 
     ``vocab_major``: ``unembed`` is ``[V, D]`` (a tied embedding table) and is contracted on
     its second axis, so no transposed ``[D, V]`` copy is ever made (XLA:CPU materialises a
@@ -53,6 +92,7 @@ def project(hidden: Array, unembed: Array, vocab_major: bool = False,
     50k x 576 table).
     """
     spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
+    matmul_dtype = matmul_dtype or lowp_dtype(hidden, unembed)
     if matmul_dtype is not None:
         return matmul.lowp_einsum(spec, hidden, unembed, matmul_dtype)
     return jnp.einsum(spec, hidden, unembed, preferred_element_type=jnp.float32)
@@ -173,7 +213,7 @@ def chunked_distill_stats(
         raise ValueError("trust_region_alpha given without a reference teacher (ref_teacher_*)")
 
     t_len = student_hidden.shape[1]
-    chunk = min(chunk, max(t_len, 1))
+    chunk = chunk_for_length(t_len, chunk)
     sg = lax.stop_gradient
     w_t = sg(teacher_unembed)
     # has_ref: both ref_teacher_* are given (checked above), so each is None exactly without it
@@ -245,7 +285,7 @@ def chunked_token_logprobs(
     if not t > 0.0:
         raise ValueError(f"temperature must be > 0, got {t}")
     t_len = hidden.shape[1]
-    chunk = min(chunk, max(t_len, 1))
+    chunk = chunk_for_length(t_len, chunk)
 
     def body(carry: None, xs: tuple) -> tuple[None, tuple[Array, Array]]:
         h, tok = xs

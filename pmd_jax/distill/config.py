@@ -21,11 +21,13 @@ from typing import Any
 import ml_collections
 
 from pmd_jax.config.schema import Section, freeze_section, knob, section, to_config_dict
+from pmd_jax.distill import topk as topk_lib
 from pmd_jax.distill.losses import DistillLossConfig
 from pmd_jax.distill.optim import OptimConfig
 from pmd_jax.models.decoder import REMAT_POLICIES as DECODER_REMAT_POLICIES
 
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
+TOP_K_IMPLS = topk_lib.TOP_K_IMPLS
 DTYPES = ("float32", "bfloat16")
 # the decoder's remat policies (pmd_jax.models.decoder.remat_policy); "none" is remat=False
 REMAT_POLICIES = tuple(p for p in DECODER_REMAT_POLICIES if p != "none")
@@ -64,6 +66,14 @@ class DistillLoss(Section):
     topk: int | None = knob(100, "None: the full vocabulary; else K indices from the student "
                             "(Table 12: 100 / 20).", nullable=int)
     add_tail: bool = knob(True, "Top-K plus a tail bucket, else the renormalised top-K.")
+    top_k_impl: str = knob("auto", "How the student's top-K is taken (ours; all give "
+                           "lax.top_k's values and indices, ties included): 'sort' = lax.top_k "
+                           "over the vocabulary (XLA:GPU sorts all of it when K > 16); "
+                           "'two_stage' = the top-16 of each strided block of >= 1,024 entries, "
+                           "then the top-K of those candidates, redone with lax.top_k when a "
+                           "block may hold more winners (pmd_jax/distill/topk.py); 'auto' = "
+                           "two_stage in a program lowered for a GPU when K > 16, else sort (CPU "
+                           "results unchanged).")
     temperature: float = knob(1.0, "Sampling temperature (log-probs of logits / T). In a run "
                               "it is rollout.temperature (1.0 where that is 0, greedy).",
                               derived="rollout.temperature", derive=_loss_temperature)
@@ -80,7 +90,12 @@ class DistillLoss(Section):
     group_size: int = knob(8, "Rollouts per prompt (GRPO advantages are per group). In a run "
                            "it is rollout.n.", derived="rollout.n", derive=int)
     chunk_size: int = knob(512, "Response tokens per chunk in the memory-bounded loss (logits "
-                           "exist for one chunk only).")
+                           "exist for one chunk only), at most: the chunk used is the largest "
+                           "that divides the response length R into at most twice as many chunks "
+                           "as ceil(R / chunk_size) (e.g. 96 on R = 512: 8 chunks of 64, no "
+                           "padded rows), else R split evenly into ceil(R / chunk_size) chunks "
+                           "(fewer than that many padded rows) (pmd_jax/distill/chunked.py "
+                           "chunk_for_length).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +257,8 @@ def validate_distill_config(c: DistillConfig, vocab_size: int | None = None) -> 
             raise _err("loss.topk", f"must be a positive int or None, got {k!r}")
         if vocab_size is not None and k > vocab_size:
             raise _err("loss.topk", f"top-K={k} is larger than the vocabulary ({vocab_size})")
+    if c.loss.top_k_impl not in TOP_K_IMPLS:
+        raise _err("loss.top_k_impl", f"{c.loss.top_k_impl!r} is not one of {TOP_K_IMPLS}")
     if not c.loss.full_logit_distillation and c.loss.alpha != 1.0:
         raise _err(
             "loss.alpha",
@@ -287,6 +304,7 @@ def loss_config(c: DistillConfig) -> DistillLossConfig:
         add_tail=bool(c.loss.add_tail),
         temperature=float(c.loss.temperature),
         is_clip=None if c.loss.is_clip is None else float(c.loss.is_clip),
+        top_k_impl=str(c.loss.top_k_impl),
     )
 
 

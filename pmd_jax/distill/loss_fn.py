@@ -161,8 +161,9 @@ def make_loss_fn(
     mm_dtype = model_cfg.matmul_dtype
     vocab_major = model_cfg.tie_embeddings
     # top-K over a tensor-sharded vocabulary without all-gathering each logits chunk
-    topk_indices = (sharded_topk.make_topk_indices(*shard_ctx) if shard_ctx is not None
-                    else None)
+    topk_indices = (sharded_topk.make_topk_indices(shard_ctx[0], shard_ctx[1],
+                                                   impl=opts.loss.top_k_impl)
+                    if shard_ctx is not None else None)
 
     def fwd_hidden(params: Any, side: str, batch: Mapping[str, Array],
                    adapters: Any = None) -> Array:

@@ -12,7 +12,10 @@ vocabulary mesh axes (``K x shards`` numbers per row, not ``V``), and a second t
 candidates picks the global K. The batch stays sharded throughout. The result equals
 ``lax.top_k`` on the unsharded array (same values; on exact ties the lower index wins in both).
 
-Shapes that do not divide the mesh fall back to plain ``lax.top_k``.
+Shapes that do not divide the mesh fall back to the unsharded top-K. Each top-K over a
+vocabulary (a shard's, or the unsharded fallback) is :func:`pmd_jax.distill.topk.top_k` with
+the loss's ``top_k_impl`` (on GPU not a sort of the whole slice); the final one over the
+``K x shards`` candidates is ``lax.top_k``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from pmd_jax.distill import topk as topk_lib
 from pmd_jax.distill.losses import TopKIndices
 from pmd_jax.run.sharding import ShardingRules
 
@@ -39,13 +43,16 @@ def _axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(int(mesh.shape[a]) for a in axes)
 
 
-def make_topk_indices(mesh: Mesh, rules: ShardingRules) -> TopKIndices:
+def make_topk_indices(mesh: Mesh, rules: ShardingRules, impl: str = "auto") -> TopKIndices:
     """``fn(x, k) -> int32 indices [..., k]`` for ``x`` of shape ``[B, ..., V]``.
 
     The leading axis is placed like the logical ``batch`` axis and the last like ``vocab``
     (``rules``); the axes between are replicated. ``x`` must not need gradients through the
-    indices (pass ``stop_gradient`` values, as the top-K loss does).
+    indices (pass ``stop_gradient`` values, as the top-K loss does). ``impl``: the top-K
+    implementation of each vocabulary slice (:data:`pmd_jax.distill.topk.TOP_K_IMPLS`).
     """
+    topk_lib.check_impl(impl)
+    dense = topk_lib.topk_indices_fn(impl)
     spec = rules.spec(("batch", "vocab"))
     batch_axes = _as_tuple(spec[0])
     vocab_axes = _as_tuple(spec[1])
@@ -56,7 +63,7 @@ def make_topk_indices(mesh: Mesh, rules: ShardingRules) -> TopKIndices:
         nb = _axes_size(mesh, batch_axes)
         nv = _axes_size(mesh, vocab_axes)
         if (nb == 1 and nv == 1) or b % nb or v % nv:
-            return dense_topk_indices(x, k)
+            return dense(x, k)
         v_local = v // nv
         k_local = min(k, v_local)
         middle = (None,) * (x.ndim - 2)
@@ -66,7 +73,7 @@ def make_topk_indices(mesh: Mesh, rules: ShardingRules) -> TopKIndices:
         out_spec = PartitionSpec(b_spec, *middle, None)
 
         def local(xs: Array) -> Array:
-            vals, idx = lax.top_k(xs, k_local)
+            vals, idx = topk_lib.top_k(xs, k_local, impl)
             if not vocab_axes:
                 return idx.astype(jnp.int32)
             shard = lax.axis_index(vocab_axes)

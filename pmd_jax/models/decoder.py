@@ -195,11 +195,19 @@ def logits_from_hidden(hidden: jnp.ndarray, params: Params, cfg: ModelConfig) ->
 
     One 2-D matmul (XLA:CPU is faster on a plain [N, D] x [D, V] dot than on a batched
     einsum); when tied, the embedding is contracted on its D axis without a transpose.
+    With ``cfg.matmul_dtype``, or hidden states in bfloat16 / float16 (a bf16 model), the
+    product is :func:`pmd_jax.models.matmul.lowp_einsum` in that dtype: the same forward
+    (fp32 accumulation, fp32 logits) and a backward whose dX and dW are GEMMs in that dtype
+    too, not an fp32 cotangent against bf16 operands (fp32 / TF32; MaxText's
+    ``logits_dot_in_fp32=False``, ``cast_logits_to_fp32=True``). float32 hidden states take
+    the plain fp32 dot, as before.
     """
-    if cfg.matmul_dtype is not None:  # N-D einsum: its dW takes XLA's fast layout
+    lowp = cfg.matmul_dtype or (hidden.dtype.name if hidden.dtype.name in matmul.LOWP_DTYPES
+                                else None)
+    if lowp is not None:  # N-D einsum: its dW takes XLA's fast layout
         w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
         spec = "...d,vd->...v" if cfg.tie_embeddings else "...d,dv->...v"
-        return matmul.lowp_einsum(spec, hidden, w, cfg.matmul_dtype)
+        return matmul.lowp_einsum(spec, hidden, w, lowp)
     lead, d = hidden.shape[:-1], hidden.shape[-1]
     h2 = hidden.reshape(-1, d)
     if cfg.tie_embeddings:

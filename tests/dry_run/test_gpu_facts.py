@@ -232,7 +232,6 @@ def test_real_step_reaches_the_gpu_program(step):
         assert step["total"] > step["arguments"] > 0 and step["verdict"] == "FITS"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 50 part 2 not landed (two-stage top-K)")
 def test_real_step_has_no_vocabulary_sort(step):
     """No sort over the vocabulary that every step runs (one in the branch of an exact
     fallback, taken only when a block may hold more than 16 winners, is allowed)."""
@@ -246,7 +245,6 @@ def test_real_step_cudnn_attention_has_no_bias_and_no_dbias(step):
     assert att and all(a["bias"] is None and a["dbias"] is None for a in att), att
 
 
-@pytest.mark.xfail(strict=True, reason="issue 50 part 3 not landed (LM head in bf16)")
 def test_real_step_lm_head_gemms_are_bf16(step):
     assert step["facts"]["vocab_gemm_dtypes"], "no GEMM with a vocabulary axis found"
     assert all(s.startswith("bf16 x bf16") for s in step["facts"]["vocab_gemm_dtypes"])
