@@ -14,7 +14,8 @@
 #      PMD_VLLM_VENV (default "system": vllm installed here from the `vllm` extra; or a venv
 #      made by launch/setup_vllm_venv.sh); VLLM_START_TIMEOUT (seconds, default 1800);
 #      PMD_TORCH_INDEX_URL (an index serving the torch build you want for the embedder);
-#      PYTHON (default python3, must be 3.11).
+#      PYTHON (default python3, must be 3.11); PMD_XLA_GPU_FLAGS=0 (the trainer without the
+#      XLA GPU flags of launch/xla_gpu_flags.sh, which go before any XLA_FLAGS of yours).
 #
 # rollout.sampler=vllm: the server is started here (launch/vllm_server.sh, on VLLM_GPUS,
 # serving model.source at rollout.vllm_url's port) when rollout.vllm_url is a loopback URL;
@@ -51,6 +52,11 @@ if [[ -n "${COORDINATOR:-}" ]]; then
 fi
 ENV+=(XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}")
 if [[ -n "${TRAIN_GPUS:-}" ]]; then ENV+=(CUDA_VISIBLE_DEVICES="$TRAIN_GPUS"); fi
+# the XLA GPU flags of our runs (launch/xla_gpu_flags.sh; PMD_XLA_GPU_FLAGS=0: none added)
+# shellcheck source=launch/xla_gpu_flags.sh
+source launch/xla_gpu_flags.sh
+xla_flags=$(pmd_xla_gpu_flags)
+if [[ -n "$xla_flags" ]]; then ENV+=(XLA_FLAGS="$xla_flags"); fi
 
 START_VLLM=0
 if [[ "$PMD_SAMPLER" == "vllm" ]]; then

@@ -1,5 +1,5 @@
 """The launch scripts' --print mode (every command printed, none run), their refusals, and
-shellcheck over launch/ and scripts/.
+shellcheck over launch/, scripts/ and benchmarks/.
 
 The printed command lines are shell-quoted; they are split here with Python's ``shlex`` (not
 our code), so a check of an argument also checks that the script quoted it right.
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_ENV = ("TPU_NAME", "ZONE", "ACCEL", "VERSION", "PROJECT", "REMOTE_DIR", "RUN_DIR",
               "BUCKET", "COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "TRAIN_GPUS", "VLLM_GPUS",
               "PMD_VLLM_VENV", "PMD_TORCH_INDEX_URL", "PMD_COORDINATOR", "PMD_NUM_PROCESSES",
-              "PMD_PROCESS_ID", "PMD_DISTRIBUTED", "CUDA_VISIBLE_DEVICES")
+              "PMD_PROCESS_ID", "PMD_DISTRIBUTED", "CUDA_VISIBLE_DEVICES", "XLA_FLAGS",
+              "PMD_XLA_GPU_FLAGS")
 
 
 @pytest.fixture
@@ -169,6 +170,7 @@ def test_gpu_print_multi_host_jax_sampler(sentinel_path):
                         "PMD_PROCESS_ID=1", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"]
     assert main[-3:] == ["--config=configs/smollm2_sciq.py", "--config.mode=pmd",
                          "--config.train.steps=2"]
+    assert _xla_flags(main) == XLA_GPU_FLAGS  # launch/xla_gpu_flags.sh's
     assert "vllm_server.sh" not in r.stdout and "gcsfs" not in r.stdout
     assert _line(r.stdout, "-e")[-1] == ".[embeddings,scann]"  # a memory mode's needs
     # a mode that keeps no memory needs no memory extras
@@ -176,6 +178,31 @@ def test_gpu_print_multi_host_jax_sampler(sentinel_path):
              sentinel_path, COORDINATOR="127.0.0.1:12345", NUM_PROCESSES="2", PROCESS_ID="1")
     assert r.returncode == 0, r.stderr
     assert _line(r.stdout, "-e")[-1] == "."
+
+
+XLA_GPU_FLAGS = ["--xla_gpu_enable_latency_hiding_scheduler=true",
+                 "--xla_gpu_enable_while_loop_double_buffering=true",
+                 "--xla_gpu_enable_triton_gemm=false",
+                 "--xla_gpu_enable_highest_priority_async_stream=true"]
+
+
+def _xla_flags(main: list[str]) -> list[str] | None:
+    """The XLA_FLAGS the printed trainer command sets (None: it sets none)."""
+    env = [a for a in main[:main.index("-m")] if a.startswith("XLA_FLAGS=")]
+    return env[0].split("=", 1)[1].split() if env else None
+
+
+def test_gpu_xla_flags(sentinel_path):
+    """The trainer gets our XLA GPU flags before the caller's own XLA_FLAGS (XLA takes a
+    flag's last value, so the caller's win); PMD_XLA_GPU_FLAGS=0 leaves XLA_FLAGS alone."""
+    mine = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/d"
+    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py"], sentinel_path, XLA_FLAGS=mine)
+    assert r.returncode == 0, r.stderr
+    assert _xla_flags(_line(r.stdout, "pmd_jax.main")) == [*XLA_GPU_FLAGS, *mine.split()]
+    r = _run("gpu.sh", ["--print", "configs/smollm2_sciq.py"], sentinel_path,
+             PMD_XLA_GPU_FLAGS="0", XLA_FLAGS="")
+    assert r.returncode == 0, r.stderr
+    assert _xla_flags(_line(r.stdout, "pmd_jax.main")) is None
 
 
 def test_gpu_remote_vllm_url_is_not_started(sentinel_path):
@@ -249,7 +276,8 @@ def test_shellcheck_launch_and_scripts():
     exe = shutil.which("shellcheck")
     if exe is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    files = sorted(str(p) for d in ("launch", "scripts") for p in (ROOT / d).glob("*.sh"))
+    files = sorted(str(p) for d in ("launch", "scripts", "benchmarks")
+                   for p in (ROOT / d).glob("*.sh"))
     assert len(files) >= 5
     r = subprocess.run([exe, "--severity=style", *files], capture_output=True, text=True,
                        timeout=120)
