@@ -33,12 +33,15 @@ bytes its decode steps must read (the weights once a step) over the bandwidth a 
 reduction reaches.
 
     python benchmarks/bench_eval.py [--peers sort,whole,bf16prefill,before,hf,vllm]
-        [--reps 1] [--config configs/...]
+        [--reps 1] [--config configs/...] [--override key=value ...]
 
 The HumanEval figure of issue 50 (Qwen2.5-Coder-0.5B, 164 prompts, greedy, 512 tokens):
 
     python benchmarks/bench_eval.py --config configs/qwen25coder05b_mbpp.py \
-        --peers before,hf,vllm
+        --override eval.retention=False --peers before,vllm,hf
+
+(the config's evaluation also scores 100 SciQ questions for forgetting, eval.retention;
+the override leaves the HumanEval part alone).
 
 Quote the ratios, on a quiet machine (``uptime``); absolute times drift between runs here.
 """
@@ -57,14 +60,23 @@ _BATCH_COST = None
 _MIN_ROWS = _MIN_SHARED = None
 
 
-def _setup(config: str):
+def _setup(config: str, overrides: list[str] = ()):
+    import ast
+
     from pmd_jax.config.cli import load_config_file
-    from pmd_jax.config.modes import apply_mode
+    from pmd_jax.config.modes import apply_mode, set_dotted
     from pmd_jax.config.validate import freeze
     from pmd_jax.loop import build
     from pmd_jax.sampling.base import TextGenerator
 
     cfg = load_config_file(config)
+    for kv in overrides:
+        key, _, raw = kv.partition("=")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        set_dotted(cfg, key, value)
     apply_mode(cfg)
     cfg = freeze(cfg)
     task = build.build_task(cfg)
@@ -93,7 +105,8 @@ class _Recorder:
     def __enter__(self):
         def gen(prompts, params, **kw):
             out = self.real(prompts, params, **kw)
-            self.calls.append(([r.tokens.tolist() for r in out], self.sampler.last_metrics))
+            self.calls.append(([r.tokens.tolist() for r in out], self.sampler.last_metrics,
+                               sum(len(p) for p in prompts) * params.n))
             return out
 
         self.sampler.generate = gen
@@ -103,7 +116,11 @@ class _Recorder:
         self.sampler.generate = self.real
 
     def tokens(self) -> list[list[int]]:
-        return [t for toks, _ in self.calls for t in toks]
+        return [t for toks, *_ in self.calls for t in toks]
+
+    def total(self, field: str) -> int:
+        """A SamplerMetrics field summed over the calls."""
+        return sum(int(getattr(m, field)) for _, m, _ in self.calls)
 
 
 def _rewards(path: Path) -> list[float]:
@@ -277,6 +294,8 @@ def main() -> None:
     ap.add_argument("--peers", default="sort,whole,hf",
                     help="comma list of: sort, whole, bf16prefill, before, hf, vllm ('' = none)")
     ap.add_argument("--reps", type=int, default=1, help="warm timed calls per engine")
+    ap.add_argument("--override", action="append", default=[],
+                    help="key=value set on the config (repeatable), e.g. eval.retention=False")
     args = ap.parse_args()
     peers = [p for p in args.peers.split(",") if p]
 
@@ -284,7 +303,7 @@ def main() -> None:
 
     global _BATCH_COST
     _BATCH_COST = jax_sampler.batch_cost
-    cfg, task, problems, model, sampler, textgen = _setup(args.config)
+    cfg, task, problems, model, sampler, textgen = _setup(args.config, args.override)
     print(f"{len(problems)} {cfg.task.name} problems x {cfg.eval.n}, T={cfg.eval.temperature} "
           f"top_p={cfg.eval.top_p} max_tokens={cfg.eval.max_tokens}", flush=True)
     fast_k = sample_ops.FAST_FILTER_K
@@ -309,15 +328,16 @@ def main() -> None:
                 warm.append(dt)
             times[name] = min(warm)
             answers[name], tokens[name] = rw, rec.tokens()
-            m = rec.calls[-1][1]
+            new_tok = rec.total("new_tokens")
             print(f"{name}: {min(warm):.1f} s warm (first call {cold:.1f} s), accuracy {acc:.2f}, "
-                  f"{m.new_tokens} new tokens ({m.new_tokens / min(warm):.1f}/s)", flush=True)
-            print(f"  {m.batches} batches, {m.prefill_groups} prefill calls, "
-                  f"{m.prefill_positions} prefilled positions", flush=True)
-            if name == "ours":
-                prompt_tokens = _prompt_tokens(task, problems, model)
-                text, bound_s = _bound(model, m.new_tokens, prompt_tokens)
-                print(f"  {text}; ours / compute bound = {min(warm) / bound_s:.2f}x", flush=True)
+                  f"{new_tok} new tokens ({new_tok / min(warm):.1f}/s) in {len(rec.calls)} "
+                  f"sampler calls", flush=True)
+            print(f"  {rec.total('batches')} batches, {rec.total('prefill_groups')} prefill "
+                  f"calls, {rec.total('prefill_positions')} prefilled positions", flush=True)
+            if name in ("ours", "before"):
+                text, bound_s = _bound(model, new_tok, sum(c[2] for c in rec.calls))
+                print(f"  {text}; {name} / compute bound = {min(warm) / bound_s:.2f}x",
+                      flush=True)
         _reset_programs(sampler, fast_k)
         for name in answers:
             if name != "ours":

@@ -228,7 +228,7 @@ def jax_env(args: argparse.Namespace, launch_flags: bool) -> dict[str, str]:
 
 
 def _remat_policies() -> tuple[str, ...]:
-    from pmd_jax.models.decoder import REMAT_POLICIES
+    from pmd_jax.models.remat import REMAT_POLICIES
 
     return REMAT_POLICIES
 

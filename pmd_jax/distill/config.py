@@ -24,12 +24,12 @@ from pmd_jax.config.schema import Section, freeze_section, knob, section, to_con
 from pmd_jax.distill import topk as topk_lib
 from pmd_jax.distill.losses import DistillLossConfig
 from pmd_jax.distill.optim import OptimConfig
-from pmd_jax.models.decoder import REMAT_POLICIES as DECODER_REMAT_POLICIES
+from pmd_jax.models.remat import REMAT_POLICIES as DECODER_REMAT_POLICIES
 
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
 TOP_K_IMPLS = topk_lib.TOP_K_IMPLS
 DTYPES = ("float32", "bfloat16")
-# the decoder's remat policies (pmd_jax.models.decoder.remat_policy); "none" is remat=False
+# the decoder's remat policies (pmd_jax.models.remat.remat_policy); "none" is remat=False
 REMAT_POLICIES = tuple(p for p in DECODER_REMAT_POLICIES if p != "none")
 LAYER_LOOPS = ("scan", "unrolled")
 MATMUL_DTYPES = ("", "bfloat16", "float16")
@@ -137,7 +137,7 @@ class DistillPrecision(Section):
     remat_policy: str = knob("full", "'full' saves only layer inputs; 'dots' / 'dots_no_batch' "
                              "also keep matmul outputs ('minimal' = 'dots_no_batch', MaxText's "
                              "name: the weight projections); by name (MaxText's policies, "
-                             "pmd_jax.models.decoder.remat_policy): 'save_qkv_proj', "
+                             "pmd_jax.models.remat.remat_policy): 'save_qkv_proj', "
                              "'save_out_proj', 'save_dot_except_mlp', "
                              "'save_dot_with_context_except_mlp', 'save_dot_except_mlpwi'; "
                              "offloaded to pinned host memory between the passes: "

@@ -362,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="data:1,fsdp:32,tensor:2")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: data*fsdp)")
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--remat", default="full", help="none | full | dots | dots_no_batch")
+    ap.add_argument("--remat", default="full",
+                    help="the decoder's remat policy: none | full | dots | dots_no_batch | "
+                         "minimal | save_qkv_proj | ... (pmd_jax.models.remat.REMAT_POLICIES)")
     ap.add_argument("--param_dtype", default=None, help="override (e.g. float32 master weights)")
     ap.add_argument("--num_layers", type=int, default=None, help="override depth (tests)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")

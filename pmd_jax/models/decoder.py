@@ -51,35 +51,15 @@ from jax.ad_checkpoint import checkpoint_name
 from pmd_jax.models import attend, matmul, weights
 from pmd_jax.models import attention as attn_lib
 from pmd_jax.models import lora as lora_lib
+from pmd_jax.models import remat as remat_lib
 from pmd_jax.models import rope as rope_lib
-from pmd_jax.models.config import ConfigError, ModelConfig
+from pmd_jax.models.config import ModelConfig
 from pmd_jax.models.lora import LoraConfig
+from pmd_jax.models.remat import QKV_NAMES
 from pmd_jax.models.weights import INIT_STD, ParamError
 
 Params = dict[str, Any]
 _BIG_WINDOW = attend.BIG_WINDOW
-# Names of the decoder layer's tensors (``checkpoint_name``, MaxText's names), for the remat
-# policies that save or offload named tensors.
-QKV_NAMES: tuple[str, ...] = ("query_proj", "key_proj", "value_proj")
-REMAT_NAMES: tuple[str, ...] = (*QKV_NAMES, "context", "out_proj", "mlpwi_0", "mlpwi_1",
-                                "mlpwo")
-# policy -> the named tensors it saves (the rest of the layer is recomputed)
-SAVED_NAMES: dict[str, tuple[str, ...]] = {
-    "save_qkv_proj": QKV_NAMES,
-    "save_out_proj": ("out_proj",),
-    "save_dot_except_mlp": (*QKV_NAMES, "out_proj"),
-    "save_dot_with_context_except_mlp": (*QKV_NAMES, "context", "out_proj"),
-    "save_dot_except_mlpwi": (*QKV_NAMES, "out_proj", "mlpwo"),
-}
-# policy -> the named tensors it moves to host memory (pinned_host) between the passes
-OFFLOADED_NAMES: dict[str, tuple[str, ...]] = {
-    "qkv_proj_offloaded": QKV_NAMES,
-    "save_dot_except_mlp_offloaded": (*QKV_NAMES, "out_proj"),
-}
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch", "minimal",
-                                   *SAVED_NAMES, *OFFLOADED_NAMES, "minimal_offloaded")
-
-
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
@@ -277,69 +257,6 @@ def silu(x: jnp.ndarray) -> jnp.ndarray:
     return x / (1 + jnp.exp(-x))
 
 
-def host_offload_refusal() -> str | None:
-    """Why this backend cannot offload saved activations to host memory (None: it can): its
-    first device must have a ``pinned_host`` memory space."""
-    dev = jax.devices()[0]
-    try:
-        kinds = [m.kind for m in dev.addressable_memories()]
-    except Exception as e:  # noqa: BLE001  (a backend without memory spaces)
-        return f"{dev.platform} devices expose no memory spaces ({type(e).__name__}: {e})"
-    if "pinned_host" not in kinds:
-        return f"{dev.platform} devices have no pinned_host memory (memory kinds: {kinds})"
-    return None
-
-
-def remat_policy(policy: str) -> Callable | None:
-    """The ``jax.checkpoint`` policy a remat name means (None: "none", no checkpoint):
-
-    * ``full``: nothing saved, the layer is recomputed from its input;
-    * ``dots``: every matmul output saved (attention scores included);
-    * ``dots_no_batch`` / ``minimal`` (MaxText's name): the outputs of matmuls without batch
-      dimensions, i.e. the weight projections (the attention's batched products recomputed);
-    * ``save_qkv_proj``, ``save_out_proj``, ``save_dot_except_mlp``,
-      ``save_dot_with_context_except_mlp``, ``save_dot_except_mlpwi``: only the named tensors
-      of :data:`SAVED_NAMES` (MaxText's policies of those names);
-    * ``qkv_proj_offloaded``, ``save_dot_except_mlp_offloaded``: the named tensors of
-      :data:`OFFLOADED_NAMES` saved in host memory (``pinned_host``) between the forward and
-      the backward, nothing kept on the device; ``minimal_offloaded``: ``minimal``'s tensors
-      offloaded. Refused (``ConfigError``) where the device has no pinned host memory.
-    """
-    cp = jax.checkpoint_policies
-    if policy == "none":
-        return None
-    fixed = {"full": cp.nothing_saveable, "dots": cp.checkpoint_dots,
-             "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
-             "minimal": cp.dots_with_no_batch_dims_saveable}
-    if policy in fixed:
-        return fixed[policy]
-    if policy in SAVED_NAMES:
-        return cp.save_only_these_names(*SAVED_NAMES[policy])
-    if policy in OFFLOADED_NAMES or policy == "minimal_offloaded":
-        why = host_offload_refusal()
-        if why:
-            raise ConfigError(f"remat policy {policy!r} offloads saved activations to host "
-                              f"memory, and {why}; use a policy that keeps them on the device "
-                              "(e.g. 'save_qkv_proj' or 'minimal')")
-        if policy == "minimal_offloaded":
-            return cp.offload_dot_with_no_batch_dims(offload_src="device",
-                                                     offload_dst="pinned_host")
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(
-                OFFLOADED_NAMES[policy]), offload_src="device", offload_dst="pinned_host")
-    raise ConfigError(f"remat policy {policy!r} is not one of {REMAT_POLICIES}")
-
-
-def _remat(fn: Callable, policy: str, prevent_cse: bool = False) -> Callable:
-    """``jax.checkpoint`` with a named policy (:func:`remat_policy`). ``prevent_cse=False`` is
-    only safe inside a scan (which already keeps XLA from merging the recompute into the
-    forward); an unrolled layer loop needs True or the remat is optimised away."""
-    pol = remat_policy(policy)
-    if pol is None:
-        return fn
-    return jax.checkpoint(fn, policy=pol, prevent_cse=prevent_cse)
-
-
 ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.run.sharding.ShardingRules)
 
 
@@ -466,9 +383,10 @@ def _unrolled_layers(
                 return ks[-1].astype(ls.dt), vs[-1].astype(ls.dt)
         if cache is None:
             # (attend is a closure, not an array: close over it inside the remat)
-            x = _remat(lambda x, p, cos, sin, attend=attend: ls.layer(x, p, cos, sin, attend,
-                                                                      None), remat,
-                       prevent_cse=True)(x, p, cos, sin)
+            def layer(x, p, cos, sin, attend=attend):
+                return ls.layer(x, p, cos, sin, attend, None)
+
+            x = remat_lib.remat(layer, remat, prevent_cse=True)(x, p, cos, sin)
         else:
             x = ls.layer(x, p, cos, sin, attend, kv_update)
     return x, (ks, vs)
@@ -510,11 +428,12 @@ def _scanned_layers(
         x = ls.layer(x, xs["p"], cos, sin, attend, kv_update)
         return (x, out["k"], out["v"], li + 1), None
 
+    step = remat_lib.remat(body, remat)
     if cache is not None:
         carry0 = (x, cache["k"], cache["v"], jnp.int32(0))
-        (x, ck_new, cv_new, _), _ = jax.lax.scan(_remat(body, remat), carry0, xs, unroll=unroll)
+        (x, ck_new, cv_new, _), _ = jax.lax.scan(step, carry0, xs, unroll=unroll)
         return x, (ck_new, cv_new)
-    x, _ = jax.lax.scan(_remat(body, remat), x, xs, unroll=unroll)
+    x, _ = jax.lax.scan(step, x, xs, unroll=unroll)
     return x, (None, None)
 
 
@@ -566,8 +485,9 @@ def forward(
     Returns ``(logits [B,T,V] float32, new_cache)``, or the hidden states after the final norm
     ``[B,T,D]`` (compute dtype) when ``return_hidden``. ``new_cache`` is None without a cache.
     ``remat`` wraps the layer body in ``jax.checkpoint`` with the policy of that name (one of
-    ``REMAT_POLICIES``: "none", "full", "dots", "dots_no_batch", MaxText's "minimal",
-    "save_qkv_proj", "save_out_proj", ..., and host-offloading ones; :func:`remat_policy`);
+    ``remat.REMAT_POLICIES``: "none", "full", "dots", "dots_no_batch", MaxText's "minimal",
+    "save_qkv_proj", "save_out_proj", ..., and host-offloading ones;
+    :func:`pmd_jax.models.remat.remat_policy`);
     ``shard_ctx=(mesh, rules)`` adds activation sharding constraints;
     ``unroll`` is passed to the layer ``lax.scan``. ``attention_impl`` (one of
     ``ATTENTION_IMPLS``) overrides ``cfg.attention_impl``; chunked attention never builds a [T, S]

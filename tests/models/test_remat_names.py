@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from pmd_jax.models import decoder
+from pmd_jax.models import remat as remat_lib
 from pmd_jax.models.config import ConfigError
 from tests.fakes import tiny_model_config
 
@@ -60,17 +61,17 @@ def _logits(params, remat: str):
 
 
 def test_policy_names():
-    assert set(OLD_POLICIES) <= set(decoder.REMAT_POLICIES)
+    assert set(OLD_POLICIES) <= set(remat_lib.REMAT_POLICIES)
     for p in ("minimal", "save_qkv_proj", "save_out_proj", "save_dot_except_mlp",
               "qkv_proj_offloaded"):
-        assert p in decoder.REMAT_POLICIES
-    for names in (*decoder.SAVED_NAMES.values(), *decoder.OFFLOADED_NAMES.values()):
-        assert set(names) <= set(decoder.REMAT_NAMES)
+        assert p in remat_lib.REMAT_POLICIES
+    for names in (*remat_lib.SAVED_NAMES.values(), *remat_lib.OFFLOADED_NAMES.values()):
+        assert set(names) <= set(remat_lib.REMAT_NAMES)
     with pytest.raises(ConfigError, match="not one of"):
-        decoder.remat_policy("everything")
+        remat_lib.remat_policy("everything")
     from pmd_jax.distill.config import REMAT_POLICIES as knob_values
 
-    assert set(knob_values) == set(decoder.REMAT_POLICIES) - {"none"}  # the knob takes them
+    assert set(knob_values) == set(remat_lib.REMAT_POLICIES) - {"none"}  # the knob takes them
 
 
 @pytest.mark.parametrize("per_layer, policies", [
@@ -93,7 +94,7 @@ QUICK = ("full", "minimal", "save_qkv_proj", "qkv_proj_offloaded")
 
 
 @pytest.mark.parametrize("policy", [p if p in QUICK else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in decoder.REMAT_POLICIES])
+                                    for p in remat_lib.REMAT_POLICIES])
 def test_every_policy_same_forward_and_gradient(policy):
     want_logits = np.asarray(_logits(PARAMS, "none"))
     np.testing.assert_array_equal(np.asarray(_logits(PARAMS, policy)), want_logits)
@@ -141,8 +142,8 @@ def test_named_policies_save_the_named_tensors(capsys):
 
 
 def test_offload_refused_without_pinned_host(monkeypatch):
-    monkeypatch.setattr(decoder, "host_offload_refusal",
+    monkeypatch.setattr(remat_lib, "host_offload_refusal",
                         lambda: "cpu devices have no pinned_host memory (memory kinds: [])")
     with pytest.raises(ConfigError, match="offloads saved activations to host memory"):
-        decoder.remat_policy("qkv_proj_offloaded")
-    assert decoder.remat_policy("save_qkv_proj") is not None  # on-device policies unaffected
+        remat_lib.remat_policy("qkv_proj_offloaded")
+    assert remat_lib.remat_policy("save_qkv_proj") is not None  # on-device policies unaffected

@@ -27,7 +27,7 @@ def _run(params, min_rows: int, sp: SamplingParams, prompts) -> list:
     return list(s.generate(prompts, sp))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_cut_batches_give_the_tokens_of_the_whole_batch(params, monkeypatch, temperature):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, TINY.vocab_size, int(rng.integers(3, 20))))

@@ -29,7 +29,7 @@ def _prompts(prefix_len: int) -> list[list[int]]:
             for _ in range(9)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_shared_prefix_gives_the_tokens_of_whole_prefills(params, monkeypatch, temperature):
     prompts = _prompts(45)
     sp = SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=3)
