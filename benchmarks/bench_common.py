@@ -236,6 +236,17 @@ def jax_matmul_tflops(m: int, k: int, n: int, dtype: str, reps: int = 5) -> floa
     return 8 * 2.0 * m * k * n / t / 1e12
 
 
+def jax_read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s a jitted sum over a float32 array of ``nbytes`` reaches on JAX's default device:
+    the rate at which a program can read that many bytes once (a read-once bound's divisor)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((max(1, nbytes // 4),), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return a.nbytes / best_time(lambda: total(a).block_until_ready(), reps)
+
+
 def torch_matmul_tflops(m: int, k: int, n: int, dtype: str, device: str, reps: int = 5
                         ) -> float:
     """TFLOP/s of ``torch.matmul`` [m, k] x [k, n] in ``dtype`` on ``device``."""

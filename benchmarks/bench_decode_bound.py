@@ -24,16 +24,19 @@ printed ratio slightly high. The reference is a hardware bound, not a peer imple
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pmd_jax.models import decoder
-from pmd_jax.models.config import preset
-from pmd_jax.sampling.base import SamplingParams
-from pmd_jax.sampling.jax_sampler import JaxSampler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench_common  # noqa: E402
+from pmd_jax.models import decoder  # noqa: E402
+from pmd_jax.models.config import preset  # noqa: E402
+from pmd_jax.sampling.base import SamplingParams  # noqa: E402
+from pmd_jax.sampling.jax_sampler import JaxSampler  # noqa: E402
 
 
 def main() -> None:
@@ -62,15 +65,7 @@ def main() -> None:
     step = (t_all - t_one) / max(n - 1, 1)
 
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    a = jnp.ones((weights // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(a).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        total(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    bandwidth = a.nbytes / best
+    bandwidth = bench_common.jax_read_bandwidth(weights)
     slots = args.prompt + args.tokens
     itemsize = sampler.cache_dtype.itemsize
     kv = args.rows * slots * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize

@@ -255,37 +255,23 @@ def _vllm(cfg, task, problems, model) -> tuple[float | None, float, list[list[in
 def _bound(model, new_tokens: int, prompt_tokens: int) -> tuple[str, float]:
     """Our run's compute and read bounds, measured in this process (module docstring)."""
     import jax
-    import jax.numpy as jnp
 
     cfg = model.cfg
     total = sum(x.size for x in jax.tree.leaves(model.params))
     vocab = cfg.vocab_size * cfg.hidden_size
     flops = 2 * (total - vocab) * prompt_tokens + 2 * total * new_tokens
+    from benchmarks import bench_common as bc
+
     m, k, n = 96, cfg.hidden_size, cfg.intermediate_size
-    x, w = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    f(x, w).block_until_ready()
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x, w).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    gemm = 2 * m * k * n / best
-    a = jnp.ones((total,), jnp.float32)
-    s = jax.jit(jnp.sum)
-    s(a).block_until_ready()
-    bw = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        s(a).block_until_ready()
-        bw = min(bw, time.perf_counter() - t)
-    bandwidth = a.nbytes / bw
+    gemm = bc.jax_matmul_tflops(m, k, n, "float32") * 1e12
+    weights = 4 * total
+    bandwidth = bc.jax_read_bandwidth(weights)
     compute_s = flops / gemm
     return (f"bound: {flops / 1e12:.1f} TFLOP ({prompt_tokens} prompt tokens through the "
             f"layers, {new_tokens} new tokens through layers + LM head) at {gemm / 1e9:.0f} "
             f"GFLOP/s (fp32 GEMM {m}x{k}x{n}, this process) = {compute_s:.1f} s; weights "
-            f"{a.nbytes / 1e9:.2f} GB a decode step at {bandwidth / 1e9:.1f} GB/s = "
-            f"{a.nbytes / bandwidth * 1e3:.0f} ms a step"), compute_s
+            f"{weights / 1e9:.2f} GB a decode step at {bandwidth / 1e9:.1f} GB/s = "
+            f"{weights / bandwidth * 1e3:.0f} ms a step"), compute_s
 
 
 def main() -> None:

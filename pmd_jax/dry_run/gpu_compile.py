@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pmd_jax.dry_run import gpu_facts
+from pmd_jax.dry_run import gpu_facts, gpu_report
 from pmd_jax.dry_run import hardware as tg
 
 log = logging.getLogger("pmd_jax")
@@ -269,8 +269,8 @@ def gpu_step_report(target: str, shape: dict[str, int], build: Build, vocab: int
     out["seconds"] = round(time.perf_counter() - t0, 1)
     vd = gpu_facts.vocab_dims(vocab, [mesh.shape.get("tensor", 1), mesh.size])
     facts = gpu_facts.read_facts(text, vd, num_layers)
-    out["facts"] = gpu_facts.summary(facts, vd)
-    out["fact_lines"] = gpu_facts.format_facts(facts, vd)
+    out["facts"] = gpu_report.summary(facts, vd)
+    out["fact_lines"] = gpu_report.format_facts(facts, vd)
     out["program_chars"] = len(text)
     dump = os.environ.get("PMD_JAX_DRY_RUN_GPU_DUMP", "")
     if dump:  # the program text, for reading by hand

@@ -28,6 +28,7 @@ import pytest
 
 from pmd_jax.dry_run import gpu_compile as gc
 from pmd_jax.dry_run import gpu_facts as gf
+from pmd_jax.dry_run import gpu_report as gr
 
 FIX = Path(__file__).parent / "gpu_fixtures"
 VOCAB = 32768
@@ -63,7 +64,7 @@ def test_compiled_sort_in_a_cond_branch_is_conditional():
     assert f.unconditional_vocab_sorts == ()
     assert [(s.size, s.conditional) for s in f.sorts if not s.over_vocab] == [(512, False)]
     assert [(t.via, t.k, t.size) for t in f.topks] == [("__gpu$TopK", 16, 1024)]
-    assert "only in a conditional branch" in "\n".join(gf.format_facts(f, V))
+    assert "only in a conditional branch" in "\n".join(gr.format_facts(f, V))
     assert not _fixture("topk100.hlo").vocab_sorts[0].conditional
 
 
@@ -95,7 +96,7 @@ def test_compiled_cudnn_attention_mask_as_bias_has_dbias_lengths_do_not():
                                                 "__cudnn$fmhaSoftmaxBackward"]
     assert s.dbias == () and all(a.bias is None and a.seqlens for a in s.attention)
     assert {a.mask_type for a in s.attention} == {"PADDING_CAUSAL"}
-    lines = "\n".join(gf.format_facts(m, V))
+    lines = "\n".join(gr.format_facts(m, V))
     assert "dbias output: YES bf16[2,1,256,256]" in lines
 
 

@@ -62,3 +62,38 @@ def test_no_shared_prefix_when_short_or_alone(params):
     assert s._shared_prefix(short[:1], 64) == 0
     same = [np.arange(1, 50), np.arange(1, 50)]  # a prompt keeps one token of its own
     assert s._shared_prefix(same, 64) == 48
+
+
+def test_shared_system_prompt_greedy_equals_hf_generate():
+    """Real SmolLM2 weights, chat prompts that share a long system message (prefilled once):
+    the greedy tokens are HF transformers' ``generate`` on the same left-padded prompts."""
+    import torch
+
+    from tests.sampling.test_jax_sampler import QUESTIONS, _smollm2
+
+    tok, hf, cfg, params = _smollm2(from_gguf=False)
+    system = ("You are a careful science tutor. Read the question, think about which "
+              "principle of physics, chemistry or biology applies, and answer in one short, "
+              "precise sentence without any preamble.")
+    prompts = []
+    for q in QUESTIONS[:6]:
+        ids = tok.apply_chat_template([{"role": "system", "content": system},
+                                       {"role": "user", "content": q}],
+                                      add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    s = JaxSampler(cfg, params, max_len=512, pad_id=tok.pad_token_id)
+    assert s._shared_prefix([np.asarray(p) for p in prompts], 512) >= 32
+    max_new = 16
+    out = s.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new,
+                                             stop_token_ids=(tok.eos_token_id,)))
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    with torch.no_grad():
+        ref = hf.generate(**enc, do_sample=False, max_new_tokens=max_new,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    width = enc["input_ids"].shape[1]
+    for i, r in enumerate(out):
+        want = [int(t) for t in ref[i, width:]]
+        if tok.eos_token_id in want:
+            want = want[: want.index(tok.eos_token_id) + 1]
+        assert r.tokens.tolist() == want, f"prompt {i}"
