@@ -23,6 +23,8 @@ from pmd_jax.modes.fast_slow.config import FastSlowConfig
 from pmd_jax.modes.mel.config import MelConfig
 from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
 from pmd_jax.sampling.backends import backend_names, get_backend
+from pmd_jax.tasks.config import TaskConfig
+from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names
 
 if TYPE_CHECKING:
     from pmd_jax.models.lora import LoraConfig
@@ -138,42 +140,6 @@ class MeshConfig(Section):
             v = getattr(m, ax)
             _need(errs, v == -1 or v >= 1, f"mesh.{ax} must be -1 or >= 1, got {v}")
         return errs
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskConfig(Section):
-    """The task: its problems, prompts and held-out split."""
-
-    name: str = knob("sciq", "A task of pmd_jax/tasks/registry.py.")
-    path: str = knob("", "JSONL for sciknoweval / livecodebench / jsonl_mcq|code|math.")
-    max_train_problems: int = knob(0, "0 = all.")
-    max_eval_problems: int = knob(200, "Evaluation problems.")
-    eval_split: str = knob("validation", "The split evaluated.")
-    prompt_style: str = knob("reasoning", "Multiple choice: 'reasoning' (SciKnowEval/SDPO "
-                             "prompt), 'direct' (answer tag opened, the letter) or "
-                             "'direct_text' (answer tag opened, the option's text); the last "
-                             "two are ours, for small CPU models.")
-    valid_fraction: float = knob(0.1, "SciQ and the jsonl_* kinds (ours): the held-out "
-                                 "fraction (0.1 = the SDPO test_ratio).")
-    include_support: bool = knob(False, "Whether the question's support passage opens the "
-                                 "prompt (SciQ; jsonl_mcq: its 'passage').")
-    valid_size: int = knob(0, "jsonl_* kinds (docs/tasks.md, 'Bring your own data'): held-out size "
-                           "(0 = valid_fraction).")
-    split_seed: int = knob(42, "Seed of the held-out split.")
-    shuffle_options: bool = knob(True, "Multiple choice: seeded per-problem option order.")
-    sciknoweval_domain: str = knob("Biology,Chemistry,Material,Physics",
-                                   "SciKnowEval filter (comma-separated; '' = no filter); "
-                                   "defaults as METHOD.md 1.7.")
-    sciknoweval_level: str = knob("L3", "SciKnowEval filter.")
-    sciknoweval_type: str = knob("mcq-4-choices,mcq-2-choices", "SciKnowEval filter.")
-    mbpp_train_size: int = knob(400, "Held-out evaluation (pmd_jax/tasks/heldout.py): MBPP "
-                                "and GSM8K are split into disjoint train / validation problems "
-                                "of these sizes (a permutation seeded with split_seed).")
-    mbpp_eval_size: int = knob(100, "See mbpp_train_size.")
-    gsm8k_train_size: int = knob(1000, "See mbpp_train_size.")
-    gsm8k_eval_size: int = knob(319, "See mbpp_train_size.")
-    eval_task: str = knob("", "Evaluate on that task's eval_split instead ('' = the task's "
-                          "own), e.g. 'humaneval' (all 164) for a run trained on MBPP.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,10 +386,36 @@ class EvalConfig(Section):
         _need(errs, e.max_tokens >= 1, f"eval.max_tokens must be >= 1, got {e.max_tokens}")
         _need(errs, e.n >= 1, "eval.n must be >= 1")
         if e.retention:
-            from pmd_jax.loop.retention import retention_config_errors
-
-            errs.extend(retention_config_errors(e))
+            errs.extend(_retention_errors(e))
         return errs
+
+
+def _retention_errors(e: EvalConfig) -> list[str]:
+    """Problems of the ``eval.retention*`` knobs (``pmd_jax.loop.retention`` builds the set)."""
+    errs: list[str] = []
+    style = getattr(e, "retention_prompt_style", "")
+    if not isinstance(style, str) or (style and style not in PROMPT_STYLES):
+        errs.append(f"eval.retention_prompt_style={style!r} must be '' (the run's "
+                    f"task.prompt_style where the retention task has it) or one of "
+                    f"{PROMPT_STYLES}")
+    elif style and e.retention_task in task_names() and style not in get_spec(
+            e.retention_task).prompt_styles:
+        errs.append(f"eval.retention_prompt_style={style!r} is not a style of "
+                    f"eval.retention_task={e.retention_task!r} (it has "
+                    f"{tuple(get_spec(e.retention_task).prompt_styles) or 'none'})")
+    size, seed = e.retention_size, e.retention_seed
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        errs.append(f"eval.retention_size must be an int >= 1, got {size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        errs.append(f"eval.retention_seed must be an int, got {seed!r}")
+    name = e.retention_task
+    if not isinstance(name, str) or (name and name not in task_names()):
+        errs.append(f"eval.retention_task={name!r} must be '' (the off-task default) or a "
+                    f"known task: {', '.join(task_names())}")
+    elif name and get_spec(name).needs_path:
+        errs.append(f"eval.retention_task={name!r} reads a user file (task.path is the "
+                    "training task's); pick a shipped task")
+    return errs
 
 
 # lora.base_dtype: '' = model.param_dtype (the loaded weights as they are, no copy)

@@ -28,12 +28,11 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pmd_jax.config.sections import EvalConfig, RunConfig
+from pmd_jax.config.sections import RunConfig
 
 # The splits a task may have, in the order their questions are pooled.
 _SPLITS = ("train", "validation", "test", "dev")
@@ -72,36 +71,6 @@ def retention_prompt_style(cfg: RunConfig) -> str:
         return style
     run_style = str(getattr(cfg.task, "prompt_style", "") or "")
     return run_style if run_style in _task_styles(retention_task_name(cfg)) else ""
-
-
-def retention_config_errors(e: EvalConfig) -> list[str]:
-    """Problems of the ``eval.retention*`` knobs (the eval section of a run config)."""
-    from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names
-
-    errs: list[str] = []
-    style = getattr(e, "retention_prompt_style", "")
-    if not isinstance(style, str) or (style and style not in PROMPT_STYLES):
-        errs.append(f"eval.retention_prompt_style={style!r} must be '' (the run's "
-                    f"task.prompt_style where the retention task has it) or one of "
-                    f"{PROMPT_STYLES}")
-    elif style and e.retention_task in task_names() and style not in _task_styles(
-            e.retention_task):
-        errs.append(f"eval.retention_prompt_style={style!r} is not a style of "
-                    f"eval.retention_task={e.retention_task!r} (it has "
-                    f"{_task_styles(e.retention_task) or 'none'})")
-    size, seed = e.retention_size, e.retention_seed
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        errs.append(f"eval.retention_size must be an int >= 1, got {size!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        errs.append(f"eval.retention_seed must be an int, got {seed!r}")
-    name = e.retention_task
-    if not isinstance(name, str) or (name and name not in task_names()):
-        errs.append(f"eval.retention_task={name!r} must be '' (the off-task default) or a "
-                    f"known task: {', '.join(task_names())}")
-    elif name and get_spec(name).needs_path:
-        errs.append(f"eval.retention_task={name!r} reads a user file (task.path is the "
-                    "training task's); pick a shipped task")
-    return errs
 
 
 def question_key(text: str) -> str:

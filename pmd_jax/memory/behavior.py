@@ -47,7 +47,7 @@ from pmd_jax.memory.calls import (
 )
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.index import ScannIndex
-from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
+from pmd_jax.memory.level import ContextQuery, LevelHost, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import normalize_name, parse_actions, parse_behaviors, parse_summary
 from pmd_jax.memory.sanitize import (
     echoes_prompt,
@@ -390,7 +390,7 @@ class BehaviorLevel(MemoryLevel):
     state_key = "behaviors"
     context_rank = 20  # after the strategies and lessons, before the solution
 
-    def __init__(self, memory: Any) -> None:
+    def __init__(self, memory: LevelHost) -> None:
         super().__init__(memory)
         c = memory.config
         self.store = BehaviorBank(c.behavior, memory.dim, c.index, memory.extra_tokens)

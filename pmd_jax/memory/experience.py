@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pmd_jax.memory.context import TeacherContext
-from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
+from pmd_jax.memory.level import ContextQuery, LevelHost, MemoryLevel, StepRollouts
 from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.memory.types import ExperienceItem, MemoryUpdateStats, RolloutRecord
 
@@ -155,7 +155,7 @@ class ExperienceLevel(MemoryLevel):
     state_key = "experience"
     context_rank = 30  # after insight and behavior: the teacher text's order of parts
 
-    def __init__(self, memory: Any) -> None:
+    def __init__(self, memory: LevelHost) -> None:
         super().__init__(memory)
         c = memory.config
         self.store = ExperienceStore(c.experience, c.success_threshold, memory.extra_tokens)

@@ -37,7 +37,7 @@ from pmd_jax.memory import prompts
 from pmd_jax.memory.calls import call_params, generate_first
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.index import ScannIndex
-from pmd_jax.memory.level import ContextQuery, MemoryLevel, StepRollouts
+from pmd_jax.memory.level import ContextQuery, LevelHost, MemoryLevel, StepRollouts
 from pmd_jax.memory.parsing import parse_reflection
 from pmd_jax.memory.sanitize import leaks_gold, resanitize, sanitize_text
 from pmd_jax.memory.schemas import reflection_schema
@@ -246,7 +246,7 @@ class InsightLevel(MemoryLevel):
     state_key = "insights"
     context_rank = 10  # strategies and lessons come first in the teacher text
 
-    def __init__(self, memory: Any) -> None:
+    def __init__(self, memory: LevelHost) -> None:
         super().__init__(memory)
         c = memory.config
         self.store = InsightStore(c.insight, c.success_threshold, memory.dim, c.index,

@@ -17,26 +17,26 @@ this interface:
   ``html_section()``: its own section of ``memory.html``; ``html_problems()`` /
   ``html_problem(pid)``: its part of the per-problem section (in ``context_rank`` order).
 
-A level is built as ``Level(memory)`` and reads what it needs from the memory: ``config``
-(its section is ``config.<name>``, its switch ``config.levels.<name>``), ``dim``,
-``extra_tokens``, ``embed``, the problem index ``problems`` and the other levels
-(``memory.level(name)``).
+A level is built as ``Level(memory)`` and reads what it needs from the memory, as
+:class:`LevelHost` declares it: ``config`` (its section is ``config.<name>``, its switch
+``config.levels.<name>``), ``dim``, ``extra_tokens``, ``embed``, the problem index
+``problems`` and the other levels' stores (``experience``, ``insights``). The memory
+imports the levels; a level does not import the memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from pmd_jax.memory.config import MemoryConfig
 from pmd_jax.memory.context import TeacherContext
+from pmd_jax.memory.index import ScannIndex
 from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
 from pmd_jax.sampling.base import TextGenerator
-
-if TYPE_CHECKING:
-    from pmd_jax.memory.memory import ProceduralMemory
 
 
 @dataclasses.dataclass
@@ -62,6 +62,42 @@ class ContextQuery:
     before_step: int | None = None
 
 
+class ExperienceView(Protocol):
+    """What the other levels read of the experience level's store (``ExperienceStore``)."""
+
+    problem_text: dict[str, str]
+    leak_strings: dict[str, list[str]]
+
+    def success_rate(self, pid: str) -> float: ...
+
+
+class InsightView(Protocol):
+    """What the behavior level reads of the insight level's store (``InsightStore``)."""
+
+    def texts(self, pid: str, kind: str) -> list[str]: ...
+
+
+class LevelHost(Protocol):
+    """What a level reads of the memory that holds it (``ProceduralMemory``, which imports
+    the levels; a level never imports it)."""
+
+    config: MemoryConfig
+    dim: int  # the embedder's dimension
+    extra_tokens: tuple[str, ...]  # memory.context.extra_control_tokens
+    problems: ScannIndex  # problem embeddings, docid = problem id
+    last_update_step: int
+
+    @property
+    def experience(self) -> ExperienceView: ...
+
+    @property
+    def insights(self) -> InsightView: ...
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+    def problem_vector(self, problem_id: str, problem_text: str) -> np.ndarray: ...
+
+
 class MemoryLevel:
     """Base class of a memory level; the defaults make every part optional."""
 
@@ -69,7 +105,7 @@ class MemoryLevel:
     state_key: ClassVar[str]  # its key in ProceduralMemory.state_dict()
     context_rank: ClassVar[int] = 0  # levels fill a teacher context in increasing rank
 
-    def __init__(self, memory: ProceduralMemory) -> None:
+    def __init__(self, memory: LevelHost) -> None:
         self.memory = memory
 
     @property

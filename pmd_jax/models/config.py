@@ -46,6 +46,7 @@ import math
 from typing import Any, Literal
 
 from pmd_jax.models import families as families_lib
+from pmd_jax.models.rope_config import RopeConfig
 
 Family = str  # a name registered in pmd_jax.models.families.FAMILIES
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -73,22 +74,6 @@ class UnsupportedModelConfig(ConfigError):
 # RoPE types pmd_jax.models.rope implements exactly like transformers' modeling_rope_utils.
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters for one layer type (HF ``rope_parameters`` semantics)."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3" | "yarn" | "linear"
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn (None -> HF default formula)
-    truncate: bool = True  # yarn
 
 
 @dataclasses.dataclass(frozen=True)

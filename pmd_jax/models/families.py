@@ -12,20 +12,42 @@ Adding a family whose weights and math the decoder already has (e.g. another Lla
 model): one ``FamilySpec`` here. One with a new weight or op: also an entry in
 ``weights.declare`` and its use in ``decoder.decoder_layer``, under a new config field.
 
-This module imports nothing from the rest of ``pmd_jax.models`` (``config`` imports it).
+This module imports nothing from the rest of ``pmd_jax.models`` but :mod:`.rope_config`
+(``config`` imports it); a writer reads a ``ModelConfig`` through :class:`ConfigFields`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from pmd_jax.models.config import ModelConfig, RopeConfig
+from pmd_jax.models.rope_config import RopeConfig
 
 LayerTypesReader = Callable[[Mapping[str, Any], int, Mapping[str, Any]],
                             tuple[Any, Any]]
+
+
+class ConfigFields(Protocol):
+    """What a family's HF writer (``FamilySpec.hf_extras``) reads of a
+    :class:`pmd_jax.models.config.ModelConfig`."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+    @property
+    def layer_types(self) -> tuple[str, ...] | None: ...
+
+    @property
+    def rope(self) -> tuple[tuple[str, RopeConfig], ...]: ...
+
+    def rope_for(self, layer_type: str) -> RopeConfig: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +70,7 @@ class FamilySpec:
     sliding_hint: str = ""  # appended to the "sliding layers need a window" error
     drop_unused_window: bool = True  # no sliding layer: forget layer_types and the window
     # to_hf_config's keys after the common ones (RoPE included), in config.json order
-    hf_extras: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    hf_extras: Callable[[ConfigFields], dict[str, Any]] = lambda cfg: {}
 
 
 def rope_to_hf(r: RopeConfig) -> dict[str, Any]:
@@ -71,7 +93,7 @@ def rope_to_hf(r: RopeConfig) -> dict[str, Any]:
     return d
 
 
-def _flat_rope(cfg: ModelConfig) -> dict[str, Any]:
+def _flat_rope(cfg: ConfigFields) -> dict[str, Any]:
     full = cfg.rope_for("full_attention")
     out: dict[str, Any] = {"rope_parameters": rope_to_hf(full)}
     if full.rope_type != "default":
@@ -80,7 +102,7 @@ def _flat_rope(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ Llama
-def _llama_hf(cfg: ModelConfig) -> dict[str, Any]:
+def _llama_hf(cfg: ConfigFields) -> dict[str, Any]:
     return {"mlp_bias": False, "pretraining_tp": 1, **_flat_rope(cfg)}
 
 
@@ -109,7 +131,7 @@ def _qwen_layer_types(hf: Mapping[str, Any], n_layers: int,
     return layer_types, sliding
 
 
-def _qwen_hf(cfg: ModelConfig) -> dict[str, Any]:
+def _qwen_hf(cfg: ConfigFields) -> dict[str, Any]:
     out = _flat_rope(cfg)
     if cfg.layer_types and "sliding_attention" in cfg.layer_types:
         out["use_sliding_window"] = True
@@ -158,7 +180,7 @@ def _olmo3_layer_types(hf: Mapping[str, Any], n_layers: int,
     return layer_types, sliding
 
 
-def _olmo3_hf(cfg: ModelConfig) -> dict[str, Any]:
+def _olmo3_hf(cfg: ConfigFields) -> dict[str, Any]:
     full = cfg.rope_for("full_attention")
     rope_types = dict(cfg.rope)
     out: dict[str, Any] = {

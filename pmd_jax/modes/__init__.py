@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ml_collections
 
-    from pmd_jax.config.sections import RunConfig
-
 # What the teacher's context holds (ModeSpec.teacher).
 TEACHERS = ("none", "feedback", "memory")
 
@@ -70,7 +68,7 @@ class ModeRuntime:
         """Restores :meth:`state_dict`'s value."""
 
 
-def _no_runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
+def _no_runtime(cfg: Any, model: Any, task: Any, train_problems: Sequence[Any],
                 eval_problems: Sequence[Any]) -> ModeRuntime:
     return ModeRuntime()
 
@@ -113,7 +111,9 @@ class ModeSpec:
     eval_with_memory: bool = False
     memory_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     derive: Callable[[ml_collections.ConfigDict], None] | None = None
-    check: Callable[[RunConfig], list[str]] | None = None
+    # (the config reads this registry, so a spec names the run config's type in its own
+    # module: each mode's check and runtime take the frozen RunConfig)
+    check: Callable[[Any], list[str]] | None = None
     runtime: Callable[..., ModeRuntime] = _no_runtime
     aliases: tuple[str, ...] = ()
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pmd_jax.registry import Registry
 
-if TYPE_CHECKING:
-    from pmd_jax.config.sections import RolloutConfig, RunConfig
 
 
 def _no_errors(rollout: Any) -> list[str]:
@@ -34,13 +32,17 @@ def _no_refusal(cfg: Any) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
+    """One backend. ``cfg`` is the frozen run config (``pmd_jax.config.sections.RunConfig``)
+    and ``rollout`` its rollout section, typed ``Any`` here: the config reads this registry
+    (the rollout.sampler knob's help and checks), so this module does not import it."""
+
     name: str
     # (run config, model bundle, context length) -> the sampler
-    build: Callable[[RunConfig, Any, int], Any]
+    build: Callable[[Any, Any, int], Any]
     # what this backend needs of the rollout section (each a one-line error)
-    rollout_errors: Callable[[RolloutConfig], list[str]] = _no_errors
+    rollout_errors: Callable[[Any], list[str]] = _no_errors
     # what stops it from starting on this machine, found before the model loads
-    start_refusal: Callable[[RunConfig], str | None] = _no_refusal
+    start_refusal: Callable[[Any], str | None] = _no_refusal
     # why it cannot run with several JAX processes ("": it can)
     single_process_reason: str = ""
     # rollout.overlap: a second instance for the main thread (an in-process sampler: they
@@ -48,7 +50,7 @@ class BackendSpec:
     twin_for_overlap: bool = False
 
 
-def _jax(cfg: RunConfig, model: Any, max_len: int) -> Any:
+def _jax(cfg: Any, model: Any, max_len: int) -> Any:
     from pmd_jax.sampling.jax_sampler import JaxSampler
 
     # The tokenizer serves constrained requests (SamplingParams.json_schema).
@@ -60,7 +62,7 @@ def _jax(cfg: RunConfig, model: Any, max_len: int) -> Any:
                       tokenizer=model.tokenizer)
 
 
-def _vllm(cfg: RunConfig, model: Any, max_len: int) -> Any:
+def _vllm(cfg: Any, model: Any, max_len: int) -> Any:
     from pmd_jax.sampling.vllm_client import VLLMSampler
 
     r = cfg.rollout
@@ -68,7 +70,7 @@ def _vllm(cfg: RunConfig, model: Any, max_len: int) -> Any:
                        vocab_size=model.cfg.vocab_size, max_model_len=max_len)
 
 
-def _vllm_rollout_errors(r: RolloutConfig) -> list[str]:
+def _vllm_rollout_errors(r: Any) -> list[str]:
     errs = []
     if not str(r.vllm_url).startswith("http"):
         errs.append("rollout.vllm_url must be an http(s) URL")
@@ -77,7 +79,7 @@ def _vllm_rollout_errors(r: RolloutConfig) -> list[str]:
     return errs
 
 
-def _vllm_start_refusal(cfg: RunConfig) -> str | None:
+def _vllm_start_refusal(cfg: Any) -> str | None:
     from pmd_jax.sampling.vllm_client import unreachable_message
 
     return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
@@ -107,11 +109,11 @@ def backend_names() -> tuple[str, ...]:
     return SPECS.names()
 
 
-def start_refusal(cfg: RunConfig) -> str | None:
+def start_refusal(cfg: Any) -> str | None:
     """What stops a valid config from starting here, found before the model loads (the run's
     backend's check: e.g. the vLLM server it samples from does not answer); None: nothing."""
     return get_backend(cfg.rollout.sampler).start_refusal(cfg)
 
 
-def build(name: str, cfg: RunConfig, model: Any, max_len: int) -> Any:
+def build(name: str, cfg: Any, model: Any, max_len: int) -> Any:
     return get_backend(name).build(cfg, model, max_len)

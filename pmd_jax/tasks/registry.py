@@ -18,13 +18,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pmd_jax.tasks import code, jsonl_tasks, math, mcq
 from pmd_jax.tasks.base import Task, TaskError
-
-if TYPE_CHECKING:
-    from pmd_jax.config.sections import TaskConfig
+from pmd_jax.tasks.config import TaskConfig
 
 PROMPT_STYLES = ("reasoning", "direct", "direct_text")
 
