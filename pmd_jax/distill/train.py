@@ -15,10 +15,14 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
-from pmd_jax.distill.offload import optimizer_set_aside
+from pmd_jax.distill.offload import DiskParams, optimizer_set_aside, temp_files
+from pmd_jax.distill.step import TrainStep, compute_params
+from pmd_jax.loop.phases import TrainingError
 from pmd_jax.run import footprint
+from pmd_jax.run.disk import check_temp_space
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -50,7 +54,6 @@ class TrainBundle:
     def base_is_cast(self, params: Any) -> bool:
         """LoRA: whether the frozen base is a cast copy of the loaded ``params``
         (lora.base_dtype), not the loaded arrays themselves."""
-        import jax
 
         return self.base is not None and any(
             b.dtype != p.dtype for b, p in zip(jax.tree.leaves(self.base),
@@ -63,7 +66,6 @@ def init_train_state(cfg: RunConfig, model: Any, trains: bool = True) -> TrainBu
     the initial policy, which only the KL to it reads, is not kept
     (:func:`place_initial_policy`); ``lora`` is ignored then (nothing trains). LoRA: the
     state holds the adapters, the bundle the frozen base, which is the initial policy."""
-    from pmd_jax.distill.step import TrainStep
 
     lora = cfg.lora.config() if trains else None
     if cfg.lora.enabled and not trains:
@@ -86,8 +88,6 @@ def prepare_offloads(cfg: RunConfig, bundle: TrainBundle, model: Any, run_key: s
     """Start-up, before any step: the offload options' temp files checked against the temp
     disk (``DiskSpaceError`` when they cannot fit; ``main``: exit 2), then the initial
     policy placed (:func:`place_initial_policy`). Returns the lines for the log."""
-    from pmd_jax.distill.offload import temp_files
-    from pmd_jax.run.disk import check_temp_space
 
     lines = []
     files = temp_files(cfg.train, bundle)
@@ -105,7 +105,6 @@ def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_ke
     ``train.offload_initial_policy`` (``distill/offload.py``, the file named by ``run_key``);
     either way ``model.params``, its only other holder, lets go of it. Returns what was done
     ('' when it stays in memory)."""
-    from pmd_jax.distill.offload import DiskParams
 
     tr = cfg.train
     measured = tr.kl_initial_every > 0 and bundle.step_fn.trains
@@ -131,7 +130,6 @@ def place_initial_policy(cfg: RunConfig, bundle: TrainBundle, model: Any, run_ke
 
 def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """One update on the host batch ``batch``; returns the step's scalar metrics."""
-    import jax
 
     batch, layout = bundle.step_fn.pack(batch)  # shared-prefix rows (train.shared_prefix)
     sh = bundle.step_fn.batch_shardings(batch)
@@ -160,7 +158,6 @@ def train_step(bundle: TrainBundle, batch: dict[str, np.ndarray]) -> dict[str, f
 def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: int) -> int:
     """Non-finite updates in a row after this step's ``metrics`` (0 after a finite one); the
     step function skipped a non-finite update. Raises TrainingError at ``limit`` in a row."""
-    from pmd_jax.loop.phases import TrainingError
 
     if bool(metrics.get("finite", True)) and math.isfinite(float(metrics.get("loss", 0.0))):
         return 0
@@ -176,7 +173,6 @@ def count_nonfinite(metrics: dict[str, Any], in_a_row: int, limit: int, step: in
 def current_params(cfg: RunConfig, bundle: TrainBundle) -> Any:
     """The policy's params in the compute dtype (what the sampler and the export get); LoRA:
     the adapters merged into the base (``TrainStep.merged_params``)."""
-    from pmd_jax.distill.step import compute_params
 
     if bundle.lora is not None:
         return bundle.step_fn.merged_params(bundle.state, bundle.base)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pmd_jax.distill.batch import OPTIONAL_RESPONSE_KEYS, RESPONSE_KEYS, SEQ_KEYS
 from pmd_jax.distill.registry import get_loss
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ def select_rows(batch: dict[str, np.ndarray], rows: np.ndarray,
     prefix, so the sequence / response axes are cut to the longest kept row (rounded up to
     ``pad_to_multiple``, never below the positions the logit indices point at).
     """
-    from pmd_jax.distill.batch import OPTIONAL_RESPONSE_KEYS, RESPONSE_KEYS, SEQ_KEYS
 
     rows = np.asarray(rows, np.int64)
     out = {k: np.ascontiguousarray(v[rows]) for k, v in batch.items()}

@@ -11,5 +11,6 @@
   ``gpu_facts``: what the program shows (vocabulary sorts, cuDNN attention and ``dbias``,
   GEMM dtypes, per-layer saved tensors), read from its text.
 
-Nothing is imported here: ``forward_backward`` sets the fake device count before JAX starts.
+Nothing is imported here: ``forward_backward`` sets the fake device count before JAX starts a
+backend (importing a module of the package starts none).
 """

@@ -20,6 +20,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+
+from pmd_jax.distill.registry import TEACHER_KEYS, get_loss
+from pmd_jax.distill.step import TrainStep
+from pmd_jax.loop.build import attention_options
+from pmd_jax.models import gguf_io, hf_io
+from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
+from pmd_jax.models.config import ConfigError, from_hf_config, preset
+
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
 
@@ -60,8 +70,6 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
                    ) -> dict[str, Any]:
     """The step's batch as ShapeDtypeStructs with their shardings; ``lessons`` (rows,
     sequence length, lesson length; :func:`lesson_shape`) for a loss with lesson rows."""
-    import jax
-    import jax.numpy as jnp
 
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype)
@@ -82,7 +90,6 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
         "old_logp": sds((batch, response_len), jnp.float32),
         "rewards": sds((batch,), jnp.float32),
     }
-    from pmd_jax.distill.registry import TEACHER_KEYS, get_loss
 
     spec = get_loss(step_fn.opts.loss_name)
     if not spec.needs_teacher:  # e.g. grpo: no teacher prompt (teacher_index is a base key)
@@ -107,8 +114,6 @@ def abstract_batch(step_fn: Any, batch: int, student_len: int, teacher_len: int,
 
 def distill_step_report(cfg: RunConfig, model_cfg: Any, mesh: Any, rules: Any, batch: int,
                         student_len: int, teacher_len: int, response_len: int) -> dict[str, Any]:
-    from pmd_jax.distill.step import TrainStep
-
     # LoRA (lora.enabled): the state holds the adapters and their moments, the frozen base is
     # one more argument of the step, in lora.base_dtype, as the run's step takes it
     lora = cfg.lora.config() if cfg.lora.enabled else None
@@ -195,7 +200,6 @@ def model_config(cfg: RunConfig) -> Any:
     """The run's ModelConfig with its dtypes and attention options, no weights read: from
     ``model.preset``, else from ``model.source`` (an embedded model's GGUF metadata, or a
     folder's config.json). Raises ConfigError naming what is missing."""
-    from pmd_jax.loop.build import attention_options
 
     return _shapes(cfg).replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                                 **attention_options(cfg))
@@ -207,10 +211,6 @@ def model_name(cfg: RunConfig) -> str:
 
 
 def _shapes(cfg: RunConfig) -> Any:
-    from pmd_jax.models import gguf_io, hf_io
-    from pmd_jax.models.assets import EMBEDDED_MODELS, AssetError, embedded_gguf_path
-    from pmd_jax.models.config import ConfigError, from_hf_config, preset
-
     if cfg.model.preset:
         return preset(cfg.model.preset)
     src = cfg.model.source

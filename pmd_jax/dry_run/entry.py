@@ -8,6 +8,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from pmd_jax.dry_run.distill_step import (
     distill_step_report,
     format_step_memory,
@@ -15,6 +17,9 @@ from pmd_jax.dry_run.distill_step import (
     model_config,
     model_name,
 )
+from pmd_jax.dry_run.forward_backward import dry_run
+from pmd_jax.dry_run.target import target_report
+from pmd_jax.run.sharding import ShardingRules, make_mesh
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -27,13 +32,8 @@ def dry_run_from_config(cfg: RunConfig) -> dict[str, Any]:
     the loss's group size from the rollout section)."""
     target = cfg.dry_run.target
     if target:
-        from pmd_jax.dry_run.target import target_report
-
         return target_report(cfg, target, count_cost=bool(cfg.dry_run.roofline))
-    import jax
 
-    from pmd_jax.dry_run.forward_backward import dry_run
-    from pmd_jax.run.sharding import ShardingRules, make_mesh
 
     mc = model_config(cfg)
     n = jax.device_count()

@@ -31,6 +31,16 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pmd_jax.models import decoder
+from pmd_jax.models.config import preset
+from pmd_jax.run import sharding as sh
+
 if TYPE_CHECKING:
     from pmd_jax.models.config import ModelConfig
 
@@ -57,15 +67,11 @@ def _set_host_devices(n: int) -> None:
 
 
 def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
-    import numpy as np
-
     shard = sharding.shard_shape(tuple(shape)) if shape else ()
     return int(math.prod(shard)) * np.dtype(dtype).itemsize
 
 
 def _tree_bytes(abstract_tree: Any, shardings: Any) -> int:
-    import jax
-
     return sum(
         _shard_bytes(a.shape, a.dtype, s)
         for a, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings))
@@ -76,8 +82,6 @@ def opt_state_shardings(opt_shapes: Any, param_shardings: Any, mesh: Any) -> Any
     """Shardings for an optax state: a leaf whose tree path ends with a param's path (mu, nu,
     ...) and has its shape gets that param's sharding; anything else (step counts) is
     replicated."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
     by_path = {
         tuple(str(k) for k in path): s
@@ -99,8 +103,6 @@ def opt_state_shardings(opt_shapes: Any, param_shardings: Any, mesh: Any) -> Any
 
 def next_token_loss(logits: Any, tokens: Any, mask: Any) -> Any:
     """Mean next-token cross-entropy where a real token predicts a real token."""
-    import jax
-    import jax.numpy as jnp
 
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -114,10 +116,7 @@ def chunked_next_token_loss(hidden: Any, params: Any, cfg: ModelConfig, tokens: 
     chunk by chunk over the sequence (``jax.checkpoint`` per chunk, so neither the forward
     nor the backward holds more than one [B, chunk, V] float32 block). ``unroll`` goes to the
     ``lax.scan`` over chunks (unrolled, XLA's cost analysis counts every chunk)."""
-    import jax
-    import jax.numpy as jnp
 
-    from pmd_jax.models import decoder
 
     B, T, D = hidden.shape
     chunk = max(1, min(chunk, T - 1))
@@ -155,13 +154,6 @@ def _flops(compiled: Any) -> float:
 
 
 def _compile_step(cfg, mesh, rules_obj, batch, seq, remat, learning_rate, unroll):
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from pmd_jax.models import decoder
-    from pmd_jax.run import sharding as sh
-
     axes = decoder.param_axes(cfg)
     shapes = decoder.param_shapes(cfg)
     p_shard = sh.tree_shardings(mesh, rules_obj, axes)
@@ -224,10 +216,7 @@ def dry_run(
     the tensor if a parameter cannot be split over its mesh axes, or the batch over
     data x fsdp.
     """
-    import jax
 
-    from pmd_jax.models import decoder
-    from pmd_jax.run import sharding as sh
 
     n_needed = math.prod(int(v) for v in mesh_shape.values())
     devices = jax.devices()
@@ -376,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     n = math.prod(mesh_shape.values())
     _set_host_devices(n)  # before the jax backend starts
 
-    from pmd_jax.models.config import preset
 
     cfg = preset(args.model)
     over: dict[str, Any] = {}

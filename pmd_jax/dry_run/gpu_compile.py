@@ -53,8 +53,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+from jax.experimental import topologies
+
 from pmd_jax.dry_run import gpu_facts, gpu_report
 from pmd_jax.dry_run import hardware as tg
+from pmd_jax.models import attend
+from pmd_jax.run.sharding import make_mesh
 
 log = logging.getLogger("pmd_jax")
 GiB = 1024**3
@@ -144,7 +149,6 @@ def plugin_missing() -> str | None:
 
 def compile_only_devices(m: GpuModel, n: int) -> list[Any]:
     """``n`` compile-only CUDA devices of model ``m`` (one host), from the plugin's topology."""
-    from jax.experimental import topologies
 
     def topo() -> Any:
         return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
@@ -162,6 +166,7 @@ def _register_late() -> None:
     register the CUDA plugin now, and give it what jax gives each plugin it discovers (the
     callbacks registered before discovery, e.g. custom partitioning's, which cuDNN
     attention on a mesh needs)."""
+    # lazy: private jax internals, only on the simulated-GPU dry-run path
     from jax._src import xla_bridge as xb
 
     importlib.import_module("jax_plugins.xla_cuda12").initialize()
@@ -178,10 +183,9 @@ def gpu_tracing(m: GpuModel) -> Iterator[None]:
     compute capability; JAX's cuDNN attention, which asks the installed cuDNN for its version
     and the default backend for the compute capability while tracing, gets the target's. JAX's
     caches are cleared on entry and exit (no trace crosses the boundary)."""
-    import jax
+    # lazy: private jax internals, only on the simulated-GPU dry-run path
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
-    from pmd_jax.models import attend
 
     cc = m.compute_capability
     cc_text = f"{cc[0]}.{cc[1]}"
@@ -230,9 +234,7 @@ def gpu_step_report(target: str, shape: dict[str, int], build: Build, vocab: int
     ``target``'s GPUs (mesh ``shape``): compiled by XLA:GPU without a device when the plugin
     is there (``mode`` auto), else lowered to CUDA StableHLO; the facts of the program
     (:mod:`pmd_jax.dry_run.gpu_facts`) and, when compiled, its memory."""
-    import jax
 
-    from pmd_jax.run.sharding import make_mesh
 
     t = tg.get_target(target)
     m = GPU_MODELS[t.name]

@@ -59,8 +59,26 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from pmd_jax.distill.batch import BatchError
+from pmd_jax.distill.registry import get_loss
+from pmd_jax.distill.step import TrainStep
+from pmd_jax.dry_run import gpu_compile
 from pmd_jax.dry_run import hardware as tg
-from pmd_jax.dry_run.distill_step import lesson_shape
+from pmd_jax.dry_run.distill_step import (
+    abstract_batch,
+    lesson_shape,
+    mesh_shape,
+    model_config,
+    model_name,
+)
+from pmd_jax.dry_run.gpu_compile import format_gpu_report
+from pmd_jax.models import decoder
+from pmd_jax.run.sharding import ShardingRules, make_mesh
+from pmd_jax.sampling.decode import decode_logits
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -110,8 +128,6 @@ def _timing(flops: float, nbytes: float, t: tg.Target, model_flops: float,
 
 def _batch(ts: Any, rows: int, s: int, t: int, r: int,
            lessons: tuple[int, int, int] | None = None) -> dict[str, Any]:
-    from pmd_jax.dry_run.distill_step import abstract_batch
-
     b = abstract_batch(ts, rows, s, t, r, lessons)
     b.pop("old_logp", None)  # one update per rollout batch: the trainer passes no old_logp
     return b
@@ -128,8 +144,6 @@ def _lengths(cfg: RunConfig) -> tuple[int, int, int, int]:
 def train_step_program(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target
                        ) -> tuple[Any, Any, dict[str, Any]]:
     """The config's real TrainStep on ``mesh``, its abstract state and its abstract batch."""
-    from pmd_jax.distill.batch import BatchError
-    from pmd_jax.distill.step import TrainStep
 
     rows, s_len, t_len, resp = _lengths(cfg)
     ts = TrainStep(mc, cfg.distill, mesh=mesh, rules=rules,
@@ -144,8 +158,6 @@ def train_step_program(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Tar
 
 def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                       count_cost: bool = True) -> dict[str, Any]:
-    from pmd_jax.distill.step import TrainStep
-
     rows, s_len, t_len, resp = _lengths(cfg)
     ts, state, batch = train_step_program(cfg, mc, mesh, rules, t)
     n_micro = ts.num_microbatches(rows)
@@ -160,7 +172,6 @@ def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Targ
         **_memory(compiled, t.hbm_bytes),
     }
     del compiled
-    from pmd_jax.distill.registry import get_loss
 
     n_teacher = (0 if not get_loss(cfg.distill.loss.name).needs_teacher
                  else 2 if cfg.distill.teacher.rule == "trust_region" else 1)
@@ -189,12 +200,7 @@ def train_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Targ
 def decode_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Target,
                        count_cost: bool = True) -> dict[str, Any]:
     """One cached decode forward of the JAX sampler (``sampling.decode.decode_logits``)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
-    from pmd_jax.models import decoder
-    from pmd_jax.sampling.decode import decode_logits
 
     batch_div = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
     rows = max(int(cfg.rollout.max_batch), batch_div)
@@ -254,7 +260,6 @@ def gpu_report(cfg: RunConfig, mc: Any, shape: dict[str, int], rules: Any, t: tg
     StableHLO (:mod:`pmd_jax.dry_run.gpu_compile`); None for other targets or with
     ``PMD_JAX_DRY_RUN_GPU=off``. A failure is reported, not raised (the XLA:CPU report
     stands)."""
-    from pmd_jax.dry_run import gpu_compile
 
     if t.name not in gpu_compile.GPU_MODELS or gpu_compile.gpu_mode() == "off":
         return None
@@ -311,8 +316,6 @@ def format_target_report(r: dict[str, Any]) -> str:
             f"{de['floor_tokens_per_s']:.0f} tokens/s")
     gpu = r.get("gpu")
     if gpu is not None:
-        from pmd_jax.dry_run.gpu_compile import format_gpu_report
-
         if gpu["path"] == "failed":
             lines.append(f"GPU program for {t.name}: FAILED ({gpu['error'][:500]})")
         else:
@@ -326,11 +329,6 @@ def format_target_report(r: dict[str, Any]) -> str:
 
 
 def target_report(cfg: RunConfig, target: str, count_cost: bool = True) -> dict[str, Any]:
-    import jax
-
-    from pmd_jax.dry_run.distill_step import mesh_shape, model_config, model_name
-    from pmd_jax.run.sharding import ShardingRules, make_mesh
-
     t = tg.get_target(target)
     n = jax.device_count()
     if n != t.chips:

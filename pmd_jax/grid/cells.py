@@ -8,6 +8,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pmd_jax.run.metrics import read_metrics
+
 
 class GridError(ValueError):
     """A problem with the grid's command line or its cells' folders."""
@@ -42,7 +44,6 @@ def eval_dir(run_dir: Path, step: int) -> Path:
 def cell_state(run_dir: Path, steps: int) -> tuple[bool, str]:
     """(finished, why not): finished = a train record for every step 0..steps-1, an eval
     record at ``steps`` and ``eval/step_<steps>/results.jsonl``."""
-    from pmd_jax.run.metrics import read_metrics
 
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():

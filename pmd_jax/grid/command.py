@@ -65,7 +65,12 @@ from typing import Any
 
 import numpy as np
 from absl import app, flags
+from absl import flags as absl_flags
+from ml_collections import config_flags
 
+from pmd_jax.config.cli import apply_taken, check_command_line
+from pmd_jax.config.modes import apply_mode
+from pmd_jax.config.validate import config_errors
 from pmd_jax.grid.cells import (
     CELL_INFO,
     Cell,
@@ -77,6 +82,8 @@ from pmd_jax.grid.cells import (
     read_info,
 )
 from pmd_jax.grid.report import REFERENCE_MODES, write_report
+from pmd_jax.modes import aliases, canonical, mode_names
+from pmd_jax.run.metrics import _fmt as fmt
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file (as for pmd_jax.main).")
 _MODES = flags.DEFINE_list(
@@ -179,11 +186,7 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
     """The cells' config (``mode`` set, ``apply_mode`` applied) with the overrides, as
     ``pmd_jax.main`` builds it; every problem of the command line or of the config raises
     GridError before any cell runs."""
-    from absl import flags as absl_flags
-    from ml_collections import config_flags
 
-    from pmd_jax.config import apply_mode, config_errors
-    from pmd_jax.config.cli import apply_taken, check_command_line
 
     argv = ["pmd_jax.experiments", f"--config={config}", *overrides]
     if mode is not None:
@@ -211,8 +214,6 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
 
 
 def _fmt(seconds: float) -> str:
-    from pmd_jax.run.metrics import _fmt as fmt
-
     return fmt(seconds)
 
 
@@ -237,7 +238,6 @@ def run_grid(config: str, modes: Sequence[str], seeds: Sequence[int], out: Path,
         raise GridError(f"--scratch {scratch} lies inside --out {out}: the run directories "
                         "(checkpoints, HF export) must stay out of the committed folder")
     cells = list(cells) if cells else [Cell(m, s) for m in modes for s in seeds]
-    from pmd_jax.modes import aliases, canonical, mode_names
 
     bad = [m for m in modes if canonical(m) not in mode_names()]
     if bad:

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from pmd_jax.grid.cells import CellResult
+from pmd_jax.modes import get_mode
+from pmd_jax.tasks.registry import is_code_task
 
 # Train-record metrics that count tokens a mode generated besides its rollouts (summed over
 # steps): the memory's reflection calls (pmd_jax.memory.calls), MEL's reflections and replays
@@ -244,7 +246,6 @@ def answers_not_options(results: Sequence[CellResult], modes: Sequence[str]) -> 
     reasons, with each seed's), the share of every reason (mean over those seeds), and the
     change from step 0 to the last step over the seeds measured at both."""
     rows = []
-    from pmd_jax.tasks.registry import is_code_task
 
     asked = [r for r in results if not is_code_task(r.task)]  # a program names no option
     for mode, rs in _by_mode(asked, modes).items():
@@ -292,7 +293,6 @@ def answers_markdown(rows: Sequence[dict]) -> list[str]:
 def _is_memory_mode(mode: str) -> bool:
     """Whether ``mode`` keeps a memory; a cell of another trainer (a peer's, e.g.
     ``sdpo_rl`` from benchmarks/peer_sdpo_rl_cells.py) is not one of our modes: no memory."""
-    from pmd_jax.modes import get_mode
 
     try:
         return get_mode(mode).uses_memory

@@ -24,6 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from pmd_jax.grid.cells import CellResult, eval_dir
+from pmd_jax.grid.diagnostics import _num, train_records
+from pmd_jax.run import paths
+from pmd_jax.tasks import evaluation
+from pmd_jax.tasks.evaluation import (
+    bootstrap_ci,
+    minimum_detectable_difference,
+    paired_bootstrap,
+    sign_test,
+)
 
 TRAIN_REWARD_PLOT = "train_reward_vs_step.png"
 # The per-step reward table shows at most this many steps (evenly spaced, the last included).
@@ -38,7 +47,6 @@ def step_scores(folder: Path, file: str, name: str,
     """step -> problem_id -> mean reward, for every ``eval/step_*/<file>`` of a run folder
     (``results.jsonl`` for the task, ``retention.jsonl`` for the retention set); the steps
     in ``known`` (already read by the caller) are taken from it, not read again."""
-    from pmd_jax.tasks import evaluation
 
     out: dict[int, dict[str, float]] = {}
     for d in sorted((folder / "eval").glob("step_*")):
@@ -52,7 +60,6 @@ def step_scores(folder: Path, file: str, name: str,
 
 def train_rewards(recs: Sequence[dict]) -> dict[int, float]:
     """step -> the step's mean rollout reward (the last train record of each step)."""
-    from pmd_jax.grid.diagnostics import _num, train_records
 
     return {int(r["step"]): float(r["reward_mean"]) for r in train_records(recs)
             if _num(r.get("reward_mean"))}
@@ -69,12 +76,6 @@ def step_rows(results: Sequence[CellResult], modes: Sequence[str],
     percentile-bootstrap CI, and (after step 0) the paired change from step 0 with its CI,
     bootstrap p-value and sign test. ``attr``: ``step_scores`` (the task) or
     ``step_retention`` (the retention set)."""
-    from pmd_jax.tasks.evaluation import (
-        bootstrap_ci,
-        minimum_detectable_difference,
-        paired_bootstrap,
-        sign_test,
-    )
 
     rows = []
     for mode in modes:
@@ -199,9 +200,9 @@ def reward_markdown(curves: Mapping[str, dict]) -> list[str]:
 
 def save_plot(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
     """Labels, grid and legend of a grid plot; writes it to ``path``."""
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
-    from pmd_jax.run import paths
 
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -217,9 +218,11 @@ def save_plot(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path
 def plot_over_steps(curves: Mapping[str, dict], path: Path, ylabel: str, title: str) -> Path:
     """A value vs training step: per mode the mean over seeds (``steps``, ``mean``), a
     ``min``-``max`` band over seeds where there are several, and thin ``per_seed`` lines."""
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

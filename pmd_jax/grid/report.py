@@ -18,6 +18,14 @@ from pmd_jax.grid import diagnostics as dg
 from pmd_jax.grid import per_step as ps
 from pmd_jax.grid.cells import Cell, CellResult, GridError, cell_state, eval_dir, read_info
 from pmd_jax.grid.per_step import fmt as _f
+from pmd_jax.run.metrics import eval_kl_points, read_metrics
+from pmd_jax.tasks import evaluation
+from pmd_jax.tasks.evaluation import (
+    bootstrap_ci,
+    minimum_detectable_difference,
+    paired_bootstrap,
+    sign_test,
+)
 
 log = logging.getLogger("pmd_jax")
 
@@ -41,9 +49,6 @@ IN_PROMPT_METRICS = ("accuracy_deployed", "accuracy_with_memory")
 
 
 def load_cell(folder: Path, cell: Cell, step: int) -> CellResult:
-    from pmd_jax.run.metrics import eval_kl_points, read_metrics
-    from pmd_jax.tasks import evaluation
-
     res = evaluation.load_results(eval_dir(folder, step) / "results.jsonl", name=cell.name)
     recs = read_metrics(folder / "metrics.jsonl")
     curve = sorted(
@@ -90,7 +95,6 @@ def _units(results: Sequence[CellResult]) -> dict[tuple[str, int], float]:
 
 def summarize_mode(mode: str, results: Sequence[CellResult]) -> dict:
     """Accuracy of one mode at the last step over its (problem, seed) pairs."""
-    from pmd_jax.tasks.evaluation import bootstrap_ci
 
     units = _units(results)
     x = np.array(list(units.values()), dtype=np.float64)
@@ -123,7 +127,6 @@ def summarize_mode(mode: str, results: Sequence[CellResult]) -> dict:
 def compare_modes(ref: str, ref_res: Sequence[CellResult], mode: str,
                   res: Sequence[CellResult]) -> dict:
     """``mode - ref`` over their matched (problem, seed) pairs."""
-    from pmd_jax.tasks.evaluation import minimum_detectable_difference, paired_bootstrap, sign_test
 
     a, b = _units(ref_res), _units(res)
     common = sorted(set(a) & set(b))
@@ -287,9 +290,11 @@ def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
     pts = {m: rs for m, rs in pts.items() if rs}
     if not pts:
         return None
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
 

@@ -15,11 +15,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from pmd_jax.loop.phases import TrainingError
+from pmd_jax.memory.memory import ProceduralMemory
+from pmd_jax.models import attend, decoder, hf_io
+from pmd_jax.models.assets import EMBEDDED_MODELS
+from pmd_jax.models.config import from_hf_config, preset
+from pmd_jax.models.gguf_io import embedded_hf_dir
+from pmd_jax.models.tokenizer import Tokenizer
 from pmd_jax.modes import get_mode
 from pmd_jax.run import multihost
+from pmd_jax.run.sharding import ShardingError, ShardingRules, make_mesh, shard_tree
 from pmd_jax.sampling import backends
 from pmd_jax.sampling.base import Messages, TextGenerator
+from pmd_jax.tasks import sandbox
+from pmd_jax.tasks.base import TaskError
+from pmd_jax.tasks.code import CodeTask
+from pmd_jax.tasks.heldout import eval_overlap, in_sample_message
+from pmd_jax.tasks.loader import load_task
+from pmd_jax.tasks.registry import task_kwargs as spec_kwargs
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -30,8 +45,6 @@ log = logging.getLogger("pmd_jax")
 
 
 def is_main_process() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -39,7 +52,6 @@ def is_main_process() -> bool:
 def task_kwargs(cfg: RunConfig, name: str) -> dict[str, Any]:
     """get_task arguments of task ``name`` from the run config (task.path excluded): the
     task's registered spec builds them (tasks/registry.py)."""
-    from pmd_jax.tasks.registry import task_kwargs as spec_kwargs
 
     return spec_kwargs(cfg.task, name, int(cfg.seed))
 
@@ -56,19 +68,13 @@ def build_task(cfg: RunConfig, check_heldout: bool = True, check_sandbox: bool =
     a working sandbox backend; without one this raises SandboxError naming each backend's
     reason, before any compute. Config validation calls this without it (it runs before
     ``jax.distributed`` is initialised, so nothing here may touch a jax backend)."""
-    from pmd_jax.tasks.loader import load_task
 
     task = load_task(cfg.task, cfg.seed)
     if check_sandbox and runs_code(task):
         # a machine where no sandbox works fails here, not with every program graded as
         # failed (detect_backend raises and says why)
-        from pmd_jax.tasks import sandbox
-
         log.info("sandbox for model-written code: %s", sandbox.detect_backend())
     if check_heldout:
-        from pmd_jax.tasks.base import TaskError
-        from pmd_jax.tasks.heldout import eval_overlap, in_sample_message
-
         overlap, n_eval = eval_overlap(cfg.task, task)
         if overlap and not cfg.eval.allow_in_sample:
             raise TaskError(in_sample_message(cfg, overlap, n_eval))
@@ -93,7 +99,6 @@ def select_problems(cfg: RunConfig, task: Any) -> tuple[list[Any], list[Any]]:
 
 def runs_code(task: Any) -> bool:
     """Whether grading ``task`` (or either side of a TransferTask) runs programs."""
-    from pmd_jax.tasks.code import CodeTask
 
     parts = [task, *(getattr(task, a, None) for a in ("train_task", "eval_task"))]
     return any(isinstance(t, CodeTask) for t in parts)
@@ -135,8 +140,6 @@ class ModelBundle:
 
 
 def build_mesh(cfg: RunConfig):
-    from pmd_jax.run.sharding import ShardingError, ShardingRules, make_mesh
-
     mesh = make_mesh({"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
     rules = ShardingRules.from_mapping(cfg.mesh.rules.to_dict() if cfg.mesh.rules else None)
     # Every step's rows are split over the batch axes: a batch that does not divide would
@@ -161,7 +164,6 @@ def attention_options(cfg: RunConfig) -> dict[str, Any]:
 def log_attention_plan(cfg: RunConfig, model_cfg: Any) -> None:
     """Log once, at start-up, which attention implementation model.attention_impl means on
     this backend for the train step's rows and for the sampler (models/attention_select.py)."""
-    from pmd_jax.models import attend
 
     train_len = int(cfg.rollout.max_prompt_tokens) + int(cfg.rollout.max_tokens)
     packed = str(cfg.train.shared_prefix) != "off"
@@ -170,10 +172,6 @@ def log_attention_plan(cfg: RunConfig, model_cfg: Any) -> None:
 
 
 def load_model(cfg: RunConfig) -> ModelBundle:
-    from pmd_jax.models import hf_io
-    from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.models.tokenizer import Tokenizer
-
     mesh, rules = build_mesh(cfg)
     t0 = time.perf_counter()
     embedded = EMBEDDED_MODELS.get(cfg.model.source)
@@ -199,10 +197,6 @@ def source_model_config(cfg: RunConfig) -> tuple[Path, ModelConfig]:
     """The folder model.source reads from (an embedded model's HF export, made once from
     its GGUF, or the given checkpoint folder) and its ModelConfig with the run's dtypes and
     attention options; no weights are read."""
-    from pmd_jax.models import hf_io
-    from pmd_jax.models.assets import EMBEDDED_MODELS
-    from pmd_jax.models.config import from_hf_config
-    from pmd_jax.models.gguf_io import embedded_hf_dir
 
     embedded = EMBEDDED_MODELS.get(cfg.model.source)
     src = embedded_hf_dir(embedded.name) if embedded else Path(cfg.model.source)
@@ -211,12 +205,6 @@ def source_model_config(cfg: RunConfig) -> tuple[Path, ModelConfig]:
 
 
 def _random_model(cfg: RunConfig, mesh: Any, rules: Any):
-    import jax
-
-    from pmd_jax.models import decoder
-    from pmd_jax.models.config import preset
-    from pmd_jax.run.sharding import shard_tree
-
     mc = preset(cfg.model.random_init).replace(dtype=cfg.model.dtype,
                                                param_dtype=cfg.model.param_dtype,
                                                **attention_options(cfg))
@@ -265,7 +253,6 @@ def build_samplers(cfg: RunConfig, model: ModelBundle) -> Samplers:
     compilation and no weights beyond the initial ones; the two objects share no mutable
     state. The vLLM client holds none beyond the version number (one urllib request per call)
     and the server batches concurrent requests, so it is shared as is."""
-    import jax
 
     rollout = build_sampler(cfg, model)
     reflect = rollout
@@ -303,6 +290,5 @@ def build_memory(cfg: RunConfig, model: Any):
     """The run's ProceduralMemory (None for the modes without one: grpo, sdpo)."""
     if not get_mode(cfg.mode).uses_memory:
         return None
-    from pmd_jax.memory.memory import ProceduralMemory
 
     return ProceduralMemory(memory_config(cfg, model.tokenizer))

@@ -35,7 +35,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
+
+import pmd_jax
+from pmd_jax.loop.retention import retention_set
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -55,9 +59,7 @@ KEY_SECTIONS = ("model", "rollout", "eval", "task")
 
 def evaluation_key(cfg: RunConfig, params: Any, prompts: Iterable[Any]) -> str:
     """The key of a step-0 evaluation: weights, config sections, prompts, version."""
-    import jax
 
-    import pmd_jax
 
     h = hashlib.sha256()
     sections = {name: getattr(cfg, name).to_dict() for name in KEY_SECTIONS}
@@ -80,7 +82,6 @@ def source_digest() -> str:
     """SHA-256 of the package's Python sources: the sampler, the tasks' prompts and graders
     all live there, and the version string does not change between commits, so a grid resumed
     after a code change evaluates again rather than take results of the old code."""
-    import pmd_jax
 
     root = Path(pmd_jax.__file__).parent
     h = hashlib.sha256()
@@ -95,7 +96,6 @@ def start_key(cfg: RunConfig, spec: Any, runtime: Any, params: Any, task: Any,
     """The key of this run's step-0 evaluation, or None where none is taken or written:
     ``eval.reuse_from`` unset, a mode that evaluates with its memory (``spec``) or a deployed
     context (``runtime``), or several processes."""
-    import jax
 
     if (not cfg.eval.reuse_from or spec.eval_with_memory or runtime.eval_context() is not None
             or jax.process_count() > 1):
@@ -164,8 +164,6 @@ def problems_read(cfg: RunConfig, task: Any, problems: Sequence[Any]) -> list[An
     prompt and gold (its answer or tests), then the retention questions' (eval.retention)."""
     out = [(str(p.id), task.prompt(p), p.gold) for p in problems]
     if cfg.eval.retention:
-        from pmd_jax.loop.retention import retention_set
-
         rtask, rprobs = retention_set(cfg, [*task.problems("train"), *problems])
         out += [(str(p.id), rtask.prompt(p), p.gold) for p in rprobs]
     return out

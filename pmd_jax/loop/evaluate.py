@@ -15,10 +15,14 @@ from typing import TYPE_CHECKING, Any
 from pmd_jax import episode
 from pmd_jax.distill import kl
 from pmd_jax.episode import response_prefix, user_text
+from pmd_jax.loop.retention import retention_set
 from pmd_jax.loop.teaching import build_train_batch, teacher_messages
 from pmd_jax.modes import get_mode
+from pmd_jax.modes.fast_slow.contexts import with_context
 from pmd_jax.run import multihost
+from pmd_jax.run.metrics import Progress
 from pmd_jax.sampling.base import Messages, TextGenerator
+from pmd_jax.tasks import evaluation
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -34,7 +38,6 @@ def make_generate_fn(
     unless ``memory`` is given; with ``context``, a fast_slow context in the system message as
     in the rollouts). A task's response prefix is appended to the prompt and prepended to each
     text, as in training."""
-    from pmd_jax.run.metrics import Progress
 
     e = cfg.eval
     prefixes = dict(prefix_by_text or {})  # by user text
@@ -51,7 +54,6 @@ def make_generate_fn(
             convs = [teacher_messages(c, ctx.render(model.count_tokens))
                      for c, ctx in zip(convs, ctxs, strict=True)]
         if context is not None:  # fast_slow's deployed form: the pool's best context
-            from pmd_jax.modes.fast_slow.contexts import with_context
 
             convs = [with_context(c, context) for c in convs]
         sp = episode.sampling_params(e, n=n, stop_token_ids=model.stop_token_ids,
@@ -99,8 +101,6 @@ def final_kl(cfg: RunConfig, model: ModelBundle, task: Any, state: Any, rollouts
 def evaluate(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerator,
              problems: Sequence[Any], out_dir: Path, memory: Any = None,
              context: str | None = None) -> dict[str, Any]:
-    from pmd_jax.tasks import evaluation
-
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix_by_text = {user_text(task.prompt(p)): response_prefix(task, p) for p in problems}
     res = evaluation.evaluate(
@@ -149,8 +149,6 @@ def evaluate(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerat
 def _retention(cfg: RunConfig, model: ModelBundle, task: Any, textgen: TextGenerator,
                problems: Sequence[Any], out_dir: Path) -> dict[str, Any]:
     """The memory-free accuracy on the retention set, its CI and size (eval.retention)."""
-    from pmd_jax.loop.retention import retention_set
-    from pmd_jax.tasks import evaluation
 
     rtask, rprobs = retention_set(cfg, [*task.problems("train"), *problems])
     prefix = {user_text(rtask.prompt(p)): response_prefix(rtask, p) for p in rprobs}

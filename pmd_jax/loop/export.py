@@ -7,6 +7,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
+
+from pmd_jax.distill.train import current_params
+from pmd_jax.loop.build import is_main_process
+from pmd_jax.models.hf_io import save_hf_checkpoint
+from pmd_jax.models.lora import save_peft_adapter
+from pmd_jax.run import paths
+from pmd_jax.run.multihost import gather_tree
+
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
     from pmd_jax.distill.train import TrainBundle
@@ -17,11 +26,6 @@ def export_hf(cfg: RunConfig, model: ModelBundle, bundle: TrainBundle, path: Pat
     """Writes the current params as a HF checkpoint (LoRA: the adapters merged into the
     base). Call it on every process: the params are gathered to host memory (a collective
     with several processes), process 0 writes."""
-    from pmd_jax.distill.train import current_params
-    from pmd_jax.loop.build import is_main_process
-    from pmd_jax.models.hf_io import save_hf_checkpoint
-    from pmd_jax.run import paths
-    from pmd_jax.run.multihost import gather_tree
 
     params = gather_tree(current_params(cfg, bundle), keep=is_main_process())
     if params is None:
@@ -41,12 +45,7 @@ def export_peft(cfg: RunConfig, model: ModelBundle, bundle: TrainBundle, path: P
     in the compute dtype ``distill.precision.param_dtype``: the adapters exactly as the merged
     export folded them in. ``base_model_name_or_path`` is ``model.source`` (None for random
     weights). Call it on every process, as :func:`export_hf`."""
-    import jax.numpy as jnp
 
-    from pmd_jax.loop.build import is_main_process
-    from pmd_jax.models.lora import save_peft_adapter
-    from pmd_jax.run import paths
-    from pmd_jax.run.multihost import gather_tree
 
     if bundle.lora is None:
         raise ValueError("export_peft: the run trains no LoRA adapters (lora.enabled=False)")

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from pmd_jax.config.sections import RunConfig
+from pmd_jax.tasks.base import TaskError
+from pmd_jax.tasks.registry import get_spec, get_task
 
 # The splits a task may have, in the order their questions are pooled.
 _SPLITS = ("train", "validation", "test", "dev")
@@ -50,7 +52,6 @@ def retention_task_name(cfg: RunConfig) -> str:
     name = str(cfg.eval.retention_task or "")
     if name:
         return name
-    from pmd_jax.tasks.registry import get_spec
 
     spec = get_spec(cfg.task.name)  # (the task declares it; code tasks: question answering)
     return spec.retention_task or ("sciq" if spec.is_code else DEFAULT_RETENTION_TASK)
@@ -58,7 +59,6 @@ def retention_task_name(cfg: RunConfig) -> str:
 
 def _task_styles(name: str) -> tuple[str, ...]:
     """The prompt styles task ``name`` has (none for the code tasks)."""
-    from pmd_jax.tasks.registry import get_spec
 
     return tuple(get_spec(name).prompt_styles)
 
@@ -87,7 +87,6 @@ def _task_splits(task: Any) -> list[str]:
 
 def pooled_problems(task: Any) -> list[Any]:
     """Every problem of every split of ``task``, first occurrence of each question kept."""
-    from pmd_jax.tasks.base import TaskError
 
     out: list[Any] = []
     seen: set[str] = set()
@@ -122,8 +121,6 @@ def draw_retention_problems(task: Any, exclude: Iterable[Any], size: int,
 
 @functools.cache
 def _load(name: str, prompt_style: str) -> Any:
-    from pmd_jax.tasks.registry import get_task
-
     return get_task(name, **({"prompt_style": prompt_style} if prompt_style else {}))
 
 

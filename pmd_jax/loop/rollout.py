@@ -22,7 +22,7 @@ import numpy as np
 
 from pmd_jax import episode
 from pmd_jax.loop.phases import TrainingError, retry
-from pmd_jax.sampling.base import Messages, Rollouts
+from pmd_jax.sampling.base import Messages, Rollout, Rollouts
 
 T = TypeVar("T")
 
@@ -129,7 +129,6 @@ class StepBatch:
         """The batch :meth:`to_tree` wrote, its problems taken from ``items`` (the data
         stream's) by id; refused when one is not there, or not once (the task or its training
         set changed)."""
-        from pmd_jax.sampling.base import Rollout
 
         by_id: dict[str, list[Any]] = {}
         for p in items:

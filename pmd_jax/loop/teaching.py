@@ -24,6 +24,10 @@ import numpy as np
 from pmd_jax import episode
 from pmd_jax.distill.assemble import TrainRows, assemble
 from pmd_jax.episode import response_prefix, user_text
+from pmd_jax.memory.context import TeacherContext
+from pmd_jax.memory.sanitize import sanitize_text
+from pmd_jax.memory.types import RolloutRecord
+from pmd_jax.memory.verify import JOINT, Proposal, check_before_use
 from pmd_jax.modes import get_mode
 from pmd_jax.sampling.base import Messages, TextGenerator
 
@@ -44,7 +48,6 @@ def update_memory(cfg: RunConfig, memory: Any, step: int, sb: Any, task: Any,
                   textgen: TextGenerator) -> dict[str, Any]:
     """One memory update from step ``step``'s verified rollouts ``sb`` (a trainer StepBatch);
     returns the memory's metrics (``reflect_seconds``: time spent generating)."""
-    from pmd_jax.memory.types import RolloutRecord
 
     records = []
     for r, text, res in zip(sb.rollouts, sb.texts, sb.results, strict=True):
@@ -101,8 +104,6 @@ def build_teacher_contexts(cfg: RunConfig, model: Any, task: Any, memory: Any,
     ``memory.verify.enabled`` the memory items go through the check before use
     (:func:`check_memory`, replays through ``sampler``) and only admitted ones stay;
     ``stats`` receives the check's counts and costs."""
-    from pmd_jax.memory.context import TeacherContext
-    from pmd_jax.memory.sanitize import sanitize_text
 
     tp = cfg.teacher_prompt
     limits = cfg.memory.context  # the memory's own limits apply to SDPO's reprompt too
@@ -182,7 +183,6 @@ def memory_prompt(cfg: RunConfig, model: Any, task: Any, problem: Any, messages:
     the user turn of the task's conversation ``messages``, with the task's response prefix.
     The check's replays and the memory probe (pmd_jax/probe) attempt problems this way; with
     no items it is SDPO's reprompt without a demonstration."""
-    from pmd_jax.memory.context import TeacherContext
 
     ctx = TeacherContext(problem_text=user_text(messages), signal_rule="sdpo",
                          truncation_order=tuple(cfg.memory.context.truncation_order),
@@ -205,7 +205,6 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
     (an item arm's replay of an item not admitted is never shown: its text would reach the
     teacher through the door the check closes). Returns the step's counts and costs
     (``verify_*``)."""
-    from pmd_jax.memory.verify import JOINT, Proposal, check_before_use
 
     g = cfg.rollout.n
     nprob = len(sb.problems)
@@ -274,8 +273,6 @@ def check_memory(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, ct
                 found[i] = text
     demos = 0
     if cfg.memory.verify.replays_as_demonstrations:
-        from pmd_jax.memory.sanitize import sanitize_text
-
         cx = cfg.memory.context
         for idx, ctx in enumerate(ctxs):
             text = found.get(idx // g)

@@ -45,6 +45,8 @@ import numpy as np
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.distill import assemble, kl, offload, train
 from pmd_jax.loop import build, eval_reuse, teaching
+from pmd_jax.loop import evaluate as evaluation  # (module attribute: tests patch it)
+from pmd_jax.loop.export import export_hf, export_peft
 from pmd_jax.loop.phases import TrainingError, timed
 from pmd_jax.loop.rollout import ProblemStream, RolloutPhase, StepBatch
 from pmd_jax.modes import get_mode
@@ -371,8 +373,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ 8. evaluate
     def evaluate(self, step: int) -> dict[str, Any]:
-        from pmd_jax.loop import evaluate as evaluation  # (module attribute: tests patch it)
-
         # The checkpoint written in the background finishes first: its write buffers (0.6-1.6
         # GiB of C heap on the embedded default) and an evaluation's batches, the run's
         # largest sampling programs, would otherwise be resident together.
@@ -422,8 +422,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ 9. export, end of run
     def finish(self) -> None:
-        from pmd_jax.loop.export import export_hf, export_peft
-
         if isinstance(self.state.initial_params, offload.DiskParams):
             self.state.initial_params.remove()
         if self.cfg.train.export_hf:

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 def cluster_problems(vecs: np.ndarray, cfg: MemoryBehavior) -> tuple[np.ndarray, np.ndarray]:
     """(labels [n], unit-norm centroids [c, d]) from scikit-learn k-means."""
+    # lazy: scikit-learn only for the behavior level's clustering
     from sklearn.cluster import KMeans, MiniBatchKMeans
 
     n = len(vecs)

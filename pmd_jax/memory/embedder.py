@@ -80,6 +80,7 @@ class SentenceEmbedder:
         if self._model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            # lazy: sentence-transformers (embeddings extra, torch) only when an embedder is built
             from sentence_transformers import SentenceTransformer
 
             self._model = SentenceTransformer(self.path, device=self.device)

@@ -34,6 +34,7 @@ MIN_TREE_SIZE = 256
 
 
 def _scann():
+    # lazy: scann (optional, the scann extra) only when a ScaNN searcher is built
     from scann.scann_ops.py import scann_ops_pybind
 
     return scann_ops_pybind

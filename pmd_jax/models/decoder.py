@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 
 from pmd_jax.models import attend, matmul, weights
 from pmd_jax.models import attention as attn_lib
@@ -263,7 +264,6 @@ ShardCtx = tuple[Any, Any]  # (jax.sharding.Mesh, pmd_jax.run.sharding.ShardingR
 def _constrain(x: jnp.ndarray, axes: tuple[str | None, ...], ctx: ShardCtx | None):
     if ctx is None:
         return x
-    from jax.sharding import NamedSharding
 
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(axes)))

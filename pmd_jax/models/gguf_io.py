@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 
 from pmd_jax.models import assets, hf_io, weights
 from pmd_jax.models.config import ConfigError, ModelConfig, RopeConfig
+from pmd_jax.models.families import FAMILIES
 from pmd_jax.models.tokenizer import Tokenizer
 
 EXPORT_VERSION = 1  # bump when the export format changes (invalidates caches)
@@ -41,6 +43,7 @@ class GGUFError(ValueError):
 
 # ------------------------------------------------------------------------------ reading
 def open_gguf(path: str | os.PathLike) -> Any:
+    # lazy: gguf only when a GGUF file is read or written
     import gguf
 
     p = Path(path)
@@ -95,7 +98,6 @@ def read_gguf_header(path: str | os.PathLike, stop_at: str | None = None) -> GGU
     arrays skipped (``gguf.GGUFReader`` parses the whole vocabulary first: ~10 s for a
     151,936-token one) and the tensor infos. ``stop_at``: stop after that key (no tensor
     infos). Raises GGUFError on a file that is not one or ends early."""
-    import struct
 
     def read(f: Any, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
@@ -186,8 +188,6 @@ def gguf_arch(meta: dict[str, Any]) -> tuple[str, GGUFArch]:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    from pmd_jax.models.families import FAMILIES
-
     arch, spec = gguf_arch(meta)
     a = arch + "."
     heads = int(_need(meta, a + "attention.head_count"))
@@ -251,6 +251,7 @@ def undo_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 # ------------------------------------------------------------------------------ tensors
 def dequantize_tensor(t: Any) -> np.ndarray:
     """One GGUF tensor as float32 in numpy (row-major, HF) order."""
+    # lazy: gguf only when a GGUF file is read or written
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
@@ -297,6 +298,7 @@ _SPLITS = {**{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "dbr
 
 
 def _pre_tokenizer(pre: str | None) -> Any:
+    # lazy: tokenizers only to build a GGUF file's tokenizer
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -348,6 +350,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     e.g. ``<tool_call>``) plain added tokens, matched whole; a control token spelled outside
     the byte alphabet is a converter's mislabel and is not added (transformers' GGUF loader
     skips it too)."""
+    # lazy: tokenizers and transformers (heavy) only to build a GGUF file's tokenizer
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast

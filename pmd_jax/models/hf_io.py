@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from pmd_jax.models.config import ConfigError, ModelConfig, from_hf_config
 from pmd_jax.models.decoder import check_params, param_axes
@@ -96,8 +98,6 @@ class SafetensorsSource(TensorSource):
     """A HF checkpoint folder: ``model.safetensors`` or shards listed in the index json."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
         self.path = Path(path)
         idx = self.path / SAFE_INDEX
         if idx.exists():
@@ -443,7 +443,6 @@ def save_hf_checkpoint(
     ``tokenizer``: a ``pmd_jax.models.tokenizer.Tokenizer`` (its files and chat template are
     saved, and its bos/eos/pad ids go into the configs).
     """
-    from safetensors.numpy import save_file
 
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"save dtype {dtype!r} is not one of bfloat16, float32, float16")

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from pmd_jax.models import weights
 from pmd_jax.models.config import ConfigError
@@ -321,7 +322,6 @@ def save_peft_adapter(
     ``adapter_model.safetensors``, tensors cast to ``dtype``) that
     ``peft.PeftModel.from_pretrained(base_model, out_dir)`` loads. Single host: the adapter
     arrays must be fully addressable."""
-    from safetensors.numpy import save_file
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise LoraError(f"save dtype {dtype!r} is not one of float32, bfloat16, float16")
@@ -415,7 +415,6 @@ def load_peft_adapter(
     ``save_pretrained``) into ``(adapters, LoraConfig)``, arrays in ``dtype`` (default
     ``cfg.param_dtype``). The stored tensors must be exactly the ones the config names, with
     their shapes, or ``LoraError`` names them."""
-    from safetensors.numpy import load_file
 
     path = Path(path)
     lora = _read_config(path, cfg, ignore_dropout)

@@ -46,6 +46,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, chat_format: str | None = None) -> Tokenizer:
         """A local folder with tokenizer.json (+ tokenizer_config.json); no network."""
+        # lazy: transformers (heavy, torch-backed) only when a HF tokenizer is loaded
         from transformers import AutoTokenizer
 
         p = Path(path)
@@ -62,6 +63,7 @@ class Tokenizer:
         chat_format: str | None = None,
     ) -> Tokenizer:
         """From a tokenizer.json and optional tokenizer_config.json (special tokens, template)."""
+        # lazy: transformers (heavy, torch-backed) only when a HF tokenizer is loaded
         from transformers import PreTrainedTokenizerFast
 
         conf: dict[str, Any] = {}

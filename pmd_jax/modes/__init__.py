@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.distill.registry import get_loss, loss_names
+
 if TYPE_CHECKING:
     import ml_collections
 
@@ -142,8 +144,6 @@ class ModeSpec:
 
 
 def _names(keep: Callable[[Any], bool]) -> str:
-    from pmd_jax.distill.registry import get_loss, loss_names
-
     return " or ".join(repr(n) for n in loss_names() if keep(get_loss(n)))
 
 

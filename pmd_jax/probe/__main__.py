@@ -24,7 +24,14 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
+from pmd_jax.config.cache import setup_compilation_cache
+from pmd_jax.config.cli import apply_taken, run_command, setup_logging
+from pmd_jax.config.cli import report_errors as _report
+from pmd_jax.config.modes import apply_mode
+from pmd_jax.config.validate import config_errors, freeze
 from pmd_jax.probe import arms as arms_mod
+from pmd_jax.probe.memory_file import MemoryFileError, load_memory_file
+from pmd_jax.probe.run import ProbeError, ProbeRunner, write_outputs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config (as for pmd_jax.main).",
                                           lock_config=True)
@@ -48,12 +55,8 @@ _COMMAND_LINE: list = []
 
 def main(argv: list[str]) -> int:
     del argv
-    from pmd_jax.config.cli import report_errors as _report
-    from pmd_jax.config.cli import setup_logging
 
     setup_logging()
-    from pmd_jax.config import apply_mode, config_errors, freeze, setup_compilation_cache
-    from pmd_jax.config.cli import apply_taken
 
     cfg = _CONFIG.value
     line = _COMMAND_LINE[-1] if _COMMAND_LINE else None
@@ -78,8 +81,6 @@ def main(argv: list[str]) -> int:
             errs.append(str(e))
     memory = None
     if _MEMORY.value:
-        from pmd_jax.probe.memory_file import MemoryFileError, load_memory_file
-
         try:
             memory = load_memory_file(_MEMORY.value)
         except MemoryFileError as e:
@@ -88,7 +89,6 @@ def main(argv: list[str]) -> int:
         return _report(errs)
     run_cfg = freeze(cfg)
     setup_compilation_cache(run_cfg.train)
-    from pmd_jax.probe.run import ProbeError, ProbeRunner, write_outputs
 
     t0 = time.time()
     try:
@@ -120,8 +120,6 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    from pmd_jax.config.cli import run_command
-
     run_command(main, _COMMAND_LINE)
 
 

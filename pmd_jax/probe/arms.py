@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax.memory.index import ScannIndex
 from pmd_jax.probe.memory_file import ProbeMemory
 
 TRAIN_ARMS = ("none", "own_insights", "other_insights", "own_behaviors", "other_behaviors",
@@ -110,8 +111,6 @@ class Retrieval:
 
     def __init__(self, memory: ProbeMemory, vectors: Mapping[str, np.ndarray],
                  index_cfg: Any, top_k: int) -> None:
-        from pmd_jax.memory.index import ScannIndex
-
         self.memory = memory
         self.vectors = dict(vectors)
         self.top_k = int(top_k)

@@ -108,9 +108,11 @@ def markdown(setup: dict[str, Any], result: dict[str, Any], rows: list[dict[str,
 
 
 def plot(rows: list[dict[str, Any]], result: dict[str, Any], path: Path) -> Path:
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * max(6, len(rows)) + 1.5),

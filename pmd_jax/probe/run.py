@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,8 +29,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pmd_jax import episode
+from pmd_jax.episode import user_text
+from pmd_jax.loop import build
+from pmd_jax.loop.build import runs_code
+from pmd_jax.loop.teaching import memory_prompt
+from pmd_jax.memory.embedder import shared_embedder
+from pmd_jax.memory.experience import MAX_PROBLEM_CHARS
+from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.probe import arms as arms_mod
 from pmd_jax.probe.memory_file import ProbeMemory
+from pmd_jax.probe.report import write_report
+from pmd_jax.run.metrics import Progress
 from pmd_jax.sampling.base import SamplingParams
 from pmd_jax.sampling.seeds import derive_seed
 
@@ -45,7 +55,6 @@ class ProbeError(ValueError):
 
 def grade_split(task: Any) -> str:
     """The split training problems are graded on: "hidden" for code tasks, else "train"."""
-    from pmd_jax.loop.build import runs_code
 
     return "hidden" if runs_code(task) else "train"
 
@@ -59,8 +68,6 @@ class ProbeRunner:
                  train_arms: Sequence[str] = arms_mod.TRAIN_ARMS,
                  heldout_arms: Sequence[str] = arms_mod.HELDOUT_ARMS,
                  resume_dir: Path | None = None) -> None:
-        from pmd_jax.loop import build
-
         if samples < 2 or screen_samples < 2:
             raise ProbeError(f"samples ({samples}) and screen_samples ({screen_samples}) must "
                              "be >= 2")
@@ -109,7 +116,6 @@ class ProbeRunner:
                 params: SamplingParams, split: str, label: str) -> np.ndarray:
         """bool[len(problems), params.n]: each attempt graded (undefined rows: ``none``);
         a batch finished before a restart is read back instead (:class:`DoneBatches`)."""
-        from pmd_jax.loop.teaching import memory_prompt
 
         prompts = []
         for p, att in zip(problems, attempts, strict=True):
@@ -127,8 +133,6 @@ class ProbeRunner:
 
     def _sample_and_grade(self, problems: Sequence[Any], prompts: list[list[int]],
                           params: SamplingParams, split: str, label: str) -> np.ndarray:
-        from pmd_jax.run.metrics import Progress
-
         prog = Progress(len(prompts) * params.n, label, unit="attempt")
 
         def progress(rows: int) -> None:
@@ -142,11 +146,6 @@ class ProbeRunner:
 
     # ------------------------------------------------------------------------ the probe
     def run(self) -> dict[str, Any]:
-        from pmd_jax.episode import user_text
-        from pmd_jax.memory.embedder import shared_embedder
-        from pmd_jax.memory.experience import MAX_PROBLEM_CHARS
-        from pmd_jax.memory.sanitize import sanitize_text
-
         t0 = time.perf_counter()
         cands = self.problems()
         splits = {"train": self.split, "heldout": self.cfg.task.eval_split}
@@ -237,7 +236,6 @@ class ProbeRunner:
 
     def _example(self, problem: Any, att: arms_mod.Attempt | None) -> str:
         """The decoded prompt of one arm at one problem (for the report)."""
-        from pmd_jax.loop.teaching import memory_prompt
 
         a = att or arms_mod.NONE
         ids = memory_prompt(self.cfg, self.model, self.task, problem, self.task.prompt(problem),
@@ -252,7 +250,6 @@ def batch_key(label: str, split: str, params: SamplingParams, prompts: list[list
               cfg: RunConfig) -> str:
     """What a batch of attempts depends on: its label and grading split, the sampling
     parameters (seed included), every prompt's tokens, the model and the task's knobs."""
-    import hashlib
 
     h = hashlib.sha256()
     for part in (label, split, repr(params), cfg.model.source, repr(cfg.task)):
@@ -292,6 +289,4 @@ class DoneBatches:
 
 
 def write_outputs(out: Path, setup: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    from pmd_jax.probe.report import write_report
-
     return write_report(Path(out), setup, result)

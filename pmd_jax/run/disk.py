@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,7 +84,6 @@ def check_temp_space(files: list[tuple[str, int]]) -> str:
     directory. Raises :class:`DiskSpaceError` when they cannot fit, naming the options and
     the directory, before the run computes anything (a full temp disk would otherwise stop
     it at the first write, mid-step)."""
-    import tempfile
 
     directory = tempfile.gettempdir()
     need = sum(n for _, n in files)

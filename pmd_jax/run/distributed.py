@@ -18,6 +18,8 @@ import logging
 import os
 from typing import TypedDict
 
+import jax
+
 log = logging.getLogger("pmd_jax")
 
 
@@ -60,7 +62,6 @@ def maybe_initialize() -> bool:
     auto = os.environ.get("PMD_DISTRIBUTED", "") == "auto"
     if not coord and not auto:
         return False
-    import jax
 
     timeouts = _timeouts()
     if coord:

@@ -33,12 +33,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 GiB = 1024**3
 
 
 def tree_bytes(tree: Any, seen: set[int] | None = None) -> int:
     """Bytes of the distinct arrays in a pytree (an array reached twice counts once)."""
-    import jax
 
     seen = set() if seen is None else seen
     total = 0
@@ -158,7 +159,6 @@ def drop_compiled() -> float:
     step 6. A program needed again is loaded from the persistent compilation cache
     (``train.compilation_cache_dir``) or compiled again. Called by the loop between steps
     (``train.clear_compiled_every``), when no other thread runs jax code."""
-    import jax
 
     before = rss_gib()
     jax.clear_caches()

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etils import epath
+from tqdm import tqdm
 
 from pmd_jax.run import paths
 
@@ -60,6 +61,7 @@ class MetricsWriter:
         self._tb = None
         if use_tensorboard:
             try:
+                # lazy: tensorboardX (protobuf) only when a TensorBoard writer is asked for
                 from tensorboardX import SummaryWriter
 
                 # tensorboardX writes gs:// itself (through google-cloud-storage).
@@ -125,8 +127,6 @@ class Progress:
         self.t0 = time.time()
         self._bar = None
         if os.isatty(2):
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, initial=start, desc=desc, unit=unit, dynamic_ncols=True)
 
     def update(self, n: int = 1, **postfix: Any) -> str:
@@ -206,9 +206,11 @@ _PLOTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 
 def write_plots(run_dir: str | os.PathLike) -> list[epath.Path]:
     """Draws the standard PNG plots from ``run_dir/metrics.jsonl``; returns the files written."""
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
     root = paths.run_path(run_dir)

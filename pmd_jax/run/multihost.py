@@ -50,7 +50,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 log = logging.getLogger("pmd_jax")
 
@@ -62,14 +64,10 @@ class FollowerError(RuntimeError):
 
 
 def process_count() -> int:
-    import jax
-
     return jax.process_count()
 
 
 def is_main() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -79,12 +77,10 @@ def to_host(x: Any) -> np.ndarray:
     Arrays whose shards all live on this process (single process, or fully replicated) are
     read directly; others are gathered with ``process_allgather`` (a collective: every
     process must call it for the same array at the same point)."""
-    import jax
 
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
-        from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
@@ -95,7 +91,6 @@ def gather_tree(tree: Any, keep: bool = True) -> Any:
 
     ``keep=False``: take part in the gathers but keep nothing (returns None), for processes
     that do not write the result: their host memory holds one leaf at a time."""
-    import jax
 
     if keep:
         return jax.tree.map(to_host, tree)
@@ -114,11 +109,9 @@ def broadcast_object(obj: Any = None) -> Any:
     The object is pickled to bytes on process 0; its length goes first (int32, so one
     broadcast is limited to 2 GiB), then the bytes, as a uint8 array padded to a power of two.
     The other processes' ``obj`` is ignored. With one process ``obj`` is returned as is."""
-    import jax
 
     if jax.process_count() == 1:
         return obj
-    from jax.experimental import multihost_utils
 
     main = jax.process_index() == 0
     data = pickle.dumps(obj, protocol=5) if main else b""
@@ -160,7 +153,6 @@ def lead(fn: Callable[[], Any], sampler: LeaderSampler | None, what: str) -> Any
     requests are served by the other processes); ``what`` names the work in errors.
 
     With one process this is ``fn()``."""
-    import jax
 
     if jax.process_count() == 1:
         return fn()

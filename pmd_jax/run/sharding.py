@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
@@ -129,8 +130,6 @@ def make_mesh(
             f"have {len(devices)}"
         )
     try:
-        from jax.experimental import mesh_utils
-
         arr = mesh_utils.create_device_mesh(sizes, devices=devices)
     except Exception:  # noqa: BLE001 - fake/abstract devices: plain reshape is fine
         arr = np.asarray(devices, dtype=object).reshape(sizes)

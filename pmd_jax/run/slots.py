@@ -5,7 +5,9 @@ versioned JSON + arrays), bytes or a copy of a folder, and the unpickler that on
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -106,11 +108,13 @@ class BlobCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 paths.move(payload, d / _DIR_NAME)  # a copy + delete onto gs://
             write_bytes_sync(d / _KIND_FILE, kind.encode())
 
+        # lazy: orbax's private modules, only when a host-state slot is saved
         from orbax.checkpoint._src.futures import future
 
         return [future.CommitFutureAwaitingContractedSignals(_as_coro(write), name="pmd_blob")]
 
     def save(self, directory: epath.Path, args: BlobSave) -> None:
+        # lazy: orbax's private modules, only when a host-state slot is saved
         from orbax.checkpoint._src import asyncio_utils
 
         async def run() -> None:
@@ -173,7 +177,6 @@ class _Unpickler(pickle.Unpickler):
 
 def load_pickle(data: bytes) -> Any:
     """``pickle.loads`` that also reads the classes of modules that moved (MOVED_MODULES)."""
-    import io
 
     return _Unpickler(io.BytesIO(data)).load()
 
@@ -184,8 +187,6 @@ def _as_path(p: str | os.PathLike) -> Path:
 
 
 async def _as_coro(fn: Any) -> None:
-    import asyncio
-
     await asyncio.to_thread(fn)
 
 

@@ -8,8 +8,8 @@ the context length the run needs, and says what the rest of the run must know ab
 rollout knobs it needs, whether it can start here (a server that answers), whether it runs
 in one JAX process only, and whether ``rollout.overlap`` gives the main thread its own
 instance (an in-process sampler) or shares this one (a client of a server that batches
-concurrent requests). Imports are lazy: the config reads the names without importing jax or
-an HTTP client.
+concurrent requests). The config reads this registry (the ``rollout.sampler`` knob's help
+and checks); the registry does not import the config.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pmd_jax.registry import Registry
-
+from pmd_jax.sampling.jax_sampler import JaxSampler
+from pmd_jax.sampling.vllm_client import VLLMSampler, unreachable_message
 
 
 def _no_errors(rollout: Any) -> list[str]:
@@ -51,8 +52,6 @@ class BackendSpec:
 
 
 def _jax(cfg: Any, model: Any, max_len: int) -> Any:
-    from pmd_jax.sampling.jax_sampler import JaxSampler
-
     # The tokenizer serves constrained requests (SamplingParams.json_schema).
     return JaxSampler(model.cfg, model.params, mesh=model.mesh, rules=model.rules,
                       max_len=max_len, pad_id=model.pad_id, max_batch=cfg.rollout.max_batch,
@@ -63,8 +62,6 @@ def _jax(cfg: Any, model: Any, max_len: int) -> Any:
 
 
 def _vllm(cfg: Any, model: Any, max_len: int) -> Any:
-    from pmd_jax.sampling.vllm_client import VLLMSampler
-
     r = cfg.rollout
     return VLLMSampler(r.vllm_url, r.vllm_model or None, store_url=r.weight_store,
                        vocab_size=model.cfg.vocab_size, max_model_len=max_len)
@@ -80,8 +77,6 @@ def _vllm_rollout_errors(r: Any) -> list[str]:
 
 
 def _vllm_start_refusal(cfg: Any) -> str | None:
-    from pmd_jax.sampling.vllm_client import unreachable_message
-
     return unreachable_message(cfg.rollout.vllm_url, cfg.model.source)
 
 

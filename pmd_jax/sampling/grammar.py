@@ -55,6 +55,7 @@ JSON_OPTIONS: dict[str, Any] = {
 
 def _llg() -> Any:
     try:
+        # lazy: llguidance only for grammar-constrained requests
         import llguidance
     except ImportError as e:  # pragma: no cover - a pinned dependency
         raise SamplerError(
@@ -140,6 +141,7 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int] | None
     if not eos:
         raise SamplerError("constrained sampling needs the model's EOS token id; the tokenizer "
                            "has none (pass eos_ids)")
+    # lazy: llguidance only for grammar-constrained requests
     from llguidance.hf import from_tokenizer
 
     try:
@@ -234,6 +236,7 @@ class BatchMatcher:
         bm[self.done] = -1
         if not live:
             return bm
+        # lazy: llguidance only for grammar-constrained requests
         from llguidance.numpy import fill_next_token_bitmask_par
 
         fill_next_token_bitmask_par(self.executor, [(self.matchers[j], j) for j in live], bm)
@@ -258,6 +261,7 @@ class BatchMatcher:
         self.done |= ended
         live = [j for j in range(len(self.matchers)) if not self.done[j]]
         if live:
+            # lazy: llguidance only for grammar-constrained requests
             from llguidance.numpy import consume_token_par
 
             ok = consume_token_par(self.executor,

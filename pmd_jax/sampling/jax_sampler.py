@@ -59,12 +59,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from pmd_jax.models import decoder
+from pmd_jax.models import decoder, hf_io
 from pmd_jax.models.config import ModelConfig
 from pmd_jax.run import footprint
 from pmd_jax.run.multihost import to_host
 from pmd_jax.run.sharding import ShardingRules, shard_tree
-from pmd_jax.sampling import constrained, decode
+from pmd_jax.sampling import constrained, decode, weight_store
 from pmd_jax.sampling import grammar as grammar_lib
 from pmd_jax.sampling.base import (
     Rollout,
@@ -245,6 +245,7 @@ class JaxSampler:
             if len(self._grammars) > 256:
                 self._grammars.pop(next(iter(self._grammars)))
         if self._executor is None:
+            # lazy: llguidance only for grammar-constrained requests
             import llguidance
 
             self._executor = llguidance.LLExecutor()
@@ -309,8 +310,6 @@ class JaxSampler:
         """Load committed ``version`` from the weight store (HF-named arrays) and use it."""
         if self._store is None:
             raise SamplerError("set_weights needs a weight_source (a WeightStore or its URL)")
-        from pmd_jax.models import hf_io
-        from pmd_jax.sampling import weight_store
 
         store = self._store
         if not isinstance(store, weight_store.WeightStore):

@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pmd_jax.models.hf_io import iter_hf_tensors
 from pmd_jax.sampling.base import WEIGHT_SHARING, Sampler, SamplerError
+from pmd_jax.sampling.weight_store import WeightStore
 
 # One store per URL, opened on first publish.
 _STORES: dict[str, Any] = {}
@@ -47,9 +49,6 @@ def _in_process(sampler: Sampler, params: Any, step: int, model_cfg: Any,
 
 def _through_store(sampler: Sampler, params: Any, step: int, model_cfg: Any,
                    weight_store_url: str, copy: bool) -> None:
-    from pmd_jax.models.hf_io import iter_hf_tensors
-    from pmd_jax.sampling.weight_store import WeightStore
-
     url = weight_store_url
     store = _STORES.get(url) or _STORES.setdefault(url, WeightStore(url))
     store.publish(dict(iter_hf_tensors(params, model_cfg)), version=step, step=step)

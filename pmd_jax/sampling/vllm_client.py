@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -373,7 +374,6 @@ def unreachable_message(base_url: str, model_source: str = "", *, timeout_s: flo
     not, and the command that starts a server for ``model_source`` (``launch/vllm_server.sh``,
     on the URL's port). ``pmd_jax.main`` asks before the model loads; ``retries`` with
     ``backoff_s`` doubling (1.5 s at the defaults) cover a server that is just coming up."""
-    from urllib.parse import urlsplit
 
     probe = VLLMSampler(base_url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
     try:

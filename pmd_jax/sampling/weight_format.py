@@ -142,6 +142,7 @@ class Manifest:
 
 def np_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
+        # lazy: also loaded by the vLLM worker's environment (tensorstore, numpy; no jax)
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)

@@ -226,6 +226,7 @@ class WeightStore:
                 raise WeightStoreError(f"publish: array name {name!r} is reserved")
         pidx, pcount = self._proc()
         if any(fmt.is_jax_array(a) for a in arrays.values()) and self._process_index is None:
+            # lazy: third_party/pmd_vllm loads this file where jax is not installed
             import jax
 
             pidx, pcount = jax.process_index(), jax.process_count()
@@ -581,7 +582,9 @@ class WeightStore:
 
 def _barrier(name: str) -> None:
     """All jax processes reach this point before any goes on (multi-host publish)."""
+    # lazy: third_party/pmd_vllm loads this file where jax is not installed
     from jax.experimental import multihost_utils
+
 
     multihost_utils.sync_global_devices(name)
 

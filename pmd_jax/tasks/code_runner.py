@@ -36,12 +36,14 @@ def _no_dump():
     """PR_SET_DUMPABLE 0: processes of our uid (the candidate) cannot read our memory or fds
     through /proc. Uses the C ``_ctypes`` module directly (importing ``ctypes`` costs more)."""
     try:
+        # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
         import _ctypes
 
         fn = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
         _ctypes.call_function(fn, (4, 0, 0, 0, 0))  # PR_SET_DUMPABLE = 4
     except Exception:  # noqa: BLE001
         try:
+            # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
             import ctypes
 
             ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
@@ -85,6 +87,7 @@ def _dumps(v, depth=0):
 
 
 def _short_trace(exc, filename="<solution>", limit=3):
+    # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
     import linecache
     import traceback
 
@@ -149,10 +152,12 @@ def _child(payload, test, w_fd):
             if isinstance(inp, dict):
                 result = fn(**inp)
             else:
+                # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
                 import json
 
                 args = [json.loads(line) for line in str(inp).split("\n") if line.strip()]
                 result = fn(*args)
+            # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
             import json
 
             try:
@@ -272,6 +277,7 @@ def decode_plain(obj, handle, depth=0):
             if v not in ("nan", "inf", "-inf"):
                 raise ValueError("malformed float")
             return float(v)
+        # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
         import decimal
 
         return decimal.Decimal(v)
@@ -292,6 +298,7 @@ def decode_plain(obj, handle, depth=0):
         if tag == "frozenset":
             return frozenset(decode_plain(x, handle, d) for x in v)
         if tag == "deque":
+            # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
             import collections
 
             return collections.deque(decode_plain(x, handle, d) for x in v)
@@ -300,6 +307,7 @@ def decode_plain(obj, handle, depth=0):
             if tag == "complex" and type(a) in (int, float) and type(b) in (int, float):
                 return complex(a, b)
             if tag == "fraction" and type(a) is int and type(b) is int and b != 0:
+                # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
                 import fractions
 
                 return fractions.Fraction(a, b)
@@ -310,6 +318,7 @@ def decode_plain(obj, handle, depth=0):
 
 def write_frame(fd, obj):
     """One message: 4-byte big-endian length, then compact JSON."""
+    # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
     import json
 
     data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
@@ -341,6 +350,7 @@ def serve(payload, rfd, wfd):
     error; the asserts themselves run in the host, so nothing here decides a verdict. The
     program's own stdin, stdout and stderr are /dev/null.
     """
+    # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
     import json
 
     program = payload["program"]
@@ -557,6 +567,7 @@ def main():
         return
     # imported once here rather than in every forked child
     if payload["kind"] == "call":
+        # lazy: a sandbox script; stdlib loaded when needed (start-up cost)
         import json  # noqa: F401
     nonce = payload["nonce"]
     out_fd = os.dup(1)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pmd_jax.run import paths
 from pmd_jax.tasks.base import Messages, Problem, Task
 
 GenerateFn = Callable[[list[Messages], int, int], list[list[str]]]
@@ -226,14 +227,10 @@ def evaluate(
 
 def save_results(result: EvalResult, path: str | Path) -> None:
     # Through pmd_jax.run.paths: a gs:// run dir's eval folder stays a URL; written atomically.
-    from pmd_jax.run import paths
-
     paths.write_jsonl(path, ({"name": result.name, **r} for r in result.records))
 
 
 def load_results(path: str | Path, name: str | None = None) -> EvalResult:
-    from pmd_jax.run import paths
-
     p = paths.run_path(path)
     if not p.is_file():
         raise FileNotFoundError(f"evaluation results not found: {p}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import marshal
 import os
+import site
 from importlib import resources
 
 from pmd_jax.tasks import sandbox
@@ -35,8 +36,6 @@ def _runner_code() -> bytes:
 
 
 def site_paths() -> list[str]:
-    import site
-
     return [p for p in site.getsitepackages() if os.path.isdir(p)]
 
 

@@ -17,6 +17,12 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+import ml_collections
+
+from pmd_jax.config.schema import freeze_section
+from pmd_jax.config.sections import TaskConfig
+from pmd_jax.tasks.loader import load_task
+from pmd_jax.tasks.registry import get_spec, task_names, task_specs
 from pmd_jax.tasks.splits import IN_SAMPLE, overlapping_ids
 
 if TYPE_CHECKING:
@@ -54,7 +60,6 @@ def _int_at_least_1(v: Any) -> bool:
 
 def heldout_config_errors(c: RunConfig) -> list[str]:
     """Problems with the split options, then (when there are none) the overlap check."""
-    from pmd_jax.tasks.registry import get_spec, task_names, task_specs
 
     errs: list[str] = []
     t = c.task
@@ -104,12 +109,6 @@ def _task_key(c: RunConfig) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _cached_overlap(key: str) -> tuple[list[str], int]:
-    import ml_collections
-
-    from pmd_jax.config.schema import freeze_section
-    from pmd_jax.config.sections import TaskConfig
-    from pmd_jax.tasks.loader import load_task
-
     d = json.loads(key)
     t = freeze_section(TaskConfig, ml_collections.ConfigDict(d["task"]))
     task = load_task(t, int(d["seed"]))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pmd_jax.tasks.registry import get_task, task_kwargs
+from pmd_jax.tasks.splits import TransferTask
+
 if TYPE_CHECKING:
     from pmd_jax.config.sections import TaskConfig
 
@@ -14,8 +17,6 @@ def load_task(t: TaskConfig, seed: int) -> Any:
     """``task.name``'s task (with ``task.path`` for bring-your-own data); with
     ``task.eval_task`` set to another task a TransferTask: "train" from task.name, the
     evaluation split from task.eval_task (e.g. MBPP -> HumanEval)."""
-    from pmd_jax.tasks.registry import get_task, task_kwargs
-    from pmd_jax.tasks.splits import TransferTask
 
     kw = task_kwargs(t, t.name, int(seed))
     if t.path:

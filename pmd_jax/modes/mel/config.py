@@ -9,6 +9,7 @@ from typing import Any
 
 from pmd_jax.config.schema import Section, knob, section
 from pmd_jax.memory.config import MemorySampling
+from pmd_jax.memory.schemas import mel_reflection_schema, reply_token_bound
 
 
 def _reflection_sampling() -> MemorySampling:
@@ -95,8 +96,6 @@ class MelConfig(Section):
         need(is_int(r.max_tokens) and r.max_tokens >= 1,
              f"mel.reflection.max_tokens must be >= 1, got {r.max_tokens!r}")
         if not errs and m.structured_output:
-            from pmd_jax.memory.schemas import mel_reflection_schema, reply_token_bound
-
             bound = reply_token_bound(mel_reflection_schema(m))
             need(r.max_tokens >= bound,
                  f"mel.reflection.max_tokens={r.max_tokens} is below the reflection schema's "

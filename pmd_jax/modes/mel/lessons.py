@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pmd_jax import episode
+from pmd_jax.distill.batch import make_lesson_rows
 from pmd_jax.episode import user_text
 from pmd_jax.memory import parsing, prompts
 from pmd_jax.memory.schemas import mel_reflection_schema, schema_param, validate
@@ -268,7 +269,6 @@ def lesson_rows(cfg: RunConfig, model: Any, task: Any, sb: Any, lessons: Sequenc
     each the problem's chat prompt (generation prompt, no response prefix) followed by the
     lesson's tokens (at most ``mel.lesson_max_tokens``). ``L`` is ``row_multiple`` (the mesh's
     batch axes) x the next power of two >= the lessons, so a run compiles few shapes."""
-    from pmd_jax.distill.batch import make_lesson_rows
 
     prompts_ = [model.encode_chat(sb.messages[x.problem_index]) for x in lessons]
     toks = [model.tokenizer.encode(x.text)[: int(cfg.mel.lesson_max_tokens)] for x in lessons]

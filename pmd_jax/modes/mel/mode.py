@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pmd_jax.modes import ModeRuntime, ModeSpec, register_mode
+from pmd_jax.modes.mel import lessons
 
 if TYPE_CHECKING:
     from pmd_jax.config.sections import RunConfig
@@ -25,14 +26,10 @@ class MelRuntime(ModeRuntime):
         self._step: Any = None  # lessons.StepLessons of the step being built
 
     def host_work(self, step: int, sb: Any, memory: Any, textgen: Any) -> dict[str, float]:
-        from pmd_jax.modes.mel import lessons
-
         self._step = lessons.run_step(self.cfg, self.model, self.task, textgen.sampler, sb)
         return dict(self._step.stats)
 
     def extra_rows(self, sb: Any, row_multiple: int) -> dict[str, Any]:
-        from pmd_jax.modes.mel import lessons
-
         done, self._step = self._step, None
         if done is None:
             return {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import site
 import sys
 
 from pmd_jax.tasks.sandbox import sweep
@@ -39,7 +40,6 @@ def _python_mounts() -> tuple[tuple[str, str], ...]:
     inside (e.g. a venv reached through a symlinked directory). Paths under ``/usr`` (and the
     other system dirs) or inside another bound tree are left out; parents come first.
     """
-    import site
 
     islink = os.path.islink
     cands = [sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix]
