@@ -172,6 +172,34 @@ def run_child(script: str, side: str, argv: Sequence[str], env: dict[str, str],
     return res
 
 
+def run_trainer(config: str, prefix: str, overrides: dict[str, Any],
+                extra: Sequence[str] = ()) -> tuple[Any, float]:
+    """``python -m pmd_jax.main --config=<repo>/config`` in a fresh temp run directory (named
+    ``prefix``...) with ``--config.key=value`` for each override and ``extra`` flags, its output
+    on our stderr; (run directory, wall seconds). Raises if the run fails."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    cmd = [sys.executable, "-m", "pmd_jax.main", f"--config={root / config}",
+           f"--config.run_dir={run_dir}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    cmd += [f"--config.{f}" for f in extra]
+    log(f"{prefix.strip('_')}: " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=root, stdout=sys.stderr)
+    return run_dir, time.perf_counter() - t0
+
+
+def train_records(run_dir: Any) -> list[dict[str, Any]]:
+    """The per-step records (``kind`` train) of a run's metrics.jsonl."""
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+
 def emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 

@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,18 +106,10 @@ def overrides(args) -> dict:
 # ------------------------------------------------------------------------------ ours
 def child_ours(args) -> dict:
     """``python -m pmd_jax.main`` for ``--steps`` steps; its per-step phase times."""
-    run_dir = Path(tempfile.mkdtemp(prefix="bench_sdpo_ours_"))
-    cmd = [sys.executable, "-m", "pmd_jax.main", f"--config={ROOT / args.config}",
-           f"--config.run_dir={run_dir}"]
-    cmd += [f"--config.{k}={v}" for k, v in overrides(args).items()]
-    cmd += [f"--config.{f}" for f in args.ours_flag]
-    bc.log("ours: " + " ".join(cmd[1:]))
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)
-    wall = time.perf_counter() - t0
+    run_dir, wall = bc.run_trainer(args.config, "bench_sdpo_ours_", overrides(args),
+                                   args.ours_flag)
     steps = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in bc.train_records(run_dir):
         if "time_step" in rec:
             steps.append({
                 "generate": rec["time_sample"],

@@ -3,7 +3,7 @@ values named by key before anything is loaded (in-process and on the command lin
 
 from __future__ import annotations
 
-from pmd_jax.config import apply_mode, base_config, config_errors
+from pmd_jax.config import apply_mode, base_config, config_errors, freeze
 from pmd_jax.config.sections import RunConfig
 from pmd_jax.models.lora import TARGETS, LoraConfig
 from tests.config.test_config import SCIQ, _load, _main
@@ -58,3 +58,18 @@ def test_command_line_refuses_bad_lora_values_before_compute(tmp_path):
     assert "lora.r must be an integer >= 1, got 0" in p.stderr
     assert "lora.target_modules: unknown ['qkv']" in p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_command_line_takes_comma_separated_target_names():
+    """``--config.lora.target_modules=q_proj,v_proj`` (how PEFT users type it) is two names,
+    not the one name 'q_proj,v_proj' (a bare-word list was read as a single item)."""
+    from pmd_jax.config.cli import apply_taken, check_command_line, load_config_file
+
+    line = check_command_line(["main", f"--config={SCIQ}", "--config.lora.enabled=True",
+                               "--config.lora.target_modules=q_proj, v_proj,down"])
+    assert line.errors == []
+    c = load_config_file(SCIQ)
+    apply_taken(c, line)
+    assert tuple(c.lora.target_modules) == ("q_proj", "v_proj", "down")
+    assert not [e for e in config_errors(apply_mode(c)) if "lora" in e]
+    assert freeze(apply_mode(c)).lora.targets() == ("q", "v", "down")

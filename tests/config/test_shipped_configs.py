@@ -29,7 +29,8 @@ FULL_SIZE = {"olmo3.py", "qwen3.py"}
 # the embedded model of each embedded config
 EMBEDDED = {"smollm2_mbpp.py": "smollm2", "smollm2_sciq.py": "smollm2",
             "qwen25coder05b_mbpp.py": "qwen2.5-coder-0.5b",
-            "qwen25coder05b_sciq.py": "qwen2.5-coder-0.5b"}
+            "qwen25coder05b_sciq.py": "qwen2.5-coder-0.5b",
+            "qwen25coder15b_mbpp_lora.py": "qwen2.5-coder-1.5b"}
 
 
 def test_the_list_is_the_folder():

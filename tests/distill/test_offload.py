@@ -112,12 +112,13 @@ def test_a_failed_write_leaves_no_partial_file_and_a_killed_writers_is_removed(
     assert sorted(p.name for p in tmp_path.iterdir()) == [name, f"{name}.{os.getppid()}.tmp"]
 
 
-def _run_cfg(run_dir, offload_optimizer: bool):
+def _run_cfg(run_dir, offload_optimizer: bool, microbatch_rows: int = 0):
     return types.SimpleNamespace(
         run_dir=str(run_dir),
         distill=types.SimpleNamespace(loss=types.SimpleNamespace(temperature=1.0)),
         train=types.SimpleNamespace(shared_prefix="auto",
-                                    offload_optimizer_during_kl=offload_optimizer))
+                                    offload_optimizer_during_kl=offload_optimizer,
+                                    microbatch_rows=microbatch_rows))
 
 
 def _kl_batch(b: int = 3, s: int = 12, r: int = 5) -> dict[str, np.ndarray]:
@@ -210,6 +211,34 @@ def test_kl_to_initial_reads_the_offloaded_policy(tmp_path):
     other = DiskParams.write(moved, tmp_path / "moved.bin")
     assert kl.kl_to_initial(run_cfg, model, types.SimpleNamespace(initial_params=other),
                             batch) != in_memory
+
+
+def test_kl_to_initial_in_microbatches(tmp_path, monkeypatch):
+    """With train.microbatch_rows the initial policy's forward runs mb rows at a time (its
+    activations and logits bounded by mb rows, as the step's are): the same log-probs as one
+    forward of every row, the forward called rows / mb times on mb-row inputs."""
+    cfg = tiny_llama().replace(vocab_size=256)
+    init = decoder.init_params(cfg, jax.random.PRNGKey(0))
+    batch = _kl_batch(b=6)
+    model, bundle = types.SimpleNamespace(cfg=cfg), types.SimpleNamespace(initial_params=init)
+    whole = kl.kl_to_initial(_run_cfg(tmp_path, False), model, bundle, batch)
+    real = kl._initial_logprobs
+    lps: list[np.ndarray] = []
+    monkeypatch.setattr(kl, "_initial_logprobs", lambda *a: lps.append(real(*a)) or lps[-1])
+    kl.kl_to_initial(_run_cfg(tmp_path, False), model, bundle, batch)
+    (fn_key,) = [k for k in kl._KL_FNS if k[0] == cfg]
+    calls: list[int] = []
+    real_fn = kl._KL_FNS[fn_key]
+    monkeypatch.setitem(kl._KL_FNS, fn_key,
+                        lambda p, b: calls.append(len(b["student_tokens"])) or real_fn(p, b))
+    split = kl.kl_to_initial(_run_cfg(tmp_path, False, microbatch_rows=2), model, bundle, batch)
+    assert calls == [2, 2, 2]
+    np.testing.assert_allclose(lps[1], lps[0], rtol=1e-5, atol=1e-6)
+    assert split == pytest.approx(whole, rel=1e-5, abs=1e-7)
+    assert len(lps) == 2 and lps[1].shape == (6, 5)
+    calls.clear()  # a batch mb does not divide (never made by the trainer): one forward
+    kl.kl_to_initial(_run_cfg(tmp_path, False, microbatch_rows=4), model, bundle, batch)
+    assert calls == [6]
 
 
 def test_load_reads_without_a_mapping_and_lets_go_of_its_host_copies(tmp_path, monkeypatch):

@@ -150,7 +150,8 @@ def test_kl_to_initial_on_shared_rows():
     for mode in ("off", "always"):
         run_cfg = types.SimpleNamespace(
             distill=types.SimpleNamespace(loss=types.SimpleNamespace(temperature=0.7)),
-            train=types.SimpleNamespace(shared_prefix=mode, offload_optimizer_during_kl=False))
+            train=types.SimpleNamespace(shared_prefix=mode, offload_optimizer_during_kl=False,
+                                        microbatch_rows=0))
         got[mode] = kl.kl_to_initial(run_cfg, types.SimpleNamespace(cfg=TINY),
                                      types.SimpleNamespace(initial_params=_params(4)), plain)
     assert abs(got["off"]) > 0.1
