@@ -95,7 +95,6 @@ def load(argv: Sequence[str]) -> tuple[RunConfig | None, list[str]]:
     """(the frozen config with the overrides and the mode applied, problems) from
     ``CONFIG [overrides]``."""
 
-
     if not argv or argv[0].startswith("-"):
         return None, ["usage: python -m pmd_jax.launch_needs CONFIG [--config.key=value ...]"]
     line = check_command_line(["launch_needs", f"--config={argv[0]}", *argv[1:]])

@@ -331,7 +331,6 @@ def setup_logging() -> None:
 def report_errors(errs: list[str]) -> int:
     """Prints every problem, one line each, on stderr; returns the exit status 2."""
 
-
     print(format_errors(errs), file=sys.stderr, flush=True)
     return CONFIG_ERROR_EXIT
 
@@ -340,7 +339,6 @@ def run_command(main: Any, lines: list[CommandLine]) -> None:
     """An absl command's entry (pmd_jax.main, pmd_jax.probe): flag files read, the config
     file and its ``--config.*`` overrides checked (the checked line appended to ``lines`` for
     ``main`` to apply), then ``main(argv)``'s return value is the exit status."""
-
 
     try:
         argv = flags.FLAGS.read_flags_from_files(sys.argv, force_gnu=False)

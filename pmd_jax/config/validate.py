@@ -416,7 +416,6 @@ def _run_dir_try_errors(run_dir: Any) -> list[str]:
     marker file in it, then removes the marker and the folders it created, nothing else.
     The error names the folder and the OS's reason. Remote URLs are not tried."""
 
-
     if not isinstance(run_dir, str) or not run_dir.strip() or is_remote(run_dir) \
             or "://" in run_dir:
         return []
@@ -461,7 +460,6 @@ def _model_folder_errors(c: RunConfig) -> list[str]:
     random_init run too; a missing one is named by the prompt-budget check, which reads it),
     tokenizer.json, and unless model.random_init the safetensors file or the index and every
     shard it names."""
-
 
     src = c.model.source
     if not isinstance(src, str) or src in EMBEDDED_MODELS or not os.path.isdir(src):

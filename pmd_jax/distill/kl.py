@@ -37,7 +37,6 @@ def kl_to_initial(cfg: RunConfig, model: Any, bundle: Any, batch: dict[str, np.n
     ``model``: a build.ModelBundle; ``bundle``: a distill.train.TrainBundle.
     """
 
-
     mc = model.cfg
     temp = float(cfg.distill.loss.temperature)
     key = (mc, temp)

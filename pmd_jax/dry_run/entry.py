@@ -34,7 +34,6 @@ def dry_run_from_config(cfg: RunConfig) -> dict[str, Any]:
     if target:
         return target_report(cfg, target, count_cost=bool(cfg.dry_run.roofline))
 
-
     mc = model_config(cfg)
     n = jax.device_count()
     shape = mesh_shape(cfg, n)

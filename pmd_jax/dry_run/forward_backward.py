@@ -117,7 +117,6 @@ def chunked_next_token_loss(hidden: Any, params: Any, cfg: ModelConfig, tokens: 
     nor the backward holds more than one [B, chunk, V] float32 block). ``unroll`` goes to the
     ``lax.scan`` over chunks (unrolled, XLA's cost analysis counts every chunk)."""
 
-
     B, T, D = hidden.shape
     chunk = max(1, min(chunk, T - 1))
     h, tgt = hidden[:, :-1], tokens[:, 1:].astype(jnp.int32)
@@ -216,7 +215,6 @@ def dry_run(
     the tensor if a parameter cannot be split over its mesh axes, or the batch over
     data x fsdp.
     """
-
 
     n_needed = math.prod(int(v) for v in mesh_shape.values())
     devices = jax.devices()
@@ -364,7 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     mesh_shape = parse_mesh(args.mesh)
     n = math.prod(mesh_shape.values())
     _set_host_devices(n)  # before the jax backend starts
-
 
     cfg = preset(args.model)
     over: dict[str, Any] = {}

@@ -186,7 +186,6 @@ def gpu_tracing(m: GpuModel) -> Iterator[None]:
     # lazy: private jax internals, only on the simulated-GPU dry-run path
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
-
     cc = m.compute_capability
     cc_text = f"{cc[0]}.{cc[1]}"
 
@@ -234,7 +233,6 @@ def gpu_step_report(target: str, shape: dict[str, int], build: Build, vocab: int
     ``target``'s GPUs (mesh ``shape``): compiled by XLA:GPU without a device when the plugin
     is there (``mode`` auto), else lowered to CUDA StableHLO; the facts of the program
     (:mod:`pmd_jax.dry_run.gpu_facts`) and, when compiled, its memory."""
-
 
     t = tg.get_target(target)
     m = GPU_MODELS[t.name]

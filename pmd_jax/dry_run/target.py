@@ -201,7 +201,6 @@ def decode_step_report(cfg: RunConfig, mc: Any, mesh: Any, rules: Any, t: tg.Tar
                        count_cost: bool = True) -> dict[str, Any]:
     """One cached decode forward of the JAX sampler (``sampling.decode.decode_logits``)."""
 
-
     batch_div = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
     rows = max(int(cfg.rollout.max_batch), batch_div)
     rows = -(-rows // batch_div) * batch_div

@@ -100,7 +100,6 @@ def check_budget(info: dict | None, budget: dict, where: Path) -> None:
 class CellResult:
     """What the report reads of one cell (``report.load_cell``)."""
 
-
     cell: Cell
     step: int
     scores: dict[str, float]  # problem_id -> mean reward (eval samples x eval seeds)

@@ -187,7 +187,6 @@ def grid_config(config: str, overrides: Sequence[str], mode: str | None = None) 
     ``pmd_jax.main`` builds it; every problem of the command line or of the config raises
     GridError before any cell runs."""
 
-
     argv = ["pmd_jax.experiments", f"--config={config}", *overrides]
     if mode is not None:
         argv.append(f"--config.mode={mode}")

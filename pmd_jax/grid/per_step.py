@@ -203,7 +203,6 @@ def save_plot(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path
     # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
-
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

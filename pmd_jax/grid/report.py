@@ -297,7 +297,6 @@ def plot_accuracy_vs_kl(results: Sequence[CellResult], modes: Sequence[str],
     # lazy: matplotlib only for the plots, which a run without plotting never draws
     import matplotlib.pyplot as plt
 
-
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (mode, rs) in enumerate(pts.items()):

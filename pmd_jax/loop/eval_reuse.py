@@ -60,7 +60,6 @@ KEY_SECTIONS = ("model", "rollout", "eval", "task")
 def evaluation_key(cfg: RunConfig, params: Any, prompts: Iterable[Any]) -> str:
     """The key of a step-0 evaluation: weights, config sections, prompts, version."""
 
-
     h = hashlib.sha256()
     sections = {name: getattr(cfg, name).to_dict() for name in KEY_SECTIONS}
     sections["eval"].pop("reuse_from", None)

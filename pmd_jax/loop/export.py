@@ -46,7 +46,6 @@ def export_peft(cfg: RunConfig, model: ModelBundle, bundle: TrainBundle, path: P
     export folded them in. ``base_model_name_or_path`` is ``model.source`` (None for random
     weights). Call it on every process, as :func:`export_hf`."""
 
-
     if bundle.lora is None:
         raise ValueError("export_peft: the run trains no LoRA adapters (lora.enabled=False)")
     dtype = str(cfg.distill.precision.param_dtype)

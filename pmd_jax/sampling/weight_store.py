@@ -585,7 +585,6 @@ def _barrier(name: str) -> None:
     # lazy: third_party/pmd_vllm loads this file where jax is not installed
     from jax.experimental import multihost_utils
 
-
     multihost_utils.sync_global_devices(name)
 
 
