@@ -52,6 +52,7 @@ from pmd_jax.loop.rollout import ProblemStream, RolloutPhase, StepBatch
 from pmd_jax.modes import get_mode
 from pmd_jax.run import footprint, multihost, paths
 from pmd_jax.run.checkpoint import build_checkpointer
+from pmd_jax.run.disk import DiskSpaceError
 from pmd_jax.run.metrics import MetricsWriter, NoMetrics, Progress, write_plots
 from pmd_jax.sampling.publish import publish
 
@@ -125,13 +126,17 @@ class Trainer:
             **self.state.parts(), "sampler_weights": getattr(self.sampler, "params", None),
             "reflect_sampler_weights": getattr(self.reflect_sampler, "params", None),
         })))
-        # the disk the checkpoints need; no room for two raises DiskSpaceError (main: exit 2)
-        log.info(self.ckpt.check_disk(self.state, {"memory": self.memory.state_dict()} if
-                                      self.memory is not None else None,
-                                      export_hf=cfg.train.export_hf))
-        # the offload options' temp files (no room: DiskSpaceError), the initial policy placed
-        for line in train.prepare_offloads(cfg, self.state, self.model, str(self.run_dir)):
-            log.info(line)
+        try:
+            # the disk the checkpoints need; no room for two raises DiskSpaceError (exit 2)
+            log.info(self.ckpt.check_disk(self.state, {"memory": self.memory.state_dict()}
+                                          if self.memory is not None else None,
+                                          export_hf=cfg.train.export_hf))
+            # the offload options' temp files (no room: DiskSpaceError), the initial policy
+            for line in train.prepare_offloads(cfg, self.state, self.model, str(self.run_dir)):
+                log.info(line)
+        except DiskSpaceError:
+            self.ckpt.close()  # (orbax's threads end before main's one-line refusal exits)
+            raise
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:

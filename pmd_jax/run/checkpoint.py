@@ -447,6 +447,11 @@ class RunCheckpointer:
         }
         return bundle, extras
 
+    def close(self) -> None:
+        """Ends orbax's background threads (a run refused at set-up exits without a thread
+        left to fail at interpreter shutdown)."""
+        self.ckpt.close()
+
     def wait(self, block: bool = True) -> None:
         """Blocks until the background write is committed (``block=False``: only looks
         whether it has ended, so a failed write stops the run after the step it failed in,
