@@ -298,6 +298,13 @@ class Checkpointer:
 
     def close(self) -> None:
         self._mgr.wait_until_finished()
+        # the manager's clean-up of old temp dirs runs in a thread from its construction on,
+        # and neither wait_until_finished nor close waits for it: a run that ends before its
+        # first save (a refusal at set-up) would leave it to fail at interpreter shutdown.
+        # (private orbax, 0.12: an orbax without the method is assumed to have no such thread)
+        await_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._mgr.close()
 
     # ---------------------------------------------------------------- restoring

@@ -176,8 +176,17 @@ def test_refuses_to_start_without_disk_for_two_checkpoints(tmp_path):
     full = ("import collections, shutil\n"
             "_U = collections.namedtuple('_U', 'total used free')\n"
             "shutil.disk_usage = lambda p: _U(1 << 40, (1 << 40) - (1 << 20), 1 << 20)\n")
+    # orbax's clean-up of old temp dirs, a background thread the manager starts, made slow:
+    # a refusal that exits before it ends shows that thread's traceback at shutdown (seen
+    # once in CI under load); the checkpointer's close() waits for it
+    slow = ("import asyncio, time\n"
+            "from orbax.checkpoint._src.path import async_path\n"
+            "async def _slow_iterdir(path):\n"
+            "    await asyncio.to_thread(time.sleep, 3)\n"
+            "    return await asyncio.to_thread(path.iterdir)\n"
+            "async_path.iterdir = _slow_iterdir\n")
     p = _main(f"--config={SCIQ}", *TINY, "--config.mode=sdpo",
-              f"--config.run_dir={tmp_path}/run", code=full, timeout=600)
+              f"--config.run_dir={tmp_path}/run", code=full + slow, timeout=600)
     line = _one_line(p)
     assert line.startswith(f"cannot start: not enough disk for checkpoints in "
                            f"{tmp_path}/run/checkpoints: one takes up to ~"), line
