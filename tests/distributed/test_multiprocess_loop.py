@@ -11,11 +11,13 @@ default's mode, ``pmd_verified`` (memory with reflections, the default MiniLM em
 the check before use: paired replays drawn by process 0), with
 tests/loop/test_trainer_verified.py's flags (every row's demonstration is the check's first
 replay, so a replay drawn differently would change the loss), every launch and process under
-its own ``PYTHONHASHSEED``. Slow: the same in ``pmd`` mode (every item supervises, the
-experience level on; the default suite's job until 2026-11-28), and GRPO and
-``sdpo_matched_sampling`` (one process against two, no kill).
+its own ``PYTHONHASHSEED``, one process beside two. Slow: the same job killed and resumed
+(``pmd_verified-killed``; the default suite's job until 2026-11-29), the same in ``pmd`` mode
+(every item supervises, the experience level on), and GRPO and ``sdpo_matched_sampling``
+(one process against two, no kill). A kill and resume in one process stays in the default
+suite (tests/loop/test_trainer_verified.py, tests/run/test_checkpoint.py).
 
-The two-process job is killed after its first checkpoint: process 1 gets SIGKILL, and
+The killed jobs are killed after their first checkpoint: process 1 gets SIGKILL, and
 process 0 must stop on its own with jax's error naming the dead task within
 ``HEARTBEAT_S + KILL_SLACK_S`` seconds (``PMD_HEARTBEAT_TIMEOUT_S`` sets jax.distributed's
 ``heartbeat_timeout_seconds``; jax's default is 100 s). Rerunning both processes with the same
@@ -48,8 +50,9 @@ bitwise reproducible (not asserted here: that would double the time).
 Time: compiling dominates. jax writes the persistent compilation cache from process 0 only
 and process 1's cache keys differ, so process 1 compiles every program in every launch
 (~40 s per train-step shape on a busy 2-core machine). With the GRPO jobs the module took
-5:56 and 6:38 on the 2-core machine at load 11-16 (7 launches); the default suite's jobs
-are 4 launches (one-process, two-process, its restart). It needs no accelerator.
+5:56 and 6:38 on the 2-core machine at load 11-16 (7 launches); the default suite's job is
+2 launches side by side (the killed job's 4 took ~250 s of the CI's 21 minutes). It needs no
+accelerator.
 """
 
 from __future__ import annotations
@@ -232,6 +235,20 @@ def _one_and_two_killed_resumed(tmp: Path, mode: str, *flags: str,
             "resumed_logs": [log.read_text(errors="replace") for _, log in resumed]}
 
 
+def _one_and_two(tmp: Path, mode: str, *flags: str, hashseed: int | None = None) -> dict:
+    """``mode`` in one process and in two, side by side, each evaluating after the last step
+    (``hashseed``: the one-process run ``hashseed``, the two processes ``hashseed + 1 + i``)."""
+    one, two = tmp / f"{mode}_1", tmp / f"{mode}_2"
+
+    def salt(k: int) -> int | None:
+        return None if hashseed is None else hashseed + k
+
+    jobs = (_start(one, 1, mode, "run", *EVAL_AT_END, *flags, hashseed=salt(0))
+            + _start(two, 2, mode, "run", *EVAL_AT_END, *flags, hashseed=salt(1)))
+    _wait(jobs, time.monotonic() + RUN_TIMEOUT_S)
+    return {one.name: one, two.name: two}
+
+
 # rollout.n=1 (DEMO_FROM_DRAWS): 4 problems a step, so the rows split over fsdp=4; the same 4
 # problems every step, so step 1 tests the items written at step 0
 MP_ROWS = ("--config.rollout.problems_per_step=4", "--config.task.max_train_problems=4")
@@ -244,18 +261,23 @@ def _verified_flags() -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module", params=[
-    "pmd_verified", pytest.param("pmd", marks=pytest.mark.slow)])
+    pytest.param(("pmd_verified", False), id="pmd_verified"),
+    pytest.param(("pmd_verified", True), id="pmd_verified-killed", marks=pytest.mark.slow),
+    pytest.param(("pmd", True), id="pmd-killed", marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory) -> dict:
-    """A job in one process, and in two processes killed after checkpoint 1 and resumed.
-    The default suite's is the embedded default's mode, ``pmd_verified``, with tests/loop/
-    test_trainer_verified.py's flags (every row's demonstration is the check's first replay,
-    so the replays' draws reach the loss), every launch and process under its own
-    PYTHONHASHSEED; ``pmd`` (every item supervises, the experience level on) is slow."""
-    mode = request.param
+    """A job in one process, and in two processes (killed after checkpoint 1 and resumed in
+    the ``-killed`` params, slow). The mode is the embedded default's, ``pmd_verified``, with
+    tests/loop/test_trainer_verified.py's flags (every row's demonstration is the check's
+    first replay, so the replays' draws reach the loss), every launch and process under its
+    own PYTHONHASHSEED; ``pmd`` (every item supervises, the experience level on) is slow."""
+    mode, killed = request.param
     flags = _verified_flags() if mode == "pmd_verified" else ()
-    out = _one_and_two_killed_resumed(tmp_path_factory.mktemp(f"mp_loop_{mode}"), mode,
-                                      *flags, hashseed=11 if flags else None)
-    return {**out, "mode": mode, "one": out[f"{mode}_1"], "two": out[f"{mode}_2"]}
+    tmp = tmp_path_factory.mktemp(f"mp_loop_{mode}")
+    salt = 11 if flags else None
+    out = (_one_and_two_killed_resumed(tmp, mode, *flags, hashseed=salt) if killed
+           else _one_and_two(tmp, mode, *flags, hashseed=salt))
+    return {**out, "mode": mode, "killed": killed, "one": out[f"{mode}_1"],
+            "two": out[f"{mode}_2"]}
 
 
 @pytest.fixture(scope="module")
@@ -353,12 +375,13 @@ def _assert_metrics_equal(single: Path, multi: Path) -> None:
                                            err_msg=f"{k} at step {ra['step']}")
 
 
-def test_two_processes_killed_and_resumed_equal_one_process(runs):
-    """pmd_verified: process 0 draws the check's replays and broadcasts the requests, and the
-    resumed job redoes step 1's replays under other salts (with the replay seed from a
-    salted ``hash()`` its step-1 demonstrations differed: tests/loop/test_trainer_verified.py,
-    the same flags in one process); the state, weights, metrics and every count of the check
-    end where the one-process run ends."""
+def test_two_processes_equal_one_process(runs):
+    """pmd_verified: process 0 draws the check's replays and broadcasts the requests, every
+    process under its own salt (and, killed, the resumed job redoes step 1's replays under
+    other salts: with the replay seed from a salted ``hash()`` its step-1 demonstrations
+    differed: tests/loop/test_trainer_verified.py, the same flags in one process); the
+    state, weights, metrics and every count of the check end where the one-process run
+    ends."""
     single, multi = runs["one"], runs["two"]
     _assert_state_equal(single, multi)
     _assert_hf_equal(single, multi)
@@ -395,6 +418,8 @@ def test_memory_identical_and_written_once(runs):
 
 
 def test_killed_process_stops_the_other_and_both_resume(runs):
+    if not runs["killed"]:
+        pytest.skip("the default suite's job runs without a kill (the slow -killed params)")
     kill = runs["kill"]
     assert kill["rc0"] is not None, (
         f"process 0 still ran {HEARTBEAT_S + KILL_SLACK_S}s after process 1 was killed")

@@ -1,10 +1,13 @@
 """End-to-end tests of the loop on a tiny random Llama (SmolLM2's tokenizer, real SciQ data).
 
-They run the real entry point in subprocesses: a clean run, and a run killed with SIGKILL
-after its first checkpoint and restarted with the same command, which must end bitwise equal
-(params, and the per-step rewards and losses it logged); a run whose second checkpoint write
-really fails (the OS refuses the write: RLIMIT_FSIZE, which binds root too) must stop naming
-that step, with the first checkpoint intact and resumable.
+They run the real entry point in subprocesses: a clean run, and a shorter run with the
+initial policy in a file and the compiled programs dropped every step whose steps must equal
+the clean run's to the bit. Slow (the default suite runs their smaller siblings, named
+above each): a run killed with SIGKILL after its first checkpoint and restarted with the same
+command, which must end bitwise equal (params, and the per-step rewards and losses it
+logged); a run whose second checkpoint write really fails (the OS refuses the write:
+RLIMIT_FSIZE, which binds root too) must stop naming that step, with the first checkpoint
+intact and resumable; restarts at an evaluation's step and from step 0.
 
 Every run of the session shares one persistent XLA compilation cache
 (train.compilation_cache_dir) in a temporary folder: the first run compiles, the later ones
@@ -111,13 +114,29 @@ def test_run_writes_the_run_directory(clean_run: Path):
     assert list(jax_cache_dir().glob("*-cache"))  # the run wrote its compiled programs
 
 
-def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path_factory):
+def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path: Path):
     """eval.kl_final: the evaluation after a 2-step run's last step samples the rollouts of a
     step 2 with the final weights and measures their KL to the initial policy, which is the
     KL the 3-step clean run measures on its step 2 (the same problems, sampling seed and
-    weights: tiny_runs' learning rate is constant). The memory is not touched."""
-    short = run_once(tmp_path_factory, "final_kl", "--config.train.steps=2",
-                     "--config.train.eval_every=0")
+    weights: tiny_runs' learning rate is constant). The memory is not touched.
+
+    The short run reads the initial policy from a file (train.offload_initial_policy) and
+    drops its compiled programs after every step (train.clear_compiled_every: programs loaded
+    again or recompiled), the clean run holds both in memory: its steps' metrics are the
+    clean run's to the bit, and the file is gone when the run ends. (The same two options
+    under a kill and resume: test_kill9_resume_is_bitwise_identical, slow.)"""
+    short = tmp_path / "final_kl"
+    p = subprocess.run(_cmd(short, "--config.train.steps=2", "--config.train.eval_every=0",
+                            "--config.train.offload_initial_policy=True",
+                            "--config.train.clear_compiled_every=1"),
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (path,) = re.findall(r"initial policy offloaded to (\S+) ", p.stderr)
+    assert Path(path).name.startswith("pmd_jax_initial_policy_")
+    assert not Path(path).exists()
+    for ra, rb in zip(_train_records(clean_run)[:2], _train_records(short), strict=True):
+        for k in ("reward_mean", "loss", "kl", "kl_policy_initial", "grad_norm"):
+            assert ra[k] == rb[k], (k, ra["step"], ra[k], rb[k])
     recs = [json.loads(x) for x in (short / "metrics.jsonl").read_text().splitlines() if x]
     (ev,) = [r for r in recs if r["kind"] == "eval"]
     assert ev["step"] == 2 and ev["time_kl_final"] > 0
@@ -131,6 +150,10 @@ def test_final_evaluation_kl_is_the_next_steps_kl(clean_run: Path, tmp_path_fact
     assert [p["step"] for p in eval_kl_points(recs)] == [2]
 
 
+# ~45 s; in the default suite: a kill and resume (tests/run/test_checkpoint.py,
+# tests/loop/test_trainer_verified.py) and the two options in a run that ends bitwise
+# where the clean run does (test_final_evaluation_kl_is_the_next_steps_kl)
+@pytest.mark.slow
 def test_kill9_resume_is_bitwise_identical(clean_run: Path, tmp_path: Path):
     """... with the initial policy offloaded to a file (train.offload_initial_policy) and the
     compiled programs dropped after every step (train.clear_compiled_every: programs loaded
@@ -266,6 +289,9 @@ def test_compilation_cache_option(tmp_path: Path):
         str(tmp_path / "env"), 3.0, 2 * 2**30]
 
 
+# ~20 s (a one-step run); the metrics file's side in the default suite:
+# tests/run/test_metrics_resume.py
+@pytest.mark.slow
 def test_a_run_from_step_0_drops_an_earlier_attempts_records(tmp_path: Path):
     """A run directory whose earlier attempt died before its first checkpoint: the new run
     starts at step 0 and its metrics.jsonl holds the new run's records only (the grid's
@@ -284,6 +310,9 @@ def test_a_run_from_step_0_drops_an_earlier_attempts_records(tmp_path: Path):
     assert "dropped 2 metrics records of an earlier attempt" in p.stderr
 
 
+# ~65-75 s (three runs); the metrics file's side in the default suite:
+# tests/run/test_metrics_resume.py
+@pytest.mark.slow
 def test_a_restart_at_an_evaluations_step_keeps_or_runs_it(tmp_path: Path):
     """A run restarted from the checkpoint of a step that is evaluated: an evaluation that
     finished before the restart is kept, not run again; one that did not (the run died in it,
