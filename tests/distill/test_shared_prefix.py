@@ -108,7 +108,9 @@ def test_shared_rows_give_the_per_rollout_step_on_mesh():
     _assert_same(got, _run(ref, problems=3))
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+# chunked is slow (~12 s): the default suite runs it on packed segments in
+# tests/models/test_attention_chunked.py (test_chunked_packed_segments_equal_separate_sequences)
+@pytest.mark.parametrize("impl", ["dense", pytest.param("chunked", marks=pytest.mark.slow)])
 def test_forward_on_shared_rows_matches_own_rows(impl):
     """Hidden states at every response position, and their gradient w.r.t. the params, with
     the attention tiled in chunks of 4 slots (so a continuation's tiles meet the prefix's)."""

@@ -48,9 +48,11 @@ def _assert_bitwise(got, want) -> None:
     assert_same_steps(got, want, dict(rtol=0, atol=0))  # (assert_allclose at 0: equality)
 
 
-# without microbatches as a slow test: the microbatched step runs the same update, and
-# test_train_step_keeps_the_moments_in_a_file_during_the_gradient checks it bitwise too
-@pytest.mark.parametrize("micro", [pytest.param(0, marks=pytest.mark.slow), 4])
+# slow tests both (~24 s each on 2 cores): the default suite runs the two programs with
+# microbatches on the mesh (test_two_programs_on_the_mesh) and bitwise against the one
+# program (test_train_step_keeps_the_moments_in_a_file_during_the_gradient)
+@pytest.mark.parametrize("micro", [pytest.param(0, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_two_programs_give_the_one_program_step(micro):
     """Three SDPO steps with an EMA teacher (clip, AdamW, EMA, metrics): the same bits."""
     ts = st.TrainStep(TINY, ema_step_config("sdpo", 2), microbatch_rows=micro)
