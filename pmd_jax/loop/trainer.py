@@ -120,7 +120,17 @@ class Trainer:
                      self.state.lora, self.state.step_fn.base_dtype or cfg.model.param_dtype)
             if self.state.base_is_cast(self.model.params):  # (lora.base_dtype)
                 # the sampler samples the policy the step trains from step 0 on (the base as
-                # the step holds it), and lets go of the weights as loaded
+                # the step holds it), and lets go of the weights as loaded. Those, and the
+                # sampler's copy of them, go first: the 1.5B config held the float32 load
+                # (6.2 GB), its bf16 base, the sampler's per-layer copy and the merged
+                # weights at once, and the kernel killed it at 24 GB.
+                self.model.params = None  # (the base is their cast copy; LoRA's initial
+                # policy is the base: place_initial_policy drops them anyway)
+                if self.sampler.share_weights() == "in_process":
+                    self.sampler.release_params()
+                    if self.reflect_sampler is not self.sampler:
+                        self.reflect_sampler.release_params()
+                footprint.release_free_memory()
                 self._publish(0)
         log.info(footprint.format_breakdown(footprint.breakdown({
             **self.state.parts(), "sampler_weights": getattr(self.sampler, "params", None),
