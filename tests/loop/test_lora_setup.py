@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from pmd_jax.config import apply_mode, config_errors, freeze
+from pmd_jax.config.modes import set_dotted
 from pmd_jax.distill import train
 from pmd_jax.loop import build
 from pmd_jax.loop import trainer as trainer_module
@@ -33,11 +34,7 @@ def _cfg(run_dir):
             "lora.base_dtype": "bfloat16"}
     with cfg.unlocked():
         for k, v in over.items():
-            node = cfg
-            *path, last = k.split(".")
-            for p in path:
-                node = node[p]
-            node[last] = v
+            set_dotted(cfg, k, v)
     cfg = apply_mode(cfg)
     assert not config_errors(cfg), config_errors(cfg)
     return freeze(cfg)

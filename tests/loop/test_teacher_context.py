@@ -450,6 +450,7 @@ EVAL_RUN = textwrap.dedent("""
     from pmd_jax.loop import evaluate as evaluation
     from pmd_jax.loop import teaching
     from pmd_jax.config import apply_mode, config_errors, freeze
+    from pmd_jax.config.modes import set_dotted
     from pmd_jax.config.cli import load_config_file
     from pmd_jax.sampling.jax_sampler import JaxSampler
     import pmd_jax.memory.memory as memory_module
@@ -475,11 +476,7 @@ EVAL_RUN = textwrap.dedent("""
         over["memory.structured_output"] = False
     with cfg.unlocked():
         for k, v in over.items():
-            node = cfg
-            *path, last = k.split(".")
-            for p in path:
-                node = node[p]
-            node[last] = v
+            set_dotted(cfg, k, v)
     cfg = apply_mode(cfg)
     assert not config_errors(cfg), config_errors(cfg)
 
