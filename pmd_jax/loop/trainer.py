@@ -163,7 +163,10 @@ class Trainer:
         finally:
             self.rollouts.stop()
         prog.close()
-        if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results:
+        # the end's evaluation, unless this step's weights were evaluated already (a run of
+        # 0 steps evaluated them at the start: until 2026-11-29 it evaluated them twice)
+        at_start = self.step == 0 and "before" in results
+        if cfg.train.eval_every >= 0 and f"step_{self.step}" not in results and not at_start:
             results["after"] = self.evaluate(self.step)
         self.ckpt.wait()
         self.finish()

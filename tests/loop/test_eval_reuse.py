@@ -95,8 +95,9 @@ def _run(run_dir: Path, *extra: str) -> tuple[dict, Path]:
                        text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    return next(r for r in recs if r["kind"] == "eval" and r["step"] == 0), \
-        run_dir / "eval" / "step_000000"
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0], evals  # evaluated once, not at start and end
+    return evals[0], run_dir / "eval" / "step_000000"
 
 
 def _two_cells(root: Path) -> tuple[dict, Path, dict, Path]:

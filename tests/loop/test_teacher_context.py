@@ -464,8 +464,8 @@ EVAL_RUN = textwrap.dedent("""
         "mode": "pmd", "run_dir": run_dir, "resume": False, "model.random_init": "tiny-llama",
         "rollout.problems_per_step": 2, "rollout.n": 1, "rollout.max_tokens": 8,
         "rollout.max_prompt_tokens": 320, "task.max_eval_problems": 2, "eval.n": 1,
-        # No training step: Trainer.run still evaluates at the start and at the end, and a
-        # step (train-step, rollout and reflection compiles) would triple the test's time.
+        # No training step: Trainer.run still evaluates (once, at the start), and a step
+        # (train-step, rollout and reflection compiles) would triple the test's time.
         "eval.max_tokens": 8, "eval.seeds": (0, 1), "train.steps": 0,
         "train.eval_every": 0, "train.eval_at_start": True, "train.export_hf": False,
         "train.kl_initial_every": 0, "teacher_prompt.max_tokens": 768,
@@ -529,9 +529,9 @@ def test_evaluation_prompts_hold_no_memory_text(model, tmp_path):
     items, free = got["items"], got["free"]
     forbidden = memory_texts(items) + list(TEACHER_HEADERS)
 
-    # Two evaluations (start and end), and at each the memory held items that a
-    # memory-conditioned prompt of the evaluated problems would show.
-    assert len(got["evals"]) == 2
+    # One evaluation (a run of 0 steps evaluates its weights once), and the memory held items
+    # that a memory-conditioned prompt of the evaluated problems would show.
+    assert len(got["evals"]) == 1
     for ev in got["evals"]:
         s = ev["stats"]
         assert s["strategies"] >= 4 and s["lessons"] >= 4 and s["behaviors"] == len(BEHAVIORS)
@@ -542,8 +542,8 @@ def test_evaluation_prompts_hold_no_memory_text(model, tmp_path):
     eval_calls = [c for c in got["calls"] if c["phase"] == "eval"]
     assert eval_calls
     prompts_sent = [pr for c in eval_calls for pr in c["prompts"]]
-    # Every problem, every seed, both evaluations: one prompt each (eval.n samples per prompt).
-    assert len(prompts_sent) == 2 * len(got["seeds"]) * len(free)
+    # Every problem, every seed: one prompt each (eval.n samples per prompt).
+    assert len(prompts_sent) == len(got["seeds"]) * len(free)
     assert all(c["n"] == 1 for c in eval_calls)
     free_prompts = sorted(free.values())
     for k in range(0, len(prompts_sent), len(free)):
