@@ -8,8 +8,8 @@ the 0.5B grid's cells. Full fine-tuning of 1.5B parameters does not fit a 24 GiB
 AdamW moments and the EMA teacher alone are 4 x 6.2 GB in float32); with rank-16 adapters on
 all seven projections the optimizer and the teacher hold 18.5M parameters, the frozen base is
 also the initial policy, and the sampler gets the merged weights. Measured: one SDPO step
-2,064 s, peak RSS 15.87 GiB; the HumanEval evaluation at step 0 3,678 s, pass rate 0.573
-(0.5B: 0.439) (docs/results.md, ``lora_step_qwen15b``), so a grid cell is about 6.8 hours on
+1,883 s, peak RSS 15.98 GiB; the HumanEval evaluation at step 0 3,678 s, pass rate 0.573
+(0.5B: 0.439) (docs/results.md, ``lora_step_qwen15b``), so a grid cell is about 6.4 hours on
 the 2-core machine.
 
     python -m pmd_jax.main --config=configs/qwen25coder15b_mbpp_lora.py --config.mode=sdpo
