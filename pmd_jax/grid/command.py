@@ -31,7 +31,9 @@ only copied) starts no process; an unfinished one is run again with the same com
 trainer resumes from its last checkpoint. A cell recorded with other overrides than the
 current ones is refused (identical budgets). ``--cells=mode:seed,...`` runs only those cells;
 ``--report_only`` runs nothing and builds the comparison from the finished cells, listing the
-missing ones.
+missing ones. ``--against=<out of another grid>`` adds each mode against the same mode's cells
+of that grid (same config and last step, other overrides: LoRA against full fine-tuning, say),
+pair by pair.
 
 Statistics (final evaluation of each cell, memory-free): the unit is a (problem, training
 seed) pair, scored as the mean reward over its evaluation samples and evaluation seeds.
@@ -105,6 +107,11 @@ _SHARE = flags.DEFINE_bool(
     "pmd_jax.loop.eval_reuse) instead of running it again; on the Qwen2.5-Coder MBPP grid "
     "that saves 16 minutes a cell. Memory-free evaluation only. --noshare_start_eval: every "
     "cell evaluates its own.")
+_AGAINST = flags.DEFINE_list(
+    "against", [],
+    "Other grids' --out folders (same config and last step, other overrides: a variant such as "
+    "--config.lora.enabled=True against full fine-tuning): the report compares each mode with "
+    "the same mode's cells there, pair by pair.")
 _PRUNE = flags.DEFINE_bool(
     "prune_checkpoints", True,
     "Delete a finished cell's checkpoints/ folder from its run directory once its results are "
@@ -321,11 +328,13 @@ def main(argv: list[str]) -> None:
                      print_only=_DRY.value, prune_checkpoints=_PRUNE.value,
                      share_start_eval=_SHARE.value)
         if not _DRY.value:
-            comp = write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
+            comp = write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds,
+                                [Path(a) for a in _AGAINST.value])
             print(comp["markdown"])
     except CellFailed as e:
         try:  # what has finished is still worth a table
-            write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds)
+            write_report(out, [Cell(m, s) for m in modes for s in seeds], modes, seeds,
+                         [Path(a) for a in _AGAINST.value])
         except GridError:
             pass
         print(f"error: {e}", file=sys.stderr)

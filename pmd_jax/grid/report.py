@@ -166,6 +166,86 @@ def build_comparison(results: Sequence[CellResult], modes: Sequence[str]) -> dic
     return {"summaries": summaries, "comparisons": comps}
 
 
+def finished_cells(folder: Path, modes: Sequence[str]) -> tuple[list[CellResult], list[dict]]:
+    """The finished cells of ``modes`` in a grid's ``--out`` folder (any seeds), with their
+    ``cell.json`` records."""
+    results, infos = [], []
+    for sub in sorted(p for p in Path(folder).iterdir() if p.is_dir()):
+        info = read_info(sub)
+        if not info or info.get("mode") not in modes:
+            continue
+        steps = int(info["train_steps"])
+        if cell_state(sub, steps)[0]:
+            results.append(load_cell(sub, Cell(str(info["mode"]), int(info["seed"])), steps))
+            infos.append(info)
+    return results, infos
+
+
+def compare_against(results: Sequence[CellResult], budget: dict, others: Sequence[Path],
+                    modes: Sequence[str]) -> list[dict]:
+    """Each mode of this grid against the same mode's cells in another grid's folder (``--
+    against``): the same config and last step, other overrides (a variant of the method, as
+    LoRA against full fine-tuning), matched (problem, seed) pairs at the last step. The other
+    grid is the reference: ``diff`` is this grid's accuracy minus theirs."""
+
+    rows: list[dict] = []
+    for other in others:
+        theirs, infos = finished_cells(Path(other), modes)
+        if not theirs:
+            raise GridError(f"--against {other}: no finished cell of modes {list(modes)}")
+        for info in infos:
+            if (info["config"], int(info["train_steps"])) != (budget["config"],
+                                                              int(budget["train_steps"])):
+                raise GridError(
+                    f"--against {other}: its cells ran {info['config']} for "
+                    f"{info['train_steps']} steps, this grid {budget['config']} for "
+                    f"{budget['train_steps']}: only a grid of the same config and last step "
+                    "can be compared pair by pair")
+        overrides = sorted({" ".join(i["overrides"]) or "none" for i in infos})
+        for m in modes:
+            ours = [r for r in results if r.cell.mode == m]
+            ref = [r for r in theirs if r.cell.mode == m]
+            if not ours or not ref:
+                continue
+            row = compare_modes(f"{m} [{Path(other).name}]", ref, m, ours)
+            row.update(against=str(other), against_overrides=overrides,
+                       overrides=" ".join(budget["overrides"]) or "none",
+                       per_seed=[compare_modes("", [a for a in ref if a.cell.seed == s], "",
+                                               [b for b in ours if b.cell.seed == s])
+                                 for s in row["seeds"]])
+            rows.append(row)
+    return rows
+
+
+def against_markdown(rows: Sequence[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "", "## Against other grids (`--against`)", "",
+        "Each mode of this grid minus the same mode's cells in another grid of the same config "
+        "and last step (run with other overrides), over matched (problem, training seed) pairs "
+        "at the last step; the statistics of the table above (paired bootstrap CI and p, exact "
+        "sign test, MDD). Per seed: the difference and the sign test of that seed's problems.",
+        "",
+        "| mode - other grid's | this grid's overrides | the other's | pairs | seeds | this | "
+        "other | diff | 95% CI | p (bootstrap) | better / worse / ties | p (sign test) | MDD "
+        "| per seed: diff (better / worse, p) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in rows:
+        per = "; ".join(
+            f"seed {s}: {_f(p['diff'], '+.3f')} ({p['mode_better']} / {p['reference_better']}, "
+            f"p {_f(p['p_sign'], '.3g')})" for s, p in zip(c["seeds"], c["per_seed"], strict=True))
+        lines.append(
+            f"| {c['mode']} - {c['reference']} | `{c['overrides']}` | "
+            f"`{'`, `'.join(c['against_overrides'])}` | {c['n_pairs']} | {len(c['seeds'])} | "
+            f"{_f(c['accuracy_mode'])} | {_f(c['accuracy_reference'])} | "
+            f"{_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, {_f(c['ci_high'], '+.3f')}] "
+            f"| {_f(c['p_bootstrap'], '.4f')} | {c['mode_better']} / {c['reference_better']} / "
+            f"{c['ties']} | {_f(c['p_sign'], '.4g')} | {_f(c['mdd'])} | {per} |")
+    return lines
+
+
 def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> str:
     lines = [*header, ""]
     lab = " (in-sample)" if any(s["in_sample"] for s in comp["summaries"]) else ""
@@ -341,9 +421,10 @@ def plot_curves(curves: dict, path: Path) -> Path:
 
 
 def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
-                 seeds: Sequence[int]) -> dict:
+                 seeds: Sequence[int], against: Sequence[Path] = ()) -> dict:
     """Builds comparison.md / comparison.json / the plot from the finished cells in ``out``
-    (each with its cell.json); the others are listed as missing."""
+    (each with its cell.json); the others are listed as missing. ``against``: other grids'
+    folders whose cells of the same modes each mode is compared with (compare_against)."""
     finished: list[CellResult] = []
     missing: list[tuple[Cell, str]] = []
     infos: list[dict] = []
@@ -396,8 +477,10 @@ def write_report(out: Path, cells: Sequence[Cell], modes: Sequence[str],
     comp["answers_not_options"] = dg.answers_not_options(finished, modes)
     comp["memory"] = dg.memory_rows(finished, modes)
     comp["cost"] = dg.cost_rows(finished, modes)
+    comp["against"] = compare_against(finished, budget, against, modes)
     table = report_markdown(comp, header, seeds) + "\n".join(
-        ps.step_markdown(comp["per_step"], "Held-out accuracy")
+        against_markdown(comp["against"])
+        + ps.step_markdown(comp["per_step"], "Held-out accuracy")
         + ps.step_markdown(comp["retention_per_step"], "Retention-set accuracy")
         + ps.reward_markdown(comp["train_reward"])
         + drift_markdown(comp["drift"]) + dg.tokens_markdown(comp["drift"])

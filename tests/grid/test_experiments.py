@@ -239,6 +239,55 @@ def test_report_lists_a_missing_cell(grid):
     assert "| pmd | 4 |" in md and "missing" in md
 
 
+
+def test_against_another_grid_pairs_the_same_mode(tmp_path):
+    """--against: this grid's sdpo (a variant's overrides) minus another grid's sdpo over the
+    matched (problem, seed) pairs, checked against the direct computation; a grid of another
+    config or last step is refused."""
+    from scipy.stats import binomtest
+
+    rng = np.random.default_rng(7)
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    variant = {**BUDGET, "overrides": [*OVERRIDES, "--config.lora.enabled=True"]}
+    ref, ours = {}, {}
+    for seed in (0, 1):
+        for mode in ("sdpo", "grpo"):  # the other grid holds a mode this one lacks
+            ref[mode, seed] = _write_cell(full / f"{mode}_seed{seed}", Cell(mode, seed),
+                                          (rng.random((30, 2)) < 0.4).astype(float))
+        ours[seed] = _write_cell(lora / f"sdpo_seed{seed}", Cell("sdpo", seed),
+                                 (rng.random((30, 2)) < 0.6).astype(float), info=variant)
+    comp = ex.write_report(lora, [Cell("sdpo", 0), Cell("sdpo", 1)], ["sdpo"], [0, 1],
+                           against=[full])
+    (row,) = comp["against"]
+    d = np.concatenate([ours[s] - ref["sdpo", s] for s in (0, 1)])
+    assert row["mode"] == "sdpo" and row["reference"] == "sdpo [full]"
+    assert row["n_pairs"] == 60 and row["seeds"] == [0, 1]
+    assert row["diff"] == pytest.approx(d.mean())
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    assert (row["mode_better"], row["reference_better"]) == (pos, neg)
+    assert row["p_sign"] == pytest.approx(binomtest(pos, pos + neg, 0.5).pvalue, rel=1e-9)
+    assert row["against_overrides"] == [" ".join(OVERRIDES)]
+    for s, ps_ in zip((0, 1), row["per_seed"], strict=True):
+        assert ps_["diff"] == pytest.approx((ours[s] - ref["sdpo", s]).mean())
+    md = (lora / "comparison.md").read_text()
+    assert "## Against other grids" in md and "| sdpo - sdpo [full] |" in md
+    assert f"{row['diff']:+.3f}" in md and "--config.lora.enabled=True" in md
+    assert json.loads((lora / "comparison.json").read_text())["against"][0]["n_pairs"] == 60
+    # the command line's flag reaches the report
+    p = _cli(f"--config={CONFIG}", "--modes=sdpo", "--seeds=0,1", f"--out={lora}",
+             "--report_only", f"--against={full}", *variant["overrides"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "| sdpo - sdpo [full] |" in p.stdout
+    # another last step cannot be paired
+    other = tmp_path / "other"
+    _write_cell(other / "sdpo_seed0", Cell("sdpo", 0), np.ones((30, 2)), steps=2,
+                info={**BUDGET, "train_steps": 2})
+    with pytest.raises(GridError, match="same config and last step"):
+        ex.write_report(lora, [Cell("sdpo", 0)], ["sdpo"], [0], against=[other])
+    with pytest.raises(GridError, match="no finished cell"):
+        ex.write_report(lora, [Cell("sdpo", 0)], ["sdpo"], [0], against=[tmp_path / "lora" /
+                                                                           "sdpo_seed0"])
+
 def test_cell_state_and_budget_checks(tmp_path):
     rewards = np.ones((3, 1))
     done, why = ex.cell_state(tmp_path / "none", STEPS)
