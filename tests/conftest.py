@@ -60,23 +60,40 @@ def mbpp():
     task.close()
 
 
-# Test files by wall time in the default suite, longest first (tests/conftest.py's docstring;
-# measured with --durations on the 2-core machine: the two-process loop ~270 s, the trainer's
-# e2e runs ~200 s, the vLLM server ~180 s, ...). Files not listed follow in collection order.
+# Test files by wall time in the default suite, longest first (tests/conftest.py's docstring),
+# so that no long file starts last and leaves the other worker idle: measured with --durations
+# on the 2-core machine (2026-11-29, beside a grid cell, so about 1.65x the times alone; a
+# file's sum of its slowest tests): the trainer's e2e runs with their overlap sibling ~450 s,
+# the two-process loop ~240 s, the probe's command ~190 s, the vLLM server ~160 s, ...
+# Files not listed follow in collection order.
 _LONGEST_FIRST = (
-    "tests/distributed/test_multiprocess_loop.py",
     "tests/loop/test_trainer.py",
+    "tests/distributed/test_multiprocess_loop.py",
+    "tests/probe/test_probe_cli.py",
     "tests/sampling/test_vllm_e2e.py",
-    "tests/run/test_checkpoint.py",
-    "tests/modes/fast_slow/test_fast_slow.py",
-    "tests/distill/test_microbatch.py",
-    "tests/distributed/test_multiprocess.py",
-    "tests/loop/test_trainer_overlap.py",
-    "tests/dry_run/test_dry_run.py",
-    "tests/loop/test_retention.py",
-    "tests/distill/test_step.py",
     "tests/sampling/test_jax_sampler.py",
+    "tests/dry_run/test_dry_run.py",
+    "tests/distill/test_step.py",
+    "tests/loop/test_trainer_verified.py",
+    "tests/distill/test_step_in_two.py",
+    "tests/sampling/test_prefill_groups.py",
+    "tests/distill/test_lora_step.py",
+    "tests/loop/test_lora_run.py",
+    "tests/sampling/test_shared_prefix.py",
+    "tests/distill/test_shared_prefix.py",
+    "tests/modes/fast_slow/test_fast_slow.py",
+    "tests/loop/test_retention.py",
+    "tests/models/test_gguf.py",
+    "tests/run/test_start_errors.py",
+    "tests/loop/test_eval_reuse.py",
+    "tests/sampling/test_structured_jax.py",
+    "tests/models/test_qwen2.py",
+    "tests/run/test_checkpoint.py",
+    "tests/benchmarks/test_benchmarks.py",
+    "tests/distill/test_microbatch.py",
+    "tests/models/test_attention_chunked.py",
     "tests/sampling/test_batching.py",
+    "tests/distributed/test_multiprocess.py",
 )
 
 
