@@ -241,6 +241,9 @@ class TeacherPromptConfig(Section):
         return out
 
 
+PAD_LENGTHS = ("multiple", "max")  # train.pad_lengths (distill.assemble.fixed_lengths)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Section):
     """The loop: steps, evaluation and checkpoint cadence, the update batch."""
@@ -301,6 +304,16 @@ class TrainConfig(Section):
                               "loss and gradient up to float rounding). 'auto': where that "
                               "costs fewer estimated FLOPs; 'always'; 'off': one row per "
                               "rollout. Not with train.microbatch_rows (ours).")
+    pad_lengths: str = knob("multiple", "The train step's sequence lengths: 'multiple' pads "
+                            "each step's rows to the longest, rounded up to 16 tokens (a step "
+                            "program per new length); 'max' pads every step to the configured "
+                            "maxima (student rollout.max_prompt_tokens + rollout.max_tokens, "
+                            "teacher teacher_prompt.max_tokens + rollout.max_tokens, response "
+                            "rollout.max_tokens, each rounded up to 16: the dry run's worst "
+                            "case), "
+                            "so a run compiles its step once per update-row count, as MaxText "
+                            "and Tunix pad to fixed lengths. Needs train.shared_prefix='off' "
+                            "(packed rows have no fixed length).")
     microbatch_rows: int = knob(0, "Gradient accumulation: split the update batch into "
                                 "microbatches of this many rows inside one jitted step (grads "
                                 "summed with full-batch normalisation, one optimizer update); "
@@ -330,6 +343,11 @@ class TrainConfig(Section):
         _need(errs, t.keep_checkpoints >= 1,
               f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
         _need(errs, t.eval_every >= -1, "train.eval_every must be >= -1 (-1 = no evaluation)")
+        _need(errs, t.pad_lengths in PAD_LENGTHS,
+              f"train.pad_lengths must be one of {PAD_LENGTHS}, got {t.pad_lengths!r}")
+        _need(errs, t.pad_lengths != "max" or t.shared_prefix == "off",
+              f"train.pad_lengths='max' needs train.shared_prefix='off' (got "
+              f"{t.shared_prefix!r}): rows that pack a prompt's rollouts have no fixed length")
         _need(errs, t.clear_compiled_every >= 0,
               f"train.clear_compiled_every must be >= 0 (0 = never), got {t.clear_compiled_every}")
         _need(errs, isinstance(t.malloc_mmap_threshold_mib, int | float)

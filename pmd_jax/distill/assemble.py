@@ -39,15 +39,37 @@ class TrainRows:
     rewards: np.ndarray  # [N] float32
 
 
-def assemble(rows: TrainRows, pad_id: int,
-             extra: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+PAD_MULTIPLE = 16  # the sequence and response axes are right padded to multiples of this
+
+
+def fixed_lengths(cfg: RunConfig) -> tuple[int, int, int] | None:
+    """(student, teacher, response) lengths of every step's rows under
+    ``train.pad_lengths='max'`` (the configured maxima rounded up to 16: the dry run's worst
+    case), or None under 'multiple' (each step's own longest rows)."""
+    if str(cfg.train.pad_lengths) != "max":
+        return None
+    r = round_up(int(cfg.rollout.max_tokens), PAD_MULTIPLE)
+    return (round_up(int(cfg.rollout.max_prompt_tokens), PAD_MULTIPLE) + r,
+            round_up(int(cfg.teacher_prompt.max_tokens), PAD_MULTIPLE) + r, r)
+
+
+def assemble(rows: TrainRows, pad_id: int, extra: Mapping[str, np.ndarray] | None = None,
+             lengths: tuple[int, int, int] | None = None) -> dict[str, np.ndarray]:
     """The host-side train batch (``batch.make_batch``'s keys, right padded to multiples of
-    16) plus ``extra`` arrays (rows of their own, e.g. mel's lessons)."""
+    16, or to ``lengths`` = (student, teacher, response): :func:`fixed_lengths`) plus
+    ``extra`` arrays (rows of their own, e.g. mel's lessons)."""
     r_max = max(1, max(len(x) for x in rows.responses))
-    db = align.build_distill_batch(
-        rows.students, rows.teachers, rows.responses, pad_id=pad_id, pad_side="right",
-        pad_to_multiple=16, max_response_len=round_up(r_max, 16),
-    )
+    s_len, t_len, r_len = lengths or (None, None, round_up(r_max, PAD_MULTIPLE))
+    try:
+        db = align.build_distill_batch(
+            rows.students, rows.teachers, rows.responses, pad_id=pad_id, pad_side="right",
+            pad_to_multiple=PAD_MULTIPLE, max_response_len=r_len, max_len=s_len,
+            teacher_max_len=t_len)
+    except ValueError as e:
+        if lengths is None:
+            raise
+        raise ValueError(f"train.pad_lengths='max': a row is longer than the configured "
+                         f"maxima (student, teacher, response) = {lengths}: {e}") from e
     rl = db.responses.shape[1]
     logp = np.zeros((len(rows.responses), rl), np.float32)
     for k, lp in enumerate(rows.sampler_logp):
@@ -78,8 +100,9 @@ def update_batch(cfg: RunConfig, rows: TrainRows, pad_id: int,
     """The step's arrays: :func:`assemble`, then the rows the update keeps
     (``rows_for_update``: ``train.drop_unsignaled_rows``; ``row_multiple``: the mesh's batch
     axes, which every row count must divide)."""
-    batch = assemble(rows, pad_id, extra)
-    update, stats = rows_for_update(cfg, batch, row_multiple)
+    lengths = fixed_lengths(cfg)
+    batch = assemble(rows, pad_id, extra, lengths)
+    update, stats = rows_for_update(cfg, batch, row_multiple, trim=lengths is None)
     if update is not batch:  # the update sees the signal rows only
         stats["masked_sample_fraction"] = float(1.0 - batch["sd_mask"].mean())
     return StepArrays(batch, update, stats)

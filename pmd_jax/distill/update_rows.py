@@ -28,8 +28,9 @@ def _trim_cols(batch: dict[str, np.ndarray], keys: tuple[str, ...], length: int)
 
 
 def select_rows(batch: dict[str, np.ndarray], rows: np.ndarray,
-                pad_to_multiple: int = 16) -> dict[str, np.ndarray]:
-    """The train batch restricted to ``rows`` (a row may repeat), right padding trimmed.
+                pad_to_multiple: int = 16, trim: bool = True) -> dict[str, np.ndarray]:
+    """The train batch restricted to ``rows`` (a row may repeat), right padding trimmed
+    (``trim=False``: the lengths kept, as ``train.pad_lengths='max'`` fixes them).
 
     Needs the right-padded layout of :func:`build_train_batch`: each side's tokens are a
     prefix, so the sequence / response axes are cut to the longest kept row (rounded up to
@@ -38,6 +39,8 @@ def select_rows(batch: dict[str, np.ndarray], rows: np.ndarray,
 
     rows = np.asarray(rows, np.int64)
     out = {k: np.ascontiguousarray(v[rows]) for k, v in batch.items()}
+    if not trim:
+        return out
     r_len = int(out["response_mask"].sum(axis=1).max(initial=0))
     r_keep = min(out["responses"].shape[1], max(round_up(r_len, pad_to_multiple),
                                                 pad_to_multiple))
@@ -51,8 +54,8 @@ def select_rows(batch: dict[str, np.ndarray], rows: np.ndarray,
     return out
 
 
-def rows_for_update(cfg: RunConfig, batch: dict[str, np.ndarray],
-                    row_multiple: int = 1) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def rows_for_update(cfg: RunConfig, batch: dict[str, np.ndarray], row_multiple: int = 1,
+                    trim: bool = True) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Drop the rollouts that cannot move a pure self-distillation update (ours).
 
     With the SDPO loss every sample whose teacher got no signal (``sd_mask == 0``) is out of
@@ -82,7 +85,7 @@ def rows_for_update(cfg: RunConfig, batch: dict[str, np.ndarray],
         return batch, {"train_rows": float(b)}
     filler = sig[:1] if len(sig) else np.zeros(1, np.int64)
     rows = np.concatenate([sig, np.repeat(filler, size - len(sig))])
-    out = select_rows(batch, rows)
+    out = select_rows(batch, rows, trim=trim)
     out["sd_mask"] = out["sd_mask"].copy()
     out["sd_mask"][len(sig):] = 0.0
     return out, {"train_rows": float(size)}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pmd_jax import episode
-from pmd_jax.distill.assemble import TrainRows, assemble
+from pmd_jax.distill.assemble import TrainRows, assemble, fixed_lengths
 from pmd_jax.episode import response_prefix, user_text
 from pmd_jax.memory.context import TeacherContext
 from pmd_jax.memory.sanitize import sanitize_text
@@ -305,7 +305,7 @@ def build_train_batch(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: An
     ``distill.assemble.update_batch``)."""
     rows, stats = train_rows(cfg, model, task, memory, sb, student_only=student_only,
                              sampler=sampler)
-    return assemble(rows, model.pad_id), stats
+    return assemble(rows, model.pad_id, lengths=fixed_lengths(cfg)), stats
 
 
 def train_rows(cfg: RunConfig, model: Any, task: Any, memory: Any, sb: Any, *,

@@ -147,3 +147,97 @@ def test_batch_unchanged_when_rows_all_count(mode, loss_name, flag):
     batch = _batch([0, 1, 0, 0, 0, 0, 0, 0])
     upd, stats = update_rows.rows_for_update(cfg, batch)
     assert upd is batch and stats["train_rows"] == B
+
+
+# ------------------------------------------------------------ train.pad_lengths='max'
+
+
+def _rows(seed=0, n=B):
+    from pmd_jax.distill.assemble import TrainRows
+
+    r = np.random.default_rng(seed)
+    sp = [r.integers(1, 48, r.integers(3, 30)) for _ in range(n)]
+    tp = [r.integers(1, 48, r.integers(4, 40)) for _ in range(n)]
+    rs = [r.integers(1, 48, r.integers(2, 20)) for _ in range(n)]
+    sp[0], tp[0], rs[0] = sp[0][:3], tp[0][:4], rs[0][:2]  # a short row: the trims show
+    return TrainRows(students=sp, teachers=tp, responses=rs,
+                     sampler_logp=[np.full(len(x), -3.0, np.float32) for x in rs],
+                     sd_mask=np.asarray([0, 1, 0, 1, 1, 0, 1, 0], np.float32),
+                     rewards=r.random(n).astype(np.float32))
+
+
+def _max_cfg():
+    c = _run_cfg()
+    c.train.pad_lengths = "max"
+    c.train.shared_prefix = "off"
+    c.rollout.max_prompt_tokens = 40
+    c.rollout.max_tokens = 20
+    c.teacher_prompt.max_tokens = 50
+    return c
+
+
+def test_fixed_lengths_are_the_configured_maxima_and_every_step_has_them():
+    from pmd_jax.distill.assemble import fixed_lengths, update_batch
+
+    cfg = _max_cfg()
+    assert fixed_lengths(cfg) == (48 + 32, 64 + 32, 32)  # each rounded up to 16
+    assert fixed_lengths(_run_cfg()) is None  # 'multiple', the default
+    shapes = set()
+    for seed in range(4):  # other rows, other signal rows: the same shapes
+        arrays = update_batch(cfg, _rows(seed), pad_id=0)
+        for b in (arrays.full, arrays.update):
+            shapes.add((b["student_tokens"].shape[1], b["teacher_tokens"].shape[1],
+                        b["responses"].shape[1]))
+        assert arrays.update["sd_mask"].shape[0] == 4  # the signal rows, bucketed
+    assert shapes == {(80, 96, 32)}
+    plain = update_batch(_run_cfg(), _rows(0), pad_id=0)
+    assert plain.full["student_tokens"].shape[1] < 80  # each step's own longest rows
+    # the fixed batch holds the same rows: its first columns are the plain batch, then padding
+    fixed = update_batch(cfg, _rows(0), pad_id=0).full
+    for k in ("student_tokens", "teacher_tokens", "responses", "response_mask",
+              "student_attn_mask", "teacher_attn_mask"):
+        w = plain.full[k].shape[1]
+        np.testing.assert_array_equal(fixed[k][:, :w], plain.full[k], err_msg=k)
+        assert not fixed[k][:, w:].any(), k
+    for k in ("student_index", "teacher_index"):
+        w = plain.full[k].shape[1]
+        np.testing.assert_array_equal(fixed[k][:, :w], plain.full[k], err_msg=k)
+
+
+def test_a_row_past_the_maxima_is_refused_naming_the_option():
+    from pmd_jax.distill.assemble import update_batch
+
+    rows = _rows(0)
+    rows.teachers[2] = np.ones(100, np.int64)  # teacher rows hold 64 + 32 tokens
+    with pytest.raises(ValueError, match="train.pad_lengths='max'.*longer than.*teacher"):
+        update_batch(_max_cfg(), rows, pad_id=0)
+
+
+def test_pad_lengths_max_trains_like_each_steps_own_lengths(step_fn):
+    """The same rows padded to the maxima: the same loss, gradient norm and update (the
+    padding is masked everywhere: attention, loss, metrics)."""
+    from pmd_jax.distill.assemble import update_batch
+
+    plain = update_batch(_run_cfg(), _rows(3), pad_id=0).update
+    fixed = update_batch(_max_cfg(), _rows(3), pad_id=0).update
+    assert fixed["teacher_tokens"].shape[1] > plain["teacher_tokens"].shape[1]
+    s_a, m_a = step_fn.step(_state(step_fn), plain)
+    s_b, m_b = step_fn.step(_state(step_fn), fixed)
+    assert float(m_a["loss"]) > 0
+    for k in ("loss", "grad_norm", "kl", "entropy"):
+        if k in m_a:
+            np.testing.assert_allclose(float(m_b[k]), float(m_a[k]), rtol=2e-5, err_msg=k)
+    for a, b in zip(_leaves(s_b.params), _leaves(s_a.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_lengths_bad_values_fail_validation():
+    from pmd_jax.config import config_errors
+
+    cfg = _max_cfg()
+    assert not [e for e in config_errors(cfg) if "pad_lengths" in e]
+    cfg.train.shared_prefix = "auto"
+    assert any("train.pad_lengths='max' needs train.shared_prefix='off'" in e
+               for e in config_errors(cfg))
+    cfg.train.pad_lengths = "pow2"
+    assert any("train.pad_lengths must be one of" in e for e in config_errors(cfg))
