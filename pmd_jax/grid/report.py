@@ -217,6 +217,15 @@ def compare_against(results: Sequence[CellResult], budget: dict, others: Sequenc
     return rows
 
 
+def _paired_cells(c: dict) -> str:
+    """A paired comparison's table cells (compare_modes): both accuracies, the difference, its
+    CI and p, better / worse / ties, the sign test's p and the MDD, each closed by ``|``."""
+    return (f"{_f(c['accuracy_mode'])} | {_f(c['accuracy_reference'])} | "
+            f"{_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, {_f(c['ci_high'], '+.3f')}] "
+            f"| {_f(c['p_bootstrap'], '.4f')} | {c['mode_better']} / {c['reference_better']} / "
+            f"{c['ties']} | {_f(c['p_sign'], '.4g')} | {_f(c.get('mdd', float('nan')))} |")
+
+
 def against_markdown(rows: Sequence[dict]) -> list[str]:
     if not rows:
         return []
@@ -239,10 +248,7 @@ def against_markdown(rows: Sequence[dict]) -> list[str]:
         lines.append(
             f"| {c['mode']} - {c['reference']} | `{c['overrides']}` | "
             f"`{'`, `'.join(c['against_overrides'])}` | {c['n_pairs']} | {len(c['seeds'])} | "
-            f"{_f(c['accuracy_mode'])} | {_f(c['accuracy_reference'])} | "
-            f"{_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, {_f(c['ci_high'], '+.3f')}] "
-            f"| {_f(c['p_bootstrap'], '.4f')} | {c['mode_better']} / {c['reference_better']} / "
-            f"{c['ties']} | {_f(c['p_sign'], '.4g')} | {_f(c['mdd'])} | {per} |")
+            f"{_paired_cells(c)} {per} |")
     return lines
 
 
@@ -284,11 +290,7 @@ def report_markdown(comp: dict, header: Sequence[str], seeds: Sequence[int]) -> 
         for c in comp["comparisons"]:
             lines.append(
                 f"| {c['mode']} - {c['reference']} | {c['n_pairs']} | {c['n_problems']} | "
-                f"{len(c['seeds'])} | {_f(c['accuracy_mode'])} | {_f(c['accuracy_reference'])} "
-                f"| {_f(c['diff'], '+.3f')} | [{_f(c['ci_low'], '+.3f')}, "
-                f"{_f(c['ci_high'], '+.3f')}] | {_f(c['p_bootstrap'], '.4f')} | "
-                f"{c['mode_better']} / {c['reference_better']} / {c['ties']} | "
-                f"{_f(c['p_sign'], '.4g')} | {_f(c.get('mdd', float('nan')))} |")
+                f"{len(c['seeds'])} | {_paired_cells(c)}")
     return "\n".join(lines) + "\n"
 
 
